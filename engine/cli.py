@@ -1,0 +1,121 @@
+"""Engine commands of the ``luce-tune`` CLI: generate, inspect, make-model, convert."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from engine.errors import ConfigError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate)
+    app.command("inspect")(inspect)
+    app.command("make-model")(make_model)
+    app.command("convert")(convert)
+
+
+def generate(
+    model: Path = typer.Option(..., "--model", "-m", help="qwen35moe GGUF file"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="prompt text"),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="read the prompt from a file"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    device: str = typer.Option("auto", "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
+) -> None:
+    """Generate a continuation of a prompt, streaming the text, then the timings."""
+    from engine.engine import Engine
+
+    text = _read_prompt(prompt, prompt_file)
+    eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads)
+    ids = eng.tokenizer.encode(text)
+    err = Console(stderr=True)
+    if not as_json:
+        err.print(f"[dim]{model.name}: {len(ids)} prompt tokens, loaded in {eng.load_s:.2f} s "
+                  f"on {eng.device} ({str(eng.dtype).removeprefix('torch.')})[/dim]")
+
+    def stream(_token: int, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = eng.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                          on_token=None if as_json else stream)
+    if as_json:
+        out = result.as_dict()
+        out["load_s"] = eng.load_s
+        print(json.dumps(out))
+        return
+    t = result.timings
+    sys.stdout.write("\n")
+    err.print(f"[dim]prefill {t.prompt_tokens} tok in {t.prefill_s * 1000:.1f} ms "
+              f"({t.prompt_tokens / max(t.prefill_s, 1e-9):.1f} tok/s) | decode {t.new_tokens} tok "
+              f"at {t.decode_tok_s:.1f} tok/s | peak memory {t.peak_mem_mb:.0f} MB | "
+              f"stop: {result.stop_reason}[/dim]")
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise ConfigError("give exactly one of --prompt and --prompt-file")
+    if prompt_file is not None:
+        try:
+            return prompt_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
+    return prompt
+
+
+def inspect(path: Path = typer.Argument(..., help="GGUF file")) -> None:
+    """Print architecture, hyperparameters, tensor counts and bytes by quant type."""
+    from engine.gguf.inspect import render, summarize
+
+    Console().print(render(summarize(path)))
+
+
+def make_model(
+    out: Path = typer.Option(..., "--out", "-o", help="GGUF file to write"),
+    preset: str = typer.Option("tiny", "--preset", help="tiny or qwen3.6-35b-a3b"),
+    n_layers: Optional[int] = typer.Option(None, "--layers"),
+    n_expert: Optional[int] = typer.Option(None, "--experts"),
+    quant: str = typer.Option("f32", "--quant", help="f32 f16 bf16 q8_0 q4_0 q4_k q5_k q6_k"),
+    expert_quant: Optional[str] = typer.Option(None, "--expert-quant"),
+    seed: int = typer.Option(0, "--seed"),
+    fused_experts: bool = typer.Option(False, "--fused-experts"),
+    router_skew: float = typer.Option(0.0, "--router-skew"),
+) -> None:
+    """Write a random-weight qwen35moe GGUF of a named preset's shapes."""
+    from rich.progress import Progress
+
+    from engine.gguf.make_model import make_model as write
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task(f"writing {out.name}", total=None)
+
+        def report(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        path = write(out, preset, n_layers=n_layers, n_expert=n_expert, quant=quant,
+                     expert_quant=expert_quant, seed=seed, fused_experts=fused_experts,
+                     router_skew=router_skew, progress=report)
+    Console().print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
+def convert(
+    hf_dir: Path = typer.Argument(..., help="HF Qwen3_5MoeForCausalLM checkpoint directory"),
+    out: Path = typer.Option(..., "--out", "-o"),
+    quant: str = typer.Option("f32", "--quant"),
+) -> None:
+    """Convert a HF qwen3_5_moe checkpoint to a qwen35moe GGUF (llama.cpp's conventions)."""
+    from engine.gguf.convert_hf import convert_hf
+
+    path = convert_hf(hf_dir, out, quant=quant)
+    Console().print(f"wrote {path}")

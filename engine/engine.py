@@ -1,0 +1,231 @@
+"""Engine: the public face of the inference engine (load, logits, generate, knobs)."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from engine.errors import ConfigError, EngineError, GenerationStalled
+from engine.gguf.reader import GGUFFile
+from engine.model.qwen35moe import Qwen35MoE
+from engine.sampling import SamplingParams, make_generator, sample
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class Timings:
+    """What one generation measured. Optional groups are filled by the features in use."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0  # time to first token: prefill forward + first sample
+    decode_s: float = 0.0
+    decode_tok_s: float = 0.0  # (new_tokens - 1) / decode_s
+    peak_mem_mb: float = 0.0  # peak CUDA memory allocated, or the process's peak RSS on the CPU
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return d
+
+
+@dataclass
+class Generation:
+    ids: list[int]
+    text: str
+    timings: Timings
+    stop_reason: str  # "length", "eos" or "stop"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ids": self.ids, "text": self.text, "stop_reason": self.stop_reason,
+                "timings": self.timings.as_dict()}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {str(device)!r} was asked for, but no CUDA device is available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ConfigError(f"dtype {dtype!r} is not one of {sorted(names)}")
+    return names[dtype]
+
+
+class Engine:
+    """A loaded qwen35moe model with its tokenizer, ready to generate."""
+
+    def __init__(self, *, path: Path, model: Qwen35MoE, tokenizer: Tokenizer,
+                 device: torch.device, dtype: torch.dtype, load_s: float,
+                 stall_timeout_s: float) -> None:
+        self.path = path
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.load_s = load_s
+        self.stall_timeout_s = stall_timeout_s
+
+    @property
+    def config(self):
+        return self.model.cfg
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, *, device: str | torch.device = "auto",
+                  dtype: str | torch.dtype | None = None, threads: int | None = None,
+                  stall_timeout_s: float = 120.0, **options: Any) -> "Engine":
+        if options:
+            raise ConfigError(f"unknown engine option(s): {', '.join(sorted(options))}")
+        if threads is not None:
+            if threads < 1:
+                raise ConfigError(f"threads must be at least 1, got {threads}")
+            torch.set_num_threads(threads)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        t0 = time.perf_counter()
+        path = Path(path)
+        with GGUFFile(path) as f:
+            tokenizer = Tokenizer.from_metadata(f.metadata, source=str(path))
+            model = Qwen35MoE.from_gguf(f, device=dev, dtype=dt)
+        if tokenizer.vocab_size > model.cfg.vocab:
+            raise EngineError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the output "
+                              f"layer only {model.cfg.vocab}")
+        _sync(dev)
+        return cls(path=path, model=model, tokenizer=tokenizer, device=dev, dtype=dt,
+                   load_s=time.perf_counter() - t0, stall_timeout_s=stall_timeout_s)
+
+    def _ids_tensor(self, ids: Sequence[int]) -> torch.Tensor:
+        if len(ids) == 0:
+            raise ConfigError("the prompt is empty: at least one token id is needed")
+        vocab = self.model.cfg.vocab
+        bad = [i for i in ids if not 0 <= int(i) < vocab]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return torch.tensor(list(ids), dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Logits [len(ids), vocab] float32, from one forward over ids from an empty state."""
+        x = self._ids_tensor(ids)
+        state = self.model.new_state(len(ids))
+        return self.model.forward(x, state, logits="all").logits.float()
+
+    @torch.inference_mode()
+    def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None,
+                 stop: Sequence[str] | None = None,
+                 on_token: Callable[[int, str], None] | None = None) -> Generation:
+        """Prefill ``ids`` and decode up to ``max_new_tokens`` new tokens.
+
+        Stops early at an end-of-sequence token or when the text ends with a ``stop`` string.
+        ``on_token(id, text_piece)`` streams each new token as it is produced.
+        """
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+        prompt = self._ids_tensor(ids)
+        gen = make_generator(params, self.device)
+        eos = set(self.tokenizer.eos_ids)
+        stop = list(stop or [])
+        _reset_peak(self.device)
+
+        t0 = time.perf_counter()
+        state = self.model.new_state(len(ids) + max_new_tokens)
+        out = self.model.forward(prompt, state, logits="last")
+        token = sample(out.logits[-1], params, gen)
+        new = [int(token)]  # the one host synchronisation point per token
+        t1 = time.perf_counter()
+        stream = _TextStream(self.tokenizer, on_token)
+        stream.push(new[-1])
+        reason = self._stop_reason(new, stream.text, eos, stop)
+        last = t1
+        while reason is None and len(new) < max_new_tokens:
+            out = self.model.forward(token.reshape(1), state, logits="last")
+            token = sample(out.logits[-1], params, gen)
+            new.append(int(token))
+            now = time.perf_counter()
+            if now - last > self.stall_timeout_s:
+                raise GenerationStalled(
+                    f"generation made no progress for {now - last:.0f} s "
+                    f"(limit {self.stall_timeout_s:.0f} s) at token {len(new)}")
+            last = now
+            stream.push(new[-1])
+            reason = self._stop_reason(new, stream.text, eos, stop)
+        t2 = time.perf_counter()
+
+        text = self.tokenizer.decode(new)
+        if reason == "stop":
+            text = _cut_at_stop(text, stop)
+        decode_s = t2 - t1
+        timings = Timings(
+            prompt_tokens=len(ids), new_tokens=len(new), prefill_s=t1 - t0, decode_s=decode_s,
+            decode_tok_s=(len(new) - 1) / decode_s if len(new) > 1 and decode_s > 0 else 0.0,
+            peak_mem_mb=_peak_mb(self.device))
+        return Generation(ids=new, text=text, timings=timings, stop_reason=reason or "length")
+
+    @staticmethod
+    def _stop_reason(new: list[int], text: str, eos: set[int], stop: list[str]) -> str | None:
+        if new[-1] in eos:
+            return "eos"
+        if stop and any(s in text for s in stop):
+            return "stop"
+        return None
+
+
+class _TextStream:
+    """Turns token ids into text pieces without splitting multi-byte characters."""
+
+    def __init__(self, tokenizer: Tokenizer, on_token: Callable[[int, str], None] | None) -> None:
+        self.tokenizer = tokenizer
+        self.on_token = on_token
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        full = self.tokenizer.decode(self.ids)
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            piece = ""
+        else:
+            piece, self.text = full[len(self.text):], full
+        if self.on_token is not None:
+            self.on_token(token, piece)
+
+
+def _cut_at_stop(text: str, stop: list[str]) -> str:
+    cut = min((text.find(s) for s in stop if s in text), default=len(text))
+    return text[:cut]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_mb(device: torch.device) -> float:
+    """Peak CUDA memory allocated since the reset, or the process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

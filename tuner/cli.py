@@ -1,0 +1,63 @@
+"""The ``luce-tune`` command: engine commands plus the tuning service's commands."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+from rich.console import Console
+
+from engine import cli as engine_cli
+from engine.errors import EngineError
+
+
+def build_app() -> typer.Typer:
+    app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                      help="Tune and run qwen35moe inference on this appliance.")
+    engine_cli.register(app)
+    try:
+        commands = importlib.import_module("tuner.commands")
+    except ModuleNotFoundError as exc:
+        if exc.name != "tuner.commands":
+            raise
+    else:
+        commands.register(app)
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    app = build_app()
+    try:
+        app(args=argv, standalone_mode=False)
+    except EngineError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    except _user_errors() as exc:
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    except (typer.Abort, KeyboardInterrupt):
+        Console(stderr=True).print("aborted")
+        return 130
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except Exception as exc:  # click's usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            return 2
+        raise
+    return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from tuner.config import ConfigError as TunerConfigError
+    except ImportError:
+        return ()
+    return (TunerConfigError,)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
