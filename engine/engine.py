@@ -129,11 +129,12 @@ class Engine:
     @torch.inference_mode()
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,
-                 stop: Sequence[str] | None = None,
+                 stop: Sequence[str] | None = None, ignore_eos: bool = False,
                  on_token: Callable[[int, str], None] | None = None) -> Generation:
         """Prefill ``ids`` and decode up to ``max_new_tokens`` new tokens.
 
-        Stops early at an end-of-sequence token or when the text ends with a ``stop`` string.
+        Stops early at an end-of-sequence token (unless ``ignore_eos``, as benchmarks want) or
+        when the text contains a ``stop`` string.
         ``on_token(id, text_piece)`` streams each new token as it is produced.
         """
         if max_new_tokens < 1:
@@ -141,7 +142,7 @@ class Engine:
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
         prompt = self._ids_tensor(ids)
         gen = make_generator(params, self.device)
-        eos = set(self.tokenizer.eos_ids)
+        eos = set() if ignore_eos else set(self.tokenizer.eos_ids)
         stop = list(stop or [])
         _reset_peak(self.device)
 

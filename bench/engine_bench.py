@@ -1,0 +1,98 @@
+"""Load time, prefill tok/s at given prompt lengths, decode tok/s and peak memory of one model.
+
+    python bench/engine_bench.py --model M.gguf [--prompt-lens 512,4096] [--decode 64]
+        [--repeats 3] [--json out.json]
+
+Prompts are random token ids (the figures are about speed, not text). Each figure is the
+median of ``--repeats`` runs after one warm-up run, with min and max beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from engine.engine import Engine
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} CPU"
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--prompt-lens", default="512,4096")
+    ap.add_argument("--decode", type=int, default=64, help="tokens decoded per decode run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    eng = Engine.from_gguf(args.model, device=args.device, dtype=args.dtype)
+    load_s = time.perf_counter() - t0
+    load_mem = torch.cuda.memory_allocated() / 2**20 if eng.device.type == "cuda" else 0.0
+    vocab = eng.config.vocab
+    gen = torch.Generator().manual_seed(0)
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+        "commit": commit(), "model": str(args.model), "model_bytes": args.model.stat().st_size,
+        "device": str(eng.device), "dtype": str(eng.dtype), "load_s": load_s,
+        "weights_mem_mb": load_mem, "prefill": {}, "decode": {},
+    }
+    print(f"loaded {args.model.name} in {load_s:.1f} s on {eng.device} ({load_mem:.0f} MiB)", flush=True)
+
+    for n in [int(x) for x in args.prompt_lens.split(",") if x]:
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        eng.generate(ids, 1, ignore_eos=True)  # warm-up
+        runs = [eng.generate(ids, 1, ignore_eos=True).timings for _ in range(args.repeats)]
+        result["prefill"][n] = {
+            "tok_s": spread([n / t.prefill_s for t in runs]),
+            "peak_mem_mb": max(t.peak_mem_mb for t in runs),
+        }
+        print(f"prefill {n:>6} tokens: {result['prefill'][n]['tok_s']['median']:10.1f} tok/s "
+              f"(peak {result['prefill'][n]['peak_mem_mb']:.0f} MiB)", flush=True)
+
+    ids = torch.randint(0, vocab, (16,), generator=gen).tolist()
+    eng.generate(ids, 8, ignore_eos=True)
+    runs = []
+    for _ in range(args.repeats):
+        g = eng.generate(ids, args.decode, ignore_eos=True)
+        if g.timings.new_tokens != args.decode:
+            raise SystemExit(f"decode stopped early ({g.stop_reason}) after {g.timings.new_tokens} tokens")
+        runs.append(g.timings)
+    result["decode"] = {"tokens": args.decode, "tok_s": spread([t.decode_tok_s for t in runs]),
+                        "peak_mem_mb": max(t.peak_mem_mb for t in runs)}
+    print(f"decode {args.decode} tokens: {result['decode']['tok_s']['median']:.2f} tok/s "
+          f"(min {result['decode']['tok_s']['min']:.2f}, max {result['decode']['tok_s']['max']:.2f}; "
+          f"peak {result['decode']['peak_mem_mb']:.0f} MiB)", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
