@@ -1,0 +1,100 @@
+"""Engine API on a tiny random model: logits, generate, streaming, stops, bad input."""
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.errors import ConfigError, EngineError
+from engine.gguf.make_model import make_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine") / "tiny.gguf"
+    make_model(path, "tiny", seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eng(tiny):
+    return Engine.from_gguf(tiny, device="cpu")
+
+
+def test_logits_shape_dtype_and_finite(eng):
+    ids = eng.tokenizer.encode("def add(a, b):\n    return a + b\n")
+    logits = eng.logits(ids)
+    assert logits.shape == (len(ids), eng.config.vocab)
+    assert logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+
+
+def test_greedy_generate_matches_argmax_of_full_recomputation(eng):
+    ids = eng.tokenizer.encode("import os\n")
+    g = eng.generate(ids, 12, ignore_eos=True)
+    assert len(g.ids) == 12
+    seq = list(ids)
+    for tok in g.ids:
+        assert int(eng.logits(seq)[-1].argmax()) == tok
+        seq.append(tok)
+
+
+def test_seeded_sampling_is_reproducible(eng):
+    ids = eng.tokenizer.encode("hello")
+    a = eng.generate(ids, 10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    b = eng.generate(ids, 10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    assert a.ids == b.ids
+
+
+def test_streaming_pieces_concatenate_to_text(eng):
+    pieces = []
+    g = eng.generate(eng.tokenizer.encode("x = 1"), 16, ignore_eos=True,
+                     on_token=lambda tok, piece: pieces.append(piece))
+    assert len(pieces) == 16
+    assert "".join(pieces) == g.text
+
+
+def test_stop_string_cuts_text(eng):
+    ids = eng.tokenizer.encode("a")
+    free = eng.generate(ids, 20, ignore_eos=True)
+    stop = free.text[3:5]
+    if not stop:
+        pytest.skip("generated text too short to pick a stop string from")
+    g = eng.generate(ids, 20, ignore_eos=True, stop=[stop])
+    assert g.stop_reason == "stop"
+    assert stop not in g.text
+    assert free.text.startswith(g.text)
+
+
+def test_timings_are_measured(eng):
+    g = eng.generate(eng.tokenizer.encode("timing"), 8, ignore_eos=True)
+    t = g.timings
+    assert t.prompt_tokens == len(eng.tokenizer.encode("timing"))
+    assert t.new_tokens == 8 and t.prefill_s > 0 and t.decode_s > 0
+    assert t.decode_tok_s == pytest.approx(7 / t.decode_s)
+    assert t.peak_mem_mb > 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 4, "temperature": -1.0}, "temperature"),
+])
+def test_bad_generate_arguments(eng, kwargs, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        eng.generate([1, 2, 3], **kwargs)
+
+
+def test_out_of_vocab_and_empty_prompts_are_refused(eng):
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        eng.logits([eng.config.vocab])
+    with pytest.raises(ConfigError, match="empty"):
+        eng.generate([], 4)
+
+
+def test_unknown_option_is_refused(tiny):
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        Engine.from_gguf(tiny, device="cpu", expert_budjet_mb=5)
+
+
+def test_missing_file_is_an_engine_error(tmp_path):
+    with pytest.raises(EngineError, match="nope.gguf"):
+        Engine.from_gguf(tmp_path / "nope.gguf", device="cpu")
