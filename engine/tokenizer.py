@@ -369,12 +369,7 @@ def _compile_template(source_text: str, source: str):
 
 
 def _read_metadata(path: str | PathLike[str]) -> dict[str, Any]:
-    from gguf import GGUFReader
+    from engine.gguf.reader import GGUFFile
 
-    try:
-        reader = GGUFReader(path)
-    except FileNotFoundError:
-        raise EngineError(f"{path}: file not found") from None
-    except (ValueError, OSError) as exc:
-        raise EngineError(f"{path}: not a readable GGUF file ({exc})") from None
-    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    with GGUFFile(path) as f:
+        return {key: value for key, value in f.metadata.items() if key.startswith("tokenizer.")}

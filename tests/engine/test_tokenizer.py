@@ -96,9 +96,10 @@ def test_decode_rejects_ids_outside_the_vocabulary(qwen: Tokenizer):
 
 def test_add_special_follows_add_bos_token(qwen_metadata: dict):
     assert Tokenizer.from_metadata(qwen_metadata, "m").encode("Hi", add_special=True) == [13048]
-    md = qwen_metadata | {"tokenizer.ggml.add_bos_token": True}
-    assert Tokenizer.from_metadata(md, "m").encode("Hi", add_special=True) == [151643, 13048]
-    assert Tokenizer.from_metadata(md, "m").encode_batch(["Hi", "Hi"], add_special=True) == [[151643, 13048]] * 2
+    with_bos = Tokenizer.from_metadata(qwen_metadata | {"tokenizer.ggml.add_bos_token": True}, "m")
+    assert with_bos.encode("Hi", add_special=True) == [151643, 13048]
+    assert with_bos.encode("Hi") == [13048]
+    assert with_bos.encode_batch(["Hi", "Hi"], add_special=True) == [[151643, 13048]] * 2
 
 
 def test_chat_template(qwen: Tokenizer):
