@@ -1,7 +1,10 @@
 """Tensor names of the qwen35moe architecture and the shapes a config implies.
 
 Names follow gguf-py's ``MODEL_TENSORS[MODEL_ARCH.QWEN35MOE]``; shapes are torch order
-(GGUF ``ne`` reversed), as llama.cpp's loader creates them.
+(GGUF ``ne`` reversed) as llama.cpp's converter writes them, which llama.cpp's loader
+(``src/models/qwen35moe.cpp``) accepts. The one tensor whose written shape differs from the
+loader's is ``ffn_gate_inp_shexp``: written [1, hidden] (HF's ``shared_expert_gate``, not
+squeezed), loaded as ``{n_embd}`` (ggml ignores trailing 1s).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def layer_tensors(cfg: ModelConfig, layer: int, *, fused_experts: bool = False) 
     t[p + "ffn_down_exps.weight"] = (cfg.n_expert, h, cfg.expert_ffn)
     if cfg.shared_ffn:
         t |= {
-            p + "ffn_gate_inp_shexp.weight": (h,),
+            p + "ffn_gate_inp_shexp.weight": (1, h),
             p + "ffn_gate_shexp.weight": (cfg.shared_ffn, h),
             p + "ffn_up_shexp.weight": (cfg.shared_ffn, h),
             p + "ffn_down_shexp.weight": (h, cfg.shared_ffn),

@@ -1,0 +1,160 @@
+"""Gated DeltaNet mixer of qwen35moe: causal conv, gated delta rule, gated RMSNorm.
+
+Per value head, with state ``S`` [head_k, head_v] in float32 and per token ``t``:
+``S = exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S = S + k_t u_t^T;  o_t = S^T q_t``.
+The torch reference has a token-by-token form (decode) and a chunked form (prefill); on
+CUDA fla's Triton kernels replace both when fla is importable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.config import ModelConfig
+from engine.model.weights import GDNWeights
+
+CHUNK = 64
+# Up to this many tokens the token-by-token form is used: decode and short verify blocks.
+RECURRENT_MAX_TOKENS = 4
+
+# (q, k, v, g, beta, state, scale) -> (o, new state); q, k [T, H, dk] unit rows, v [T, H, dv],
+# g, beta [T, H] float32, state [H, dk, dv] float32; o [T, H, dv].
+DeltaRuleFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Unit-length rows in float32 (``x / sqrt(sum x^2 + eps)``, the convention of HF and fla)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule (the definition), float32 inside."""
+    s = state.float().clone()
+    q, k, v = q.float() * scale, k.float(), v.float()
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        kt = k[t]  # [H, dk]
+        u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", s, kt))
+        s = s + kt[:, :, None] * u[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", s, q[t])
+    return out, s
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, scale: float, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule (WY form), float32 inside; any length, starts from ``state``.
+
+    Within a chunk, with ``G_t`` the cumulative log decay and ``L[t, s] = exp(G_t - G_s)``
+    for s <= t, the corrections solve ``(I + A) u = beta v - beta exp(G) (K S0)`` with
+    ``A[t, s] = beta_t L[t, s] k_t.k_s`` (s < t); then
+    ``O = exp(G) Q S0 + (L * Q K^T) u`` and ``S = exp(G_C) S0 + (exp(G_C - G) K)^T u``.
+    """
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-T) % chunk
+    n = (T + pad) // chunk
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, n, chunk, ...], zero padded
+        x = F.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, 0, 0, pad))
+        return x.reshape(n, chunk, H, *x.shape[2:]).permute(2, 0, 1, *range(3, x.dim() + 1))
+
+    q, k, v = blocks(q) * scale, blocks(k), blocks(v)  # [H, n, C, d]
+    g, beta = blocks(g), blocks(beta)  # [H, n, C]; padded tokens neither decay nor write
+    cum = g.cumsum(-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, n, C, C]
+    a = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    system = a + torch.eye(chunk, device=q.device)
+    u_base = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, (beta * cum.exp())[..., None] * k, upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()  # [H, n]
+
+    s = state.float()
+    out = torch.empty(H, n, chunk, dv, device=q.device, dtype=torch.float32)
+    for i in range(n):
+        u = u_base[:, i] - w[:, i] @ s  # [H, C, dv]
+        out[:, i] = q_decayed[:, i] @ s + qk[:, i] @ u
+        s = chunk_decay[:, i, None, None] * s + k_to_end[:, i].transpose(-1, -2) @ u
+    out = out.permute(1, 2, 0, 3).reshape(n * chunk, H, dv)[:T]
+    return out, s
+
+
+def _fla_kernels() -> tuple[DeltaRuleFn, DeltaRuleFn] | None:
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+
+    def wrap(kernel: Callable) -> DeltaRuleFn:
+        def run(q, k, v, g, beta, state, scale):
+            o, s = kernel(q[None].to(v.dtype).contiguous(), k[None].to(v.dtype).contiguous(), v[None].contiguous(),
+                          g[None].contiguous(), beta[None].contiguous(), scale=scale,
+                          initial_state=state[None].float().contiguous(), output_final_state=True)
+            return o[0], s[0]
+        return run
+
+    return wrap(chunk_gated_delta_rule), wrap(fused_recurrent_gated_delta_rule)
+
+
+@dataclass(frozen=True)
+class DeltaRule:
+    """The chunked (prefill) and token-by-token (decode) implementations in use."""
+
+    chunk: DeltaRuleFn
+    recurrent: DeltaRuleFn
+    backend: str  # "torch" or "fla"
+
+    @classmethod
+    def select(cls, device: torch.device | str, *, force_torch: bool = False) -> "DeltaRule":
+        """fla's Triton kernels on CUDA when importable, the torch reference otherwise or when forced."""
+        if not force_torch and torch.device(device).type == "cuda":
+            kernels = _fla_kernels()
+            if kernels is not None:
+                return cls(kernels[0], kernels[1], "fla")
+        return cls(delta_rule_chunked, delta_rule_recurrent, "torch")
+
+    def __call__(self, q, k, v, g, beta, state, scale):
+        fn = self.recurrent if q.shape[0] <= RECURRENT_MAX_TOKENS else self.chunk
+        return fn(q, k, v, g, beta, state, scale)
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of x [T, C] continuing from ``state`` [C, K-1]; returns (out [T, C], new state)."""
+    padded = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
+    out = F.conv1d(padded[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
+    return out.transpose(0, 1), padded[:, padded.shape[1] - state.shape[1]:]
+
+
+def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                cfg: ModelConfig, delta_rule: DeltaRule) -> torch.Tensor:
+    """x [T, hidden] (already normed) -> [T, hidden]; updates both states in place."""
+    T = x.shape[0]
+    hk, hv, dk, dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
+    mixed, new_conv = causal_conv(F.linear(x, w.qkv), conv_state, w.conv)
+    conv_state.copy_(new_conv)
+    mixed = F.silu(mixed)
+    q, k, v = mixed.split([cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
+    # value head p reads key head p // (hv / hk): HF/fla order, undone from GGUF's tiling at load
+    q = l2norm(q.reshape(T, hk, dk)).repeat_interleave(hv // hk, dim=1)
+    k = l2norm(k.reshape(T, hk, dk)).repeat_interleave(hv // hk, dim=1)
+    v = v.reshape(T, hv, dv)
+    beta = torch.sigmoid(F.linear(x, w.beta).float())
+    g = w.a * F.softplus(F.linear(x, w.alpha).float() + w.dt_bias)
+    o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5)
+    recurrent_state.copy_(s)
+
+    z = F.linear(x, w.z).view(T, hv, dv)
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + cfg.rms_eps)
+    o = (of * w.norm * F.silu(z.float())).to(x.dtype)
+    return F.linear(o.reshape(T, hv * dv), w.out)

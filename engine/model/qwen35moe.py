@@ -1,0 +1,126 @@
+"""Qwen35MoE: the qwen35moe forward pass assembled from its layers.
+
+Layer ``i``: ``h = x + Mixer(norm(x))`` (gated attention or Gated DeltaNet), then
+``out = h + MoE(norm(h))``; final norm, then the output head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ConfigError
+from engine.model.attention import attention_forward
+from engine.model.config import ModelConfig
+from engine.model.gated_deltanet import DeltaRule, gdn_forward
+from engine.model.moe import ExpertExecutor, RoutingObserver, TorchExpertExecutor, moe_forward
+from engine.model.norm import rms_norm
+from engine.model.state import ModelState
+from engine.model.weights import AttentionWeights, ModelWeights, TensorSource, load_weights
+
+LOGITS_MODES = ("all", "last", "none")
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor | None  # float32 [T, vocab] ("all"), [1, vocab] ("last") or None ("none")
+    final_hidden: torch.Tensor  # [T, hidden], after the final norm (the output head's input)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, hidden] residual stream after it
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class Qwen35MoE:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, device: torch.device | str,
+                 dtype: torch.dtype, delta_rule: DeltaRule):
+        self.cfg = cfg
+        self.weights = weights
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.delta_rule = delta_rule
+        self.executor: ExpertExecutor = TorchExpertExecutor([layer.moe.experts for layer in weights.layers])
+        self.routing_observer: RoutingObserver | None = None
+
+    @classmethod
+    def from_gguf(cls, gguf_file: TensorSource, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                  force_torch_gdn: bool = False) -> "Qwen35MoE":
+        """Load a qwen35moe GGUF file (an ``engine.gguf.reader.GGUFFile``).
+
+        ``dtype`` defaults to float32 on the CPU and bfloat16 on CUDA; ``force_torch_gdn``
+        keeps the torch Gated DeltaNet path even where fla's kernels are available.
+        """
+        device = torch.device(device)
+        dtype = dtype or default_dtype(device)
+        cfg = ModelConfig.from_metadata(gguf_file.metadata, source=str(gguf_file.path))
+        weights = load_weights(gguf_file, cfg, device=device, dtype=dtype)
+        return cls(cfg, weights, device=device, dtype=dtype,
+                   delta_rule=DeltaRule.select(device, force_torch=force_torch_gdn))
+
+    def new_state(self, max_len: int) -> ModelState:
+        """An empty state whose KV caches hold ``max_len`` tokens."""
+        return ModelState.new(self.cfg, max_len, device=self.device, dtype=self.dtype)
+
+    def set_expert_executor(self, executor: ExpertExecutor) -> None:
+        self.executor = executor
+
+    def set_routing_observer(self, observer: RoutingObserver | None) -> None:
+        self.routing_observer = observer
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, state: ModelState, *,
+                positions: torch.Tensor | Sequence[int] | None = None, capture_layers: Iterable[int] = (),
+                logits: str = "all") -> ForwardOutput:
+        """Run tokens ``ids`` [T] after what ``state`` holds, and advance ``state``.
+
+        ``positions`` [T] are the RoPE positions (default: consecutive from the state's next
+        position); ``capture_layers`` name layers whose residual-stream output is returned.
+        """
+        cfg = self.cfg
+        if logits not in LOGITS_MODES:
+            raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(f"ids must be a non-empty 1-D tensor, got shape {tuple(ids.shape)}")
+        T = ids.shape[0]
+        capture = set(capture_layers)
+        bad = [i for i in capture if not 0 <= i < cfg.n_layers]
+        if bad:
+            raise ValueError(f"capture_layers {sorted(bad)} outside 0..{cfg.n_layers - 1}")
+        full = [i for i, c in state.kv.items() if c.length + T > c.max_len]
+        if full:
+            raise ConfigError(f"{T} more tokens do not fit the state's KV caches of {state.max_len} tokens "
+                             f"({state.seq_len} held)")
+        if positions is None:
+            pos = torch.arange(state.next_position, state.next_position + T, device=self.device)
+            next_position = state.next_position + T
+        else:
+            pos = torch.as_tensor(positions, device=self.device).long()
+            if pos.shape != (T,):
+                raise ValueError(f"positions must have shape ({T},), got {tuple(pos.shape)}")
+            next_position = int(pos[-1]) + 1
+
+        w = self.weights
+        h = F.embedding(ids.to(self.device), w.embed)
+        hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(w.layers):
+            x = rms_norm(h, layer.attn_norm, cfg.rms_eps)
+            if isinstance(layer.mixer, AttentionWeights):
+                h = h + attention_forward(layer.mixer, x, pos, state.kv[i], cfg)
+            else:
+                h = h + gdn_forward(layer.mixer, x, state.conv[i], state.recurrent[i], cfg, self.delta_rule)
+            x = rms_norm(h, layer.post_norm, cfg.rms_eps)
+            h = h + moe_forward(layer.moe, x, i, cfg, self.executor, self.routing_observer)
+            if i in capture:
+                hidden[i] = h
+        final = rms_norm(h, w.output_norm, cfg.rms_eps)
+        state.seq_len += T
+        state.next_position = next_position
+
+        out = None
+        if logits != "none":
+            out = F.linear(final if logits == "all" else final[-1:], w.output).float()
+        return ForwardOutput(logits=out, final_hidden=final, hidden=hidden)

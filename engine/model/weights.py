@@ -1,0 +1,167 @@
+"""Load a qwen35moe GGUF file into per-layer weights in engine order (docs/design.md).
+
+Engine order: torch ``[out, in]``; norms as plain multipliers (GGUF already stores ``1 + w``
+for every norm but ``ssm_norm``, which HF also uses as a plain multiplier); GDN value heads
+in HF/fla grouped order (GGUF stores them tiled: undone here); experts ``[E, out, in]`` with a
+fused ``ffn_gate_up_exps`` split into gate and up. Vectors (norms, ``ssm_a``, ``ssm_dt``,
+router, shared-expert gate) stay float32 whatever the compute dtype: ``1 + w`` rounded to
+bfloat16 would lose most of ``w``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import torch
+
+from engine.gguf import names
+from engine.model.config import ModelConfig
+from engine.model.value_heads import reorder_value_heads
+
+
+class TensorSource(Protocol):
+    """What the loader needs of a GGUF file (``engine.gguf.reader.GGUFFile`` provides it)."""
+
+    path: object
+    tensors: Mapping[str, object]
+
+    def load(self, name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor: ...
+
+    def check_tensors(self, expected: Mapping[str, tuple[int, ...]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    q: torch.Tensor  # [n_head * 2 * head_dim, hidden], per head [q | gate]
+    k: torch.Tensor  # [n_head_kv * head_dim, hidden]
+    v: torch.Tensor  # [n_head_kv * head_dim, hidden]
+    o: torch.Tensor  # [hidden, n_head * head_dim]
+    q_norm: torch.Tensor  # [head_dim] float32
+    k_norm: torch.Tensor  # [head_dim] float32
+
+
+@dataclass(frozen=True)
+class GDNWeights:
+    qkv: torch.Tensor  # [2 * key_dim + value_dim, hidden]
+    z: torch.Tensor  # [value_dim, hidden] (attn_gate)
+    conv: torch.Tensor  # [conv_dim, conv_kernel]
+    a: torch.Tensor  # [v_heads] float32, -exp(A_log)
+    dt_bias: torch.Tensor  # [v_heads] float32
+    beta: torch.Tensor  # [v_heads, hidden]
+    alpha: torch.Tensor  # [v_heads, hidden]
+    norm: torch.Tensor  # [head_v] float32
+    out: torch.Tensor  # [hidden, value_dim]
+
+
+@dataclass
+class ExpertWeights:
+    """Routed experts of one layer, stacked. Mutable: a placement module may move them."""
+
+    gate: torch.Tensor  # [n_expert, expert_ffn, hidden]
+    up: torch.Tensor  # [n_expert, expert_ffn, hidden]
+    down: torch.Tensor  # [n_expert, hidden, expert_ffn]
+
+    @property
+    def n_expert(self) -> int:
+        return self.gate.shape[0]
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [ffn, hidden], up [ffn, hidden], down [hidden, ffn]) of expert ``e``."""
+        return self.gate[e], self.up[e], self.down[e]
+
+
+@dataclass(frozen=True)
+class SharedExpertWeights:
+    gate: torch.Tensor  # [shared_ffn, hidden]
+    up: torch.Tensor  # [shared_ffn, hidden]
+    down: torch.Tensor  # [hidden, shared_ffn]
+    gate_inp: torch.Tensor  # [hidden] float32, sigmoid gate of the shared expert's output
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    router: torch.Tensor  # [n_expert, hidden] float32
+    experts: ExpertWeights
+    shared: SharedExpertWeights | None
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden] float32
+    post_norm: torch.Tensor  # [hidden] float32
+    mixer: AttentionWeights | GDNWeights
+    moe: MoEWeights
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    output_norm: torch.Tensor  # [hidden] float32
+    output: torch.Tensor  # [vocab, hidden] (token_embd itself when the file ties them)
+    layers: tuple[LayerWeights, ...]
+
+
+def has_fused_experts(source: TensorSource) -> bool:
+    return "blk.0.ffn_gate_up_exps.weight" in source.tensors
+
+
+def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device | str,
+                 dtype: torch.dtype) -> ModelWeights:
+    """Check every tensor against ``cfg``, then load them one at a time onto ``device``.
+
+    Matrices are cast to ``dtype`` as they arrive; an MTP block after ``cfg.n_layers`` is
+    left unread.
+    """
+    fused = has_fused_experts(source)
+    expected = names.expected_tensors(cfg, fused_experts=fused)
+    tied = "output.weight" not in source.tensors
+    if tied:
+        del expected["output.weight"]
+    source.check_tensors(expected)
+
+    def matrix(name: str) -> torch.Tensor:
+        return source.load(name, dtype=dtype, device=device)
+
+    def vector(name: str) -> torch.Tensor:
+        return source.load(name, dtype=torch.float32, device=device).reshape(-1)
+
+    def gdn(name: str, *, keep_float32: bool = False) -> torch.Tensor:
+        t = reorder_value_heads(name, source.load(name, dtype=torch.float32, device=device), cfg, to="grouped")
+        return t if keep_float32 else t.to(dtype)
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        if cfg.is_attention(i):
+            mixer: AttentionWeights | GDNWeights = AttentionWeights(
+                q=matrix(p + "attn_q.weight"), k=matrix(p + "attn_k.weight"), v=matrix(p + "attn_v.weight"),
+                o=matrix(p + "attn_output.weight"),
+                q_norm=vector(p + "attn_q_norm.weight"), k_norm=vector(p + "attn_k_norm.weight"))
+        else:
+            mixer = GDNWeights(
+                qkv=gdn(p + "attn_qkv.weight"), z=gdn(p + "attn_gate.weight"), conv=gdn(p + "ssm_conv1d.weight"),
+                a=gdn(p + "ssm_a", keep_float32=True), dt_bias=gdn(p + "ssm_dt.bias", keep_float32=True),
+                beta=gdn(p + "ssm_beta.weight"), alpha=gdn(p + "ssm_alpha.weight"),
+                norm=vector(p + "ssm_norm.weight"), out=gdn(p + "ssm_out.weight"))
+        if fused:
+            gate_up = matrix(p + "ffn_gate_up_exps.weight")
+            gate = gate_up[:, :cfg.expert_ffn].contiguous()
+            up = gate_up[:, cfg.expert_ffn:].contiguous()
+            del gate_up
+        else:
+            gate, up = matrix(p + "ffn_gate_exps.weight"), matrix(p + "ffn_up_exps.weight")
+        experts = ExpertWeights(gate=gate, up=up, down=matrix(p + "ffn_down_exps.weight"))
+        shared = None
+        if cfg.shared_ffn:
+            shared = SharedExpertWeights(
+                gate=matrix(p + "ffn_gate_shexp.weight"), up=matrix(p + "ffn_up_shexp.weight"),
+                down=matrix(p + "ffn_down_shexp.weight"), gate_inp=vector(p + "ffn_gate_inp_shexp.weight"))
+        moe = MoEWeights(router=source.load(p + "ffn_gate_inp.weight", dtype=torch.float32, device=device),
+                         experts=experts, shared=shared)
+        layers.append(LayerWeights(attn_norm=vector(p + "attn_norm.weight"),
+                                   post_norm=vector(p + "post_attention_norm.weight"), mixer=mixer, moe=moe))
+
+    embed = matrix("token_embd.weight")
+    return ModelWeights(embed=embed, output_norm=vector("output_norm.weight"),
+                        output=embed if tied else matrix("output.weight"), layers=tuple(layers))
