@@ -1,0 +1,1 @@
+"""Training of the shipped qwen35moe family: corpus, tokenizer, models, export."""

@@ -1,0 +1,101 @@
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from engine.tokenizer import Tokenizer
+from engine.train.corpus import (RETRIEVAL_TOKENS, SEPARATOR, build_corpus, is_held_out, iter_documents,
+                                 retrieval_example, stdlib_sources, write_documents)
+
+VOCAB = Path(__file__).resolve().parents[4] / "shared" / "data" / "ggml-vocab-qwen35.gguf"
+FACT = re.compile(r"The secret code of (\w+ \w+) is (\d{5})\.\n")
+QUESTION = re.compile(r"\n\nWhat is the secret code of (\w+ \w+)\? It is (\d{5})\.\Z")
+SMALL = dict(held_out_fraction=0.1, n_retrieval=6, max_bytes=400_000, retrieval_tokens=(256, 4096))
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[str, set[str]]:
+    """Library file text -> the paths holding it (a few files are identical)."""
+    out: dict[str, set[str]] = {}
+    for s in stdlib_sources():
+        out.setdefault(s.text, set()).add(s.path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory):
+    return build_corpus(tmp_path_factory.mktemp("corpus"), seed=3, **SMALL)
+
+
+def test_splits_are_disjoint_library_files_chosen_by_path(corpus, sources: dict[str, set[str]]):
+    train = list(iter_documents(corpus.train))
+    held = list(iter_documents(corpus.held_out))
+    assert train and held
+    assert all(any(not is_held_out(p, 0.1) for p in sources[doc]) for doc in train)
+    assert all(any(is_held_out(p, 0.1) for p in sources[doc]) for doc in held)
+    assert not set(train) & set(held)
+    size = sum(len(d.encode()) for d in train + held)
+    biggest = max(len(d.encode()) for d in train + held)
+    assert size <= 400_000 + biggest
+
+
+def test_held_out_share_matches_the_fraction(sources: dict[str, set[str]]):
+    paths = [p for group in sources.values() for p in group]
+    share = sum(is_held_out(p, 0.05) for p in paths) / len(paths)
+    assert len(paths) > 500
+    assert abs(share - 0.05) < 0.02
+
+
+def test_build_is_deterministic_and_seed_only_moves_retrieval(corpus, tmp_path: Path):
+    same = build_corpus(tmp_path / "same", seed=3, **SMALL)
+    other = build_corpus(tmp_path / "other", seed=4, **SMALL)
+    for field in ("train", "held_out", "retrieval_train", "retrieval_held_out"):
+        assert getattr(same, field).read_bytes() == getattr(corpus, field).read_bytes()
+    assert other.train.read_bytes() == corpus.train.read_bytes()
+    assert other.retrieval_train.read_bytes() != corpus.retrieval_train.read_bytes()
+
+
+def test_retrieval_examples_ask_for_an_early_fact(corpus):
+    docs = list(iter_documents(corpus.retrieval_train))
+    assert len(docs) == 6 and len(list(iter_documents(corpus.retrieval_held_out))) == 1
+    for doc in docs:
+        asked, code = QUESTION.search(doc).groups()
+        facts = list(FACT.finditer(doc))
+        assert 1 <= len(facts) <= 3 and facts[0].start() == 0
+        assert dict(f.groups() for f in facts)[asked] == code
+        assert all(f.start() < 0.3 * len(doc) for f in facts)
+
+
+def test_longest_retrieval_examples_exceed_4k_tokens(tmp_path: Path):
+    longest = (max(RETRIEVAL_TOKENS),)
+    files = build_corpus(tmp_path, seed=0, n_retrieval=4, max_bytes=400_000, retrieval_tokens=longest)
+    tok = Tokenizer.from_gguf(VOCAB)
+    lengths = [len(tok.encode(doc)) for doc in iter_documents(files.retrieval_train)]
+    assert min(lengths) >= 4096
+
+
+def test_retrieval_example_places_every_fact():
+    srcs = [s for _, s in zip(range(5), stdlib_sources())]
+    ex = retrieval_example(random.Random(1), srcs, context_chars=2000, n_facts=5)
+    assert [m.groups() for m in FACT.finditer(ex.context)] == list(ex.facts)
+    assert ex.text.endswith(f"What is the secret code of {ex.asked}? It is {dict(ex.facts)[ex.asked]}.")
+    assert 2000 <= len(ex.context) < 2000 + max(len(s.text) for s in srcs)
+
+
+def test_documents_round_trip_across_chunk_edges(tmp_path: Path):
+    docs = ["a\r\nb", "x" * 30, "é€\n", "<|endoftext" + "|"]
+    path = tmp_path / "docs.txt"
+    assert write_documents(path, docs) == 4
+    assert list(iter_documents(path, chunk_chars=7)) == docs
+    assert list(iter_documents(path)) == docs
+    with pytest.raises(ValueError, match="contains the separator"):
+        write_documents(path, ["fine", "bad " + SEPARATOR])
+    assert list(iter_documents(path)) == docs  # a failed write leaves the old file
+
+
+@pytest.mark.parametrize("kwargs", [{"held_out_fraction": 0.0}, {"held_out_fraction": 1.0},
+                                    {"n_retrieval": -1}, {"max_bytes": 0}, {"retrieval_tokens": ()}])
+def test_bad_arguments(tmp_path: Path, kwargs: dict):
+    with pytest.raises(ValueError):
+        build_corpus(tmp_path, **kwargs)
