@@ -1,0 +1,106 @@
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tuner.config import ConfigError, default_config_path, load_config
+
+MINIMAL = """
+[models]
+target = "m/target.gguf"
+[study]
+trials = 3
+[publish]
+profile = "out/profile.toml"
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "appliance.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_embedded_default_loads_and_resolves_paths():
+    cfg = load_config()
+    root = default_config_path().parent
+    assert cfg.source == default_config_path()
+    assert cfg.models.target == root / "models/luce-target.gguf"
+    assert cfg.models.drafts == (root / "models/luce-draft.gguf",)
+    assert cfg.models.drafter == root / "models/luce-drafter.gguf"
+    assert cfg.study.storage == f"sqlite:///{root / 'runs/luce-tune.db'}"
+    assert cfg.hardware.vram_cap_mb is None and cfg.hardware.ram_cap_mb is None  # "live"
+    assert cfg.objectives.directions == ("maximize", "minimize")
+    assert cfg.study.trials is not None and cfg.study.timeout_s is not None
+
+
+def test_minimal_config_takes_defaults(tmp_path):
+    cfg = load_config(_write(tmp_path, MINIMAL))
+    assert cfg.models.target == tmp_path / "m/target.gguf"
+    assert cfg.models.drafts == () and cfg.models.drafter is None
+    assert cfg.publish.profile == tmp_path / "out/profile.toml"
+    assert cfg.study.storage == f"sqlite:///{tmp_path / 'runs/luce-tune.db'}"
+    assert cfg.search.spec_len == (2, 8)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("[search]\nspec_len = [8, 2]\n", r"search\.spec_len: expected \[low, high\] with 1 <= low <= high, found \[8, 2\]"),
+    ("[search]\nspec_len = 4\n", r"search\.spec_len: expected \[low, high\], two integers, found 4"),
+    ("[search]\npflash_keep_ratio = [0.0, 0.5]\n", r"search\.pflash_keep_ratio: .*0 < low"),
+    ("[hardware]\nvram_cap_mb = \"lots\"\n", r"hardware\.vram_cap_mb: expected \"live\" or a whole number of MB, found 'lots'"),
+    ("[hardware]\ndevice = \"tpu\"\n", r"hardware\.device: expected one of auto, cpu, cuda, cuda:N, found 'tpu'"),
+    ("[hardware]\nthreads = 0\n", r"hardware\.threads: expected at least 1"),
+    ("[workload]\nrepeats = 0\n", r"workload\.repeats: expected at least 1, found 0"),
+    ("[workload]\nmax_new_tokens = true\n", r"workload\.max_new_tokens: expected an integer, found True"),
+    ("[objectives]\nmetrics = [\"speed\"]\n", r"objectives\.metrics: 'speed' is not one of decode_tok_s"),
+    ("[constraints]\nniah_min_accuracy = 1.5\n", r"constraints\.niah_min_accuracy: expected a fraction in \[0, 1\], found 1.5"),
+    ("[search]\nbogus = 1\n", r"search\.bogus is not a known key; allowed: expert_budget_step_mb"),
+    ("[extra]\n", r"unknown section \[extra\]"),
+])
+def test_bad_values_name_file_key_value_and_what_is_allowed(tmp_path, extra, message):
+    path = _write(tmp_path, MINIMAL + extra)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path)
+    assert str(info.value).startswith(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="appliance config not found"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(_write(tmp_path, "[models\n"))
+    with pytest.raises(ConfigError, match=r"section \[models\] is missing"):
+        load_config(_write(tmp_path, "[study]\ntrials = 1\n[publish]\nprofile = 'p'\n"))
+    with pytest.raises(ConfigError, match=r"models\.target is missing"):
+        load_config(_write(tmp_path, MINIMAL.replace('target = "m/target.gguf"', "")))
+    with pytest.raises(ConfigError, match="study.trials: give a trial count, a timeout_s, or both"):
+        load_config(_write(tmp_path, MINIMAL.replace("trials = 3", 'trials = "none"')))
+
+
+def test_live_and_auto_words(tmp_path):
+    cfg = load_config(_write(tmp_path, MINIMAL + textwrap.dedent("""
+        [hardware]
+        vram_cap_mb = 8000
+        ram_cap_mb = "live"
+        threads = "auto"
+        dtype = "bfloat16"
+        device = "cuda:1"
+        """)))
+    assert cfg.hardware.vram_cap_mb == 8000 and cfg.hardware.ram_cap_mb is None
+    assert cfg.hardware.threads is None and cfg.hardware.dtype == "bfloat16"
+    assert cfg.hardware.gpu_index == 1
+
+
+def test_command_line_overrides_are_validated(tmp_path):
+    cfg = load_config(_write(tmp_path, MINIMAL))
+    assert cfg.with_study(trials=7).study.trials == 7
+    with pytest.raises(ConfigError, match="command line: trials: expected at least 1, found 0"):
+        cfg.with_study(trials=0)
+
+
+def test_pflash_floor_needs_needle_cases(tmp_path):
+    text = MINIMAL.replace('target = "m/target.gguf"', 'target = "t.gguf"\ndrafter = "d.gguf"')
+    text += "[workload]\nniah_cases = 0\n[constraints]\nniah_min_accuracy = 0.5\n"
+    with pytest.raises(ConfigError, match=r"constraints\.niah_min_accuracy 0.5 needs workload\.niah_cases"):
+        load_config(_write(tmp_path, text))

@@ -1,0 +1,74 @@
+import os
+
+import pytest
+
+from tuner.profile import (
+    Profile,
+    ProfileError,
+    load_profile,
+    model_entry,
+    model_hashes,
+    verify_profile,
+    write_profile,
+)
+
+FINGERPRINT = {"gpu_name": "", "gpu_uuid": "", "gpu_driver": "", "gpu_vram_mb": 0,
+               "cpu": "test cpu", "cpu_count": 2, "ram_mb": 24000}
+
+
+@pytest.fixture
+def profile(tmp_path):
+    target = tmp_path / "target.gguf"
+    target.write_bytes(os.urandom(3000))
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(os.urandom(1000))
+    return Profile(
+        study="s", trial=3, created="2026-01-01T00:00:00+00:00", luce_tune_version="0.1.0",
+        engine={"device": "cpu", "spec_len": 4, "expert_budget_mb": 2048},
+        models={"target": model_entry(target), "draft": model_entry(draft)},
+        hardware=dict(FINGERPRINT),
+        metrics={"decode_tok_s": {"median": 41.25, "low": 40.0, "high": 43.5, "n": 3}})
+
+
+def test_round_trip_and_engine_options(tmp_path, profile):
+    path = tmp_path / "out" / "profile.toml"
+    write_profile(path, profile)
+    assert load_profile(path) == profile
+    assert [p.name for p in path.parent.iterdir()] == ["profile.toml"]  # no temporary left
+    assert profile.load_options() == {"device": "cpu", "expert_budget_mb": 2048,
+                                      "draft": profile.models["draft"].path}
+    assert profile.generate_options() == {"spec_len": 4}
+
+
+def test_verify_accepts_the_same_machine_and_files(profile):
+    assert verify_profile(profile, FINGERPRINT, model_hashes(profile)) == []
+
+
+def test_verify_names_each_mismatch(profile):
+    other = dict(FINGERPRINT, gpu_uuid="GPU-2", ram_mb=12000)
+    with open(profile.models["draft"].path, "r+b") as f:  # same size, other bytes
+        f.write(b"X" * 10)
+    problems = verify_profile(profile, other, model_hashes(profile))
+    assert any(p.startswith("hardware.gpu_uuid is 'GPU-2' here") for p in problems)
+    assert any(p.startswith("hardware.ram_mb is 12000 here") for p in problems)
+    assert any(p.startswith("models.draft:") and "sha256" in p for p in problems)
+    assert len(problems) == 3
+    os.remove(profile.models["target"].path)
+    assert any("models.target:" in p and "missing" in p
+               for p in verify_profile(profile, FINGERPRINT, model_hashes(profile)))
+
+
+def test_torn_and_tampered_profiles_are_refused(tmp_path, profile):
+    path = tmp_path / "profile.toml"
+    text = write_profile(path, profile)
+    path.write_text(text[: len(text) * 2 // 3])  # torn mid-write
+    with pytest.raises(ProfileError, match=str(path)):
+        load_profile(path)
+    path.write_text(text.replace("spec_len = 4", "spec_len = 7"))
+    with pytest.raises(ProfileError, match="checksum .* does not match the content"):
+        load_profile(path)
+    path.write_text("\n".join(l for l in text.splitlines() if not l.startswith("checksum")))
+    with pytest.raises(ProfileError, match="checksum is missing"):
+        load_profile(path)
+    with pytest.raises(ProfileError, match="profile not found"):
+        load_profile(tmp_path / "none.toml")

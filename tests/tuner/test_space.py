@@ -1,0 +1,123 @@
+import dataclasses
+from pathlib import Path
+
+import optuna
+import pytest
+
+from tuner.config import load_config
+from tuner.hardware import Gpu, Hardware
+from tuner.space import NO_DRAFT, SearchSpace, TrialParams
+
+CPU_ONLY = Hardware(gpu=None, cpu="test cpu", cpu_count=2, ram_mb=24000, cgroup_max_mb=None)
+H200 = dataclasses.replace(CPU_ONLY, gpu=Gpu(nvml_index=0, name="NVIDIA H200", uuid="GPU-1",
+                                               driver="570", total_mb=143771))
+DRAFT = Path("/m/luce-draft.gguf")
+
+
+def _config(tmp_path, extra=""):
+    text = """
+[models]
+target = "t.gguf"
+drafts = ["luce-draft.gguf"]
+drafter = "drafter.gguf"
+[study]
+trials = 4
+[publish]
+profile = "p.toml"
+""" + extra
+    path = tmp_path / "appliance.toml"
+    path.write_text(text)
+    return load_config(path)
+
+
+def _sample(space, n=40, seed=0):
+    study = optuna.create_study(directions=["maximize", "minimize"],
+                                sampler=optuna.samplers.RandomSampler(seed=seed))
+    points = []
+    for _ in range(n):
+        trial = study.ask()
+        p = space.suggest(trial)
+        points.append((p, dict(trial.params)))
+        study.tell(trial, [1.0, 1.0])
+    return points
+
+
+def test_cpu_only_without_draft_or_drafter_has_no_dimension(tmp_path):
+    space = SearchSpace.build(_config(tmp_path), CPU_ONLY, drafts=(), drafter_ok=False, target_mb=100)
+    assert space.budget_max_mb is None and space.drafts == () and space.keep_ratio is None
+    for p, params in _sample(space, 5):
+        assert p == TrialParams() and params == {}
+    assert space.warm_start() == [TrialParams()]
+
+
+def test_gpu_budget_bounds_from_live_memory_cap_reserve_and_model_size(tmp_path):
+    cfg = _config(tmp_path, "[hardware]\nvram_cap_mb = 10000\nvram_reserve_mb = 1000\n"
+                            "[search]\nexpert_budget_step_mb = 512\n")
+    big = SearchSpace.build(cfg, H200, drafts=(), drafter_ok=False, target_mb=20000)
+    assert big.budget_max_mb == 8704  # (10000 - 1000) rounded down to the 512 MB step
+    assert big.full_model_mb is None  # the whole model does not fit
+    small = SearchSpace.build(cfg, H200, drafts=(), drafter_ok=False, target_mb=3000)
+    assert small.budget_max_mb == small.full_model_mb == 3072  # nothing gained past the file size
+    live = SearchSpace.build(_config(tmp_path), H200, drafts=(), drafter_ok=False, target_mb=10**6)
+    assert live.budget_max_mb == (143771 - 1024) // 256 * 256
+    for p, params in _sample(big):
+        assert 0 <= p.expert_budget_mb <= 8704 and p.expert_budget_mb % 512 == 0
+        assert set(params) == {"expert_budget_mb"}
+
+
+def test_draft_and_spec_len_are_conditional(tmp_path):
+    space = SearchSpace.build(_config(tmp_path), CPU_ONLY, drafts=(DRAFT,), drafter_ok=False,
+                              target_mb=100)
+    seen = set()
+    for p, params in _sample(space, 60):
+        if params["draft"] == NO_DRAFT:
+            assert p.draft is None and p.spec_len is None and "spec_len" not in params
+        else:
+            assert p.draft == "luce-draft.gguf" and 2 <= p.spec_len <= 8
+            assert params["spec_len"] == p.spec_len
+        seen.add(params["draft"])
+        assert space.params_of(params) == p
+        assert space.to_params(p) == params
+    assert seen == {NO_DRAFT, "luce-draft.gguf"}
+
+
+def test_pflash_needs_a_compatible_drafter_and_long_prompts(tmp_path):
+    cfg = _config(tmp_path)
+    assert SearchSpace.build(cfg, CPU_ONLY, drafts=(), drafter_ok=False, target_mb=1).keep_ratio is None
+    no_long = _config(tmp_path, "[workload]\nlong_form_prompts = 0\nniah_cases = 0\n"
+                                "[constraints]\nniah_min_accuracy = 0.0\n")
+    assert SearchSpace.build(no_long, CPU_ONLY, drafts=(), drafter_ok=True, target_mb=1).keep_ratio is None
+    space = SearchSpace.build(cfg, CPU_ONLY, drafts=(), drafter_ok=True, target_mb=1)
+    assert space.keep_ratio == (0.05, 0.5)
+    states = set()
+    for p, params in _sample(space, 60):
+        if params["pflash"] == "off":
+            assert p.pflash_keep_ratio is None and "pflash_keep_ratio" not in params
+        else:
+            assert 0.05 <= p.pflash_keep_ratio <= 0.5
+        states.add(params["pflash"])
+        assert space.params_of(params) == p
+    assert states == {"on", "off"}
+
+
+def test_warm_start_points_are_enqueued_as_given(tmp_path):
+    space = SearchSpace.build(_config(tmp_path), H200, drafts=(DRAFT,), drafter_ok=True, target_mb=2000)
+    points = space.warm_start()
+    assert points[0] == TrialParams(expert_budget_mb=2048)  # every expert on the GPU, plain decoding
+    assert points[1] == TrialParams(expert_budget_mb=2048, draft="luce-draft.gguf", spec_len=5)
+    assert points[2].pflash_keep_ratio == pytest.approx((0.05 * 0.5) ** 0.5)
+    assert points[3] == TrialParams(expert_budget_mb=1024)
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    for p in points:
+        study.enqueue_trial(space.to_params(p))
+    for p in points:
+        trial = study.ask()
+        assert space.suggest(trial) == p
+        study.tell(trial, [1.0, 1.0])
+
+
+def test_trial_params_refuse_inconsistent_points():
+    with pytest.raises(ValueError, match="spec_len 4 is set without a draft"):
+        TrialParams(spec_len=4)
+    with pytest.raises(ValueError, match="has no spec_len"):
+        TrialParams(draft="d.gguf")

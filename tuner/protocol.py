@@ -1,0 +1,88 @@
+"""Messages between the tuner and its engine worker process (pickled through a pipe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What needs an engine (re)load to change; everything else is set in place."""
+
+    target: str
+    draft: str | None = None
+    drafter: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One prompt of a workload. ``long`` prompts are the ones PFlash may compress."""
+
+    key: str
+    prompt: str
+    max_new_tokens: int
+    long: bool = False
+
+
+@dataclass(frozen=True)
+class Load:
+    spec: LoadSpec
+    expert_budget_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class Measure:
+    """Configure the engine, warm up, then run every job ``repeats`` times, greedily."""
+
+    spec: LoadSpec
+    jobs: tuple[Job, ...]
+    expert_budget_mb: int | None = None
+    spec_len: int | None = None
+    pflash_keep_ratio: float | None = None
+    warmup: int = 1
+    repeats: int = 1
+    seed: int = 0
+    hang_s: float = 0.0  # test hook: sleep this long before measuring, to exercise the timeout
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class Loading:
+    """Sent by the worker before a (re)load: the tuner switches to the load timeout."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    load_s: float
+    device: str
+
+
+@dataclass(frozen=True)
+class Output:
+    key: str
+    repeat: int
+    ids: tuple[int, ...]
+    text: str
+    timings: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Measured:
+    outputs: tuple[Output, ...]
+    device: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The worker survived an error. ``kind``: "user" (an EngineError), "oom" or "error"."""
+
+    kind: str
+    message: str

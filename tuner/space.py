@@ -1,0 +1,153 @@
+"""The search space, derived from the config and the live hardware, defined by run.
+
+Dimensions appear only where they mean something: the expert budget only with a GPU, the
+draft only with compatible candidates, spec_len only with a draft, PFlash only with a
+compatible drafter and long prompts, its keep ratio only when it is on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from tuner.config import ApplianceConfig
+from tuner.hardware import Hardware
+
+NO_DRAFT = "none"
+
+
+@dataclass(frozen=True)
+class TrialParams:
+    """One point of the space, as the engine needs it."""
+
+    expert_budget_mb: int | None = None  # None: no GPU, the engine's own placement
+    draft: str | None = None  # a candidate's file name
+    spec_len: int | None = None
+    pflash_keep_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.spec_len is not None and self.draft is None:
+            raise ValueError(f"spec_len {self.spec_len} is set without a draft")
+        if self.draft is not None and self.spec_len is None:
+            raise ValueError(f"draft {self.draft!r} has no spec_len")
+
+    def label(self) -> str:
+        parts = []
+        if self.expert_budget_mb is not None:
+            parts.append(f"budget {self.expert_budget_mb} MB")
+        parts.append(f"draft {self.draft} x{self.spec_len}" if self.draft else "no draft")
+        parts.append(f"pflash {self.pflash_keep_ratio:.3f}" if self.pflash_keep_ratio else "no pflash")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    budget_max_mb: int | None  # None: no budget dimension (no GPU)
+    budget_step_mb: int
+    drafts: tuple[str, ...]  # compatible candidates' file names
+    spec_len: tuple[int, int]
+    keep_ratio: tuple[float, float] | None  # None: no PFlash dimension
+    full_model_mb: int | None = None  # the budget that holds every expert, when it fits
+
+    def __post_init__(self) -> None:
+        if self.budget_max_mb is not None and self.budget_max_mb % self.budget_step_mb:
+            raise ValueError(f"budget_max_mb {self.budget_max_mb} is not a multiple of "
+                             f"the step {self.budget_step_mb}")
+        if len(set(self.drafts)) != len(self.drafts) or NO_DRAFT in self.drafts:
+            raise ValueError(f"draft names must be distinct and not {NO_DRAFT!r}: {self.drafts}")
+
+    @classmethod
+    def build(cls, config: ApplianceConfig, hardware: Hardware, *, drafts: tuple[Path, ...],
+              drafter_ok: bool, target_mb: int) -> "SearchSpace":
+        """``drafts`` are the compatible candidates; ``target_mb`` bounds the useful budget."""
+        search = config.search
+        budget_max = None
+        full = None
+        if hardware.gpu is not None:
+            cap = hardware.gpu.total_mb
+            if config.hardware.vram_cap_mb is not None:
+                cap = min(cap, config.hardware.vram_cap_mb)
+            upper = max(0, cap - config.hardware.vram_reserve_mb)
+            if search.expert_budget_max_mb is not None:
+                upper = min(upper, search.expert_budget_max_mb)
+            step = search.expert_budget_step_mb
+            whole = math.ceil(target_mb / step) * step  # no expert set is larger than the file
+            full = whole if whole <= upper else None
+            budget_max = min(upper, whole) // step * step
+        pflash = (search.pflash and drafter_ok and config.workload.has_long_prompts)
+        return cls(budget_max_mb=budget_max, budget_step_mb=search.expert_budget_step_mb,
+                   drafts=tuple(p.name for p in drafts), spec_len=search.spec_len,
+                   keep_ratio=search.pflash_keep_ratio if pflash else None, full_model_mb=full)
+
+    def suggest(self, trial: Any) -> TrialParams:
+        """Ask an Optuna trial for a point, define-by-run."""
+        budget = None
+        if self.budget_max_mb is not None:
+            budget = 0
+            if self.budget_max_mb > 0:
+                budget = trial.suggest_int("expert_budget_mb", 0, self.budget_max_mb,
+                                           step=self.budget_step_mb)
+        draft = spec_len = None
+        if self.drafts:
+            choice = trial.suggest_categorical("draft", [NO_DRAFT, *self.drafts])
+            if choice != NO_DRAFT:
+                draft = choice
+                spec_len = trial.suggest_int("spec_len", *self.spec_len)
+        keep = None
+        if self.keep_ratio is not None:
+            if trial.suggest_categorical("pflash", ["off", "on"]) == "on":
+                keep = trial.suggest_float("pflash_keep_ratio", *self.keep_ratio, log=True)
+        return TrialParams(expert_budget_mb=budget, draft=draft, spec_len=spec_len,
+                           pflash_keep_ratio=keep)
+
+    def params_of(self, stored: Mapping[str, Any]) -> TrialParams:
+        """The point an Optuna trial's stored params describe."""
+        draft = stored.get("draft", NO_DRAFT)
+        budget = stored.get("expert_budget_mb", 0 if self.budget_max_mb is not None else None)
+        return TrialParams(
+            expert_budget_mb=int(budget) if budget is not None else None,
+            draft=None if draft == NO_DRAFT else draft,
+            spec_len=int(stored["spec_len"]) if draft != NO_DRAFT else None,
+            pflash_keep_ratio=(float(stored["pflash_keep_ratio"])
+                               if stored.get("pflash") == "on" else None))
+
+    def to_params(self, p: TrialParams) -> dict[str, Any]:
+        """The inverse of ``params_of``: what ``enqueue_trial`` takes."""
+        out: dict[str, Any] = {}
+        if self.budget_max_mb:
+            out["expert_budget_mb"] = p.expert_budget_mb
+        if self.drafts:
+            out["draft"] = p.draft or NO_DRAFT
+            if p.draft:
+                out["spec_len"] = p.spec_len
+        if self.keep_ratio is not None:
+            out["pflash"] = "on" if p.pflash_keep_ratio else "off"
+            if p.pflash_keep_ratio:
+                out["pflash_keep_ratio"] = p.pflash_keep_ratio
+        return out
+
+    def warm_start(self) -> list[TrialParams]:
+        """Informative first points: all experts on the GPU (or as many as fit) and plain
+        decoding; the matched draft at a middle spec_len; PFlash at a middle keep ratio;
+        half the budget."""
+        top = self.full_model_mb if self.full_model_mb is not None else self.budget_max_mb
+        points = [TrialParams(expert_budget_mb=top)]
+        if self.drafts:
+            middle = (self.spec_len[0] + self.spec_len[1]) // 2
+            points.append(TrialParams(expert_budget_mb=top, draft=self.drafts[0], spec_len=middle))
+        if self.keep_ratio is not None:
+            lo, hi = self.keep_ratio
+            points.append(TrialParams(expert_budget_mb=top, pflash_keep_ratio=math.sqrt(lo * hi)))
+        if self.budget_max_mb:
+            half = self.budget_max_mb // 2 // self.budget_step_mb * self.budget_step_mb
+            if half != top:
+                points.append(TrialParams(expert_budget_mb=half))
+        return points
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON form stored with the study: resuming with another space is refused."""
+        return {"budget_max_mb": self.budget_max_mb, "budget_step_mb": self.budget_step_mb,
+                "drafts": list(self.drafts), "spec_len": list(self.spec_len),
+                "keep_ratio": list(self.keep_ratio) if self.keep_ratio else None}
