@@ -1,0 +1,269 @@
+"""The DFlash draft model: a few Qwen3-style layers that propose a whole block at once.
+
+The draft has no embedding or LM head of its own: it reads the target's. Its context is the
+concatenation of the target's residual-stream outputs at ``target_layer_ids``, projected by
+``fc`` and normed by ``hidden_norm``; in every layer those context rows supply keys and values
+beside the block's own, and the block's queries attend to both. Inside the block attention is
+non-causal (each slot sees every other slot).
+
+Inference keeps the projected context keys/values of each layer in a ``DraftCache`` (they
+depend only on the context rows, never on the block), so one draft step costs only the
+``block_size`` query tokens plus the context rows committed since the last step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.attention import apply_rope, rope_cos_sin
+from engine.model.norm import rms_norm
+
+
+def default_layer_ids(n_target_layers: int, n_features: int) -> tuple[int, ...]:
+    """Evenly spaced capture layers: ``round(1 + i * (n_target - 4) / (n_features - 1))``.
+
+    Clamped to the target's depth so that small targets (tests) still get valid ids.
+    """
+    if n_target_layers < 1 or n_features < 1:
+        raise ValueError(f"need a positive target depth and feature count, got {n_target_layers}, {n_features}")
+    if n_features == 1:
+        return (n_target_layers // 2,)
+    span = max(n_target_layers - 4, 0)
+    return tuple(min(round(1 + i * span / (n_features - 1)), n_target_layers - 1) for i in range(n_features))
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rms_eps: float
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    vocab: int = 0  # the vocabulary it was trained with; 0 when the file does not say
+    rope_dim: int = 0  # rotated dims per head; 0 means all of them (set to head_dim)
+    context_length: int = 32768
+    sliding_window: int = 0  # 0: every layer attends to the whole context
+    swa_layers: tuple[bool, ...] = ()  # which layers use the window (all when empty and window > 0)
+    causal: bool = False  # causal attention inside the block (some published drafts)
+
+    def __post_init__(self) -> None:
+        positive = {"n_layers": self.n_layers, "hidden": self.hidden, "ffn": self.ffn, "n_head": self.n_head,
+                    "n_head_kv": self.n_head_kv, "head_dim": self.head_dim, "context_length": self.context_length}
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"draft {name} must be positive, got {value}")
+        if self.n_head % self.n_head_kv:
+            raise ValueError(f"draft n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+        if self.block_size < 2:
+            raise ValueError(f"draft block_size must be at least 2, got {self.block_size}")
+        if self.mask_token_id < 0 or (self.vocab and self.mask_token_id >= self.vocab):
+            raise ValueError(f"draft mask_token_id {self.mask_token_id} is outside the vocabulary of {self.vocab}")
+        if not self.target_layer_ids or min(self.target_layer_ids) < 0:
+            raise ValueError(f"draft target_layer_ids must be non-negative layer ids, got {list(self.target_layer_ids)}")
+        if self.rope_dim == 0:
+            object.__setattr__(self, "rope_dim", self.head_dim)
+        if self.rope_dim < 0 or self.rope_dim > self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"draft rope_dim {self.rope_dim} must be even and at most head_dim {self.head_dim}")
+        if self.sliding_window < 0:
+            raise ValueError(f"draft sliding_window must be >= 0, got {self.sliding_window}")
+        if self.swa_layers and len(self.swa_layers) != self.n_layers:
+            raise ValueError(f"draft swa_layers has {len(self.swa_layers)} entries for {self.n_layers} layers")
+
+    @property
+    def n_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` in tokens, 0 for none."""
+        if not self.sliding_window:
+            return 0
+        return self.sliding_window if (not self.swa_layers or self.swa_layers[layer]) else 0
+
+
+class DraftLayer(nn.Module):
+    """Weights of one draft layer, torch ``[out, in]``; norms are plain multipliers."""
+
+    def __init__(self, cfg: DraftConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+
+        def matrix(rows: int, cols: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(rows, cols, device=device, dtype=dtype))
+
+        def norm(n: int) -> nn.Parameter:
+            return nn.Parameter(torch.ones(n, device=device, dtype=torch.float32))
+
+        self.attn_norm = norm(cfg.hidden)
+        self.q = matrix(q_dim, cfg.hidden)
+        self.k = matrix(kv_dim, cfg.hidden)
+        self.v = matrix(kv_dim, cfg.hidden)
+        self.o = matrix(cfg.hidden, q_dim)
+        self.q_norm = norm(cfg.head_dim)
+        self.k_norm = norm(cfg.head_dim)
+        self.ffn_norm = norm(cfg.hidden)
+        self.gate = matrix(cfg.ffn, cfg.hidden)
+        self.up = matrix(cfg.ffn, cfg.hidden)
+        self.down = matrix(cfg.hidden, cfg.ffn)
+
+
+class DFlashDraft(nn.Module):
+    """The draft network. Tokens enter as the target's embeddings; hidden states leave normed,
+    ready for the target's output matrix."""
+
+    def __init__(self, cfg: DraftConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Parameter(torch.empty(cfg.hidden, cfg.n_features * cfg.hidden, device=device, dtype=dtype))
+        self.hidden_norm = nn.Parameter(torch.ones(cfg.hidden, device=device, dtype=torch.float32))
+        self.layers = nn.ModuleList(DraftLayer(cfg, device=device, dtype=dtype) for _ in range(cfg.n_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden, device=device, dtype=torch.float32))
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.dtype
+
+    def init_random(self, generator: torch.Generator | None = None, std: float = 0.02) -> "DFlashDraft":
+        """Normal(0, std) matrices, unit norms: the starting point of training (and of tests)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 2:
+                    p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p))
+                    p.mul_(std)
+                else:
+                    p.fill_(1.0)
+        return self
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
+
+    def project_context(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys and values the context rows give every layer.
+
+        features [C, n_features * hidden] (the target's captured layers, concatenated in
+        ``target_layer_ids`` order), positions [C] -> per layer (k, v) [n_head_kv, C, head_dim].
+        """
+        cfg = self.cfg
+        ctx = rms_norm(F.linear(features.to(self.dtype), self.fc), self.hidden_norm, cfg.rms_eps)
+        cos, sin = self._rope(positions)
+        out = []
+        for layer in self.layers:
+            k = F.linear(ctx, layer.k).view(-1, cfg.n_head_kv, cfg.head_dim)
+            v = F.linear(ctx, layer.v).view(-1, cfg.n_head_kv, cfg.head_dim)
+            k = apply_rope(rms_norm(k, layer.k_norm, cfg.rms_eps), cos, sin)
+            out.append((k.transpose(0, 1), v.transpose(0, 1)))
+        return out
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                context: list[tuple[torch.Tensor, torch.Tensor]], context_positions: torch.Tensor,
+                visible: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] block embeddings at ``positions`` [T] -> normed hidden [T, hidden].
+
+        ``context`` holds each layer's context keys/values [n_head_kv, C, head_dim] at
+        ``context_positions`` [C]. ``visible`` [T, C + T] (bool) further restricts which keys
+        each query sees (training packs many blocks into one call); ``None`` lets every block
+        slot see all context and all of its block.
+        """
+        cfg = self.cfg
+        T = x.shape[0]
+        cos, sin = self._rope(positions)
+        key_positions = torch.cat([context_positions, positions])
+        h = x.to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            mask = _visibility(positions, key_positions, causal=cfg.causal, window=cfg.window(i), extra=visible)
+            a = rms_norm(h, layer.attn_norm, cfg.rms_eps)
+            q = F.linear(a, layer.q).view(T, cfg.n_head, cfg.head_dim)
+            k = F.linear(a, layer.k).view(T, cfg.n_head_kv, cfg.head_dim)
+            v = F.linear(a, layer.v).view(T, cfg.n_head_kv, cfg.head_dim)
+            q = apply_rope(rms_norm(q, layer.q_norm, cfg.rms_eps), cos, sin)
+            k = apply_rope(rms_norm(k, layer.k_norm, cfg.rms_eps), cos, sin)
+            ck, cv = context[i]
+            keys = torch.cat([ck, k.transpose(0, 1)], dim=1)
+            values = torch.cat([cv, v.transpose(0, 1)], dim=1)
+            att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                                 enable_gqa=cfg.n_head != cfg.n_head_kv)
+            h = h + F.linear(att[0].transpose(0, 1).reshape(T, cfg.n_head * cfg.head_dim), layer.o)
+            m = rms_norm(h, layer.ffn_norm, cfg.rms_eps)
+            h = h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
+        return rms_norm(h, self.norm, cfg.rms_eps)
+
+
+def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool, window: int,
+                extra: torch.Tensor | None) -> torch.Tensor | None:
+    """Boolean [T, K] mask of the keys each query may see, or None when it sees them all."""
+    mask = extra
+    if causal or window:
+        rel = q_pos[:, None] - k_pos[None, :]  # >= 0 for keys at or before the query
+        m = torch.ones_like(rel, dtype=torch.bool)
+        if causal:
+            m &= rel >= 0
+        if window:
+            m &= rel.abs() < window
+        mask = m if mask is None else mask & m
+    return mask
+
+
+@dataclass
+class DraftCache:
+    """Context keys/values of every draft layer, preallocated to ``max_len`` rows."""
+
+    k: list[torch.Tensor]  # per layer [n_head_kv, max_len, head_dim]
+    v: list[torch.Tensor]
+    positions: torch.Tensor  # [max_len] long
+    length: int = 0
+
+    @classmethod
+    def empty(cls, draft: DFlashDraft, max_len: int) -> "DraftCache":
+        cfg = draft.cfg
+        shape = (cfg.n_head_kv, max_len, cfg.head_dim)
+        kw = {"device": draft.device, "dtype": draft.dtype}
+        return cls([torch.zeros(shape, **kw) for _ in range(cfg.n_layers)],
+                   [torch.zeros(shape, **kw) for _ in range(cfg.n_layers)],
+                   torch.zeros(max_len, dtype=torch.long, device=draft.device))
+
+    @property
+    def max_len(self) -> int:
+        return self.positions.shape[0]
+
+    def extend(self, draft: DFlashDraft, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append the context rows ``features`` [C, n_features * hidden] at ``positions`` [C]."""
+        end = self.length + features.shape[0]
+        if end > self.max_len:
+            raise ValueError(f"draft cache holds {self.max_len} context rows; {end} were asked for")
+        for i, (k, v) in enumerate(draft.project_context(features, positions)):
+            self.k[i][:, self.length:end] = k
+            self.v[i][:, self.length:end] = v
+        self.positions[self.length:end] = positions
+        self.length = end
+
+    def context(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        n = self.length
+        return [(k[:, :n], v[:, :n]) for k, v in zip(self.k, self.v)], self.positions[:n]
+
+
+def block_hidden(draft: DFlashDraft, cache: DraftCache, block_embeddings: torch.Tensor, start: int) -> torch.Tensor:
+    """Normed draft hidden states [B, hidden] of a block whose first slot sits at position ``start``."""
+    B = block_embeddings.shape[0]
+    positions = torch.arange(start, start + B, device=block_embeddings.device)
+    context, context_positions = cache.context()
+    return draft(block_embeddings, positions, context, context_positions)
+
+
+def param_count(draft: DFlashDraft) -> int:
+    return sum(math.prod(p.shape) for p in draft.parameters())

@@ -1,0 +1,250 @@
+"""DFlash speculative decoding: draft a block, verify it in one target forward, keep the
+longest agreeing prefix plus the target's own next token, roll the target state back.
+
+Output is the target's: greedy output equals plain greedy decoding, and sampled output has
+the target's distribution, because every committed token is the target's own choice (or
+sample) given the committed prefix; the draft only decides how many of them one forward
+yields. The loop synchronises with the host once per verify step (the accepted count and
+the committed ids travel together).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Collection, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.dflash.compat import check_spec_len
+from engine.dflash.draft import DFlashDraft, DraftCache, block_hidden
+from engine.dflash.rollback import ROLLBACK_MODES, make_rollback
+from engine.errors import ConfigError, GenerationStalled
+from engine.model.qwen35moe import Qwen35MoE
+from engine.sampling import SamplingParams, make_generator, sample
+
+# Measured in bench/dflash.py (rollback column); "capture" skips the extra target forward.
+DEFAULT_ROLLBACK = "capture"
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """How one speculative generation runs."""
+
+    spec_len: int  # tokens verified per target forward: the last committed token + spec_len - 1 drafted
+    rollback: str = DEFAULT_ROLLBACK
+    fallback_threshold: float = 1.2  # acceptance length under which plain decoding takes over; 0: never
+    fallback_window: int = 8  # verify steps the running acceptance length is taken over
+    stall_timeout_s: float = 120.0  # longest time without a committed token
+
+    def __post_init__(self) -> None:
+        if self.rollback not in ROLLBACK_MODES:
+            raise ValueError(f"rollback must be one of {ROLLBACK_MODES}, got {self.rollback!r}")
+        if self.fallback_threshold < 0:
+            raise ValueError(f"fallback_threshold must be >= 0, got {self.fallback_threshold}")
+        if self.fallback_window < 1:
+            raise ValueError(f"fallback_window must be at least 1, got {self.fallback_window}")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
+
+
+@dataclass
+class SpecStats:
+    """What a speculative generation measured (seconds; device time on CUDA)."""
+
+    spec_len: int
+    rollback: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rollback_s: float = 0.0
+    verify_steps: int = 0
+    spec_tokens: int = 0  # tokens committed by verify steps
+    drafted: int = 0
+    accepted: int = 0  # drafted tokens the target agreed with
+    rollbacks: int = 0  # verify steps that kept fewer tokens than they ran
+    fallback: bool = False
+    fallback_at: int | None = None  # new-token count when plain decoding took over
+    plain_steps: int = 0  # target forwards of one token after the fallback
+    stop_reason: str = "length"
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per verify forward (1.0: the draft never helped)."""
+        return self.spec_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["acceptance_length"] = self.acceptance_length
+        d["draft_accept_rate"] = self.accepted / self.drafted if self.drafted else 0.0
+        return d
+
+
+class _Clock:
+    """Wall time on the CPU; CUDA events on the GPU, read once at the end (no syncs in the loop)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {}
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, name: str, start: Any, end: Any) -> None:
+        self.spans.setdefault(name, []).append((start, end))
+
+    def total(self, name: str) -> float:
+        spans = self.spans.get(name, [])
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in spans) / 1000
+        return sum(b - a for a, b in spans)
+
+
+@torch.inference_mode()
+def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int], max_new_tokens: int, *,
+                         spec_len: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                         eos_ids: Collection[int] = (), stop: Callable[[list[int]], bool] | None = None,
+                         rollback: str = DEFAULT_ROLLBACK, fallback_threshold: float = 1.2,
+                         fallback_window: int = 8, stall_timeout_s: float = 120.0) -> tuple[list[int], SpecStats]:
+    """Generate up to ``max_new_tokens`` after ``ids`` with ``draft`` proposing blocks.
+
+    ``stop(new_ids)`` is called after each committed token (streaming can live there); True
+    ends the generation at that token, as does a token in ``eos_ids``. Returns the new ids and
+    the statistics. ``spec_len`` (2 .. the draft's block size) tokens are verified per step.
+    """
+    try:
+        opts = SpecOptions(spec_len=spec_len, rollback=rollback, fallback_threshold=fallback_threshold,
+                           fallback_window=fallback_window, stall_timeout_s=stall_timeout_s)
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    check_spec_len(spec_len, draft.cfg)
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if len(ids) == 0:
+        raise ConfigError("the prompt is empty: at least one token id is needed")
+    return _Generation(model, draft, list(ids), max_new_tokens, opts, params, set(eos_ids), stop).run()
+
+
+class _Generation:
+    def __init__(self, model: Qwen35MoE, draft: DFlashDraft, ids: list[int], max_new: int, opts: SpecOptions,
+                 params: SamplingParams, eos: set[int], stop: Callable[[list[int]], bool] | None) -> None:
+        self.model, self.draft, self.opts, self.params = model, draft, opts, params
+        self.prompt = torch.tensor(ids, dtype=torch.long, device=model.device)
+        self.max_new = max_new
+        self.eos, self.stop = eos, stop
+        self.layer_ids = tuple(draft.cfg.target_layer_ids)
+        self.mask = draft.cfg.mask_token_id
+        total = len(ids) + max_new
+        self.state = model.new_state(total + opts.spec_len)
+        self.cache = DraftCache.empty(draft, total)
+        self.rollback = make_rollback(opts.rollback, model, self.state)
+        self.gen = make_generator(params, model.device)
+        self.clock = _Clock(model.device)
+        self.stats = SpecStats(spec_len=opts.spec_len, rollback=opts.rollback, prompt_tokens=len(ids))
+        self.new: list[int] = []
+        self.last_progress: float | None = None  # prefill time does not count as a stall
+
+    def run(self) -> tuple[list[int], SpecStats]:
+        t0 = time.perf_counter()
+        out = self.model.forward(self.prompt, self.state, capture_layers=self.layer_ids, logits="last")
+        self._extend_context(out.hidden, self.prompt.shape[0], 0)
+        token = sample(out.logits[-1], self.params, self.gen)
+        done = self._commit([int(token)])  # host sync: the first token
+        t1 = time.perf_counter()
+        self.stats.prefill_s = t1 - t0
+        while not done and len(self.new) < self.max_new:
+            n = min(self.opts.spec_len, self.max_new - len(self.new))
+            if self.stats.fallback or n < 2:
+                token, done = self._plain_step(token)
+            else:
+                token, done = self._spec_step(token, n)
+                self._maybe_fall_back()
+        self.stats.decode_s = time.perf_counter() - t1
+        self.stats.new_tokens = len(self.new)
+        self.stats.draft_s = self.clock.total("draft")
+        self.stats.verify_s = self.clock.total("verify")
+        self.stats.rollback_s = self.clock.total("rollback")
+        return self.new, self.stats
+
+    def _spec_step(self, token: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
+        model, start = self.model, self.state.seq_len  # ``token`` sits at position ``start``, not yet run
+        c0 = self.clock.mark()
+        block = torch.full((n,), self.mask, dtype=torch.long, device=model.device)
+        block[0] = token
+        hidden = block_hidden(self.draft, self.cache, F.embedding(block, model.weights.embed), start)
+        drafted = F.linear(hidden[1:], model.weights.output).argmax(-1)  # [n - 1]
+        c1 = self.clock.mark()
+        out = self.rollback.verify(torch.cat([block[:1], drafted]), self.layer_ids)
+        choice = sample(out.logits, self.params, self.gen)  # [n]: the target's token after each prefix
+        agree = (drafted == choice[:-1]).long().cumprod(0).sum()
+        c2 = self.clock.mark()
+        row = torch.cat([agree.view(1), choice, drafted]).tolist()  # the host sync of this step
+        accepted = row[0]
+        keep = accepted + 1  # the token that opened the block and the accepted drafts
+        self.rollback.rollback(keep)
+        self._extend_context(out.hidden, keep, start)
+        c3 = self.clock.mark()
+        self.clock.add("draft", c0, c1)
+        self.clock.add("verify", c1, c2)
+        self.clock.add("rollback", c2, c3)
+
+        committed = row[n + 1:n + 1 + accepted] + [row[1 + accepted]]
+        s = self.stats
+        s.verify_steps += 1
+        s.drafted += n - 1
+        s.accepted += accepted
+        s.rollbacks += keep < n
+        before = len(self.new)
+        done = self._commit(committed)
+        s.spec_tokens += len(self.new) - before
+        s.accept_lengths.append(len(self.new) - before)
+        return choice[accepted], done
+
+    def _plain_step(self, token: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        out = self.model.forward(token.reshape(1), self.state, logits="last")
+        token = sample(out.logits[-1], self.params, self.gen)
+        self.stats.plain_steps += 1
+        return token, self._commit([int(token)])
+
+    def _extend_context(self, hidden: dict[int, torch.Tensor], rows: int, start: int) -> None:
+        features = torch.cat([hidden[i][:rows] for i in self.layer_ids], dim=-1)
+        self.cache.extend(self.draft, features, torch.arange(start, start + rows, device=features.device))
+
+    def _commit(self, tokens: list[int]) -> bool:
+        """Append tokens one by one; True when the generation must end at the last one appended."""
+        now = time.perf_counter()
+        if self.last_progress is not None and now - self.last_progress > self.opts.stall_timeout_s:
+            raise GenerationStalled(f"generation made no progress for {now - self.last_progress:.0f} s "
+                                    f"(limit {self.opts.stall_timeout_s:.0f} s) at token {len(self.new)}")
+        self.last_progress = now
+        for t in tokens:
+            self.new.append(t)
+            if t in self.eos:
+                self.stats.stop_reason = "eos"
+                return True
+            if self.stop is not None and self.stop(self.new):
+                self.stats.stop_reason = "stop"
+                return True
+            if len(self.new) >= self.max_new:
+                return True
+        return False
+
+    def _maybe_fall_back(self) -> None:
+        s, opts = self.stats, self.opts
+        if opts.fallback_threshold <= 0 or s.fallback or s.verify_steps < opts.fallback_window:
+            return
+        recent = s.accept_lengths[-opts.fallback_window:]
+        if sum(recent) / len(recent) < opts.fallback_threshold:
+            s.fallback = True
+            s.fallback_at = len(self.new)
