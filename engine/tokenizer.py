@@ -3,7 +3,8 @@
 Encoding runs in the ``tokenizers`` library with the pre-tokenizer regexes llama.cpp uses
 for each ``tokenizer.ggml.pre`` name, so ids match llama.cpp's. Decoding follows llama.cpp's
 piece rules per token type (normal tokens are byte-level decoded, control and user-defined
-tokens are copied as text, unused tokens render as nothing).
+tokens are copied as text, unused tokens render as nothing) and is lossless: the space
+clean-up llama.cpp applies for some older pre-tokenizers (not the Qwen ones) is left out.
 """
 
 from __future__ import annotations
@@ -132,10 +133,11 @@ class TokenizerSpec:
         bad_merge = next((m for m in self.merges if m.find(" ", 1) < 0), None)
         if bad_merge is not None:
             raise ValueError(f"tokenizer.ggml.merges entry {bad_merge!r} is not two tokens separated by a space")
-        for name in ("bos_id", "eos_id", "pad_id", "eot_id", "eom_id"):
+        for name, key in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"), ("pad_id", "padding_token_id"),
+                          ("eot_id", "eot_token_id"), ("eom_id", "eom_token_id")):
             value = getattr(self, name)
             if value is not None and not 0 <= value < n:
-                raise ValueError(f"{name} {value} is outside the vocabulary of {n} tokens")
+                raise ValueError(f"tokenizer.ggml.{key} {value} is outside the vocabulary of {n} tokens")
         if self.add_bos and self.bos_id is None:
             raise ValueError("add_bos_token is true but bos_token_id is missing")
         if self.add_eos and self.eos_id is None:

@@ -149,7 +149,7 @@ def test_small_vocab_merges_and_falls_back_to_bytes():
     ({"tokenizer.ggml.token_type": [NORMAL] * 3}, "token_type has 3 entries, expected 258"),
     ({"tokenizer.ggml.merges": ["ab"]}, "merges entry 'ab'"),
     ({"tokenizer.ggml.merges": ["a q"]}, "merges do not fit"),
-    ({"tokenizer.ggml.eos_token_id": 999}, "eos_id 999 is outside"),
+    ({"tokenizer.ggml.eos_token_id": 999}, "tokenizer.ggml.eos_token_id 999 is outside"),
     ({"tokenizer.ggml.add_bos_token": True}, "bos_token_id is missing"),
 ])
 def test_bad_metadata_is_one_clear_error(change: dict, message: str):
