@@ -1,0 +1,275 @@
+"""Hybrid expert executor: hot experts on the GPU, cold experts on CPU threads.
+
+Every routed expert keeps a master copy in host memory (pinned when the device is CUDA).
+The hot experts of each layer are also copied into that layer's device slots, where the
+fused-MoE kernel runs them; pairs routed to cold experts are computed on a thread pool
+from host memory while the GPU works, and the two partial sums are added on the device.
+``set_budget`` re-plans the placement and moves only the experts that change tier.
+
+On a CPU-only machine both tiers live in host memory and the same code paths run.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+
+from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
+from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fits, gpu_expert_capacity_mb,
+                              plan_placement, state_bytes)
+
+RESERVED_CONTEXT_TOKENS = 32768  # state kept free for by default when placing experts
+
+
+@dataclass(frozen=True)
+class HybridStats:
+    """Expert hits since the last ``reset_counters`` and the placement they ran under."""
+
+    budget_mb: float
+    hot_experts: int
+    cold_experts: int
+    hot_hits: int  # routed (token, expert) pairs served on the device
+    cold_hits: int  # routed pairs served by CPU threads
+    expected_cold_hit_rate: float  # from the routing statistics
+    expert_vram_mb: float  # device memory held by hot experts
+
+    @property
+    def cold_hit_rate(self) -> float:
+        total = self.hot_hits + self.cold_hits
+        return self.cold_hits / total if total else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self) | {"cold_hit_rate": self.cold_hit_rate}
+
+
+class _LayerTiers:
+    """One layer's experts: all of them in host memory, the hot ones also in device slots."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, device: torch.device):
+        self.host = (gate, up, down)  # [E, ffn, H], [E, ffn, H], [E, H, ffn]
+        self.device = device
+        self.n_expert = gate.shape[0]
+        self.hot: tuple[int, ...] = ()  # expert held in each slot
+        self.slots: tuple[torch.Tensor, ...] | None = None  # (gate, up, down) [n_hot, ...] on device
+        self.host_hot = torch.zeros(self.n_expert, dtype=torch.bool)
+        self.slot_of = torch.full((self.n_expert,), -1, dtype=torch.int64, device=device)
+
+    @property
+    def n_hot(self) -> int:
+        return len(self.hot)
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.slots) if self.slots else 0
+
+    def place(self, hot: Sequence[int]) -> None:
+        """Make exactly ``hot`` resident in new slots: experts that stay hot are copied on the
+        device, newly hot ones from host memory (the old slots are freed afterwards)."""
+        old = {e: s for s, e in enumerate(self.hot)}
+        order = sorted(hot)
+        if order == sorted(old):
+            return
+        slots = None
+        if order:
+            slots = tuple(torch.empty((len(order), *h.shape[1:]), dtype=h.dtype, device=self.device)
+                          for h in self.host)
+            kept = [(s, old[e]) for s, e in enumerate(order) if e in old]
+            incoming = [(s, e) for s, e in enumerate(order) if e not in old]
+            for dst, src, n in _runs(kept):
+                for new, prev in zip(slots, self.slots):
+                    new[dst:dst + n].copy_(prev[src:src + n])
+            for dst, src, n in _runs(incoming):
+                for new, host in zip(slots, self.host):
+                    new[dst:dst + n].copy_(host[src:src + n], non_blocking=True)
+        self.slots = slots
+        self.hot = tuple(order)
+        slot_of = torch.full((self.n_expert,), -1, dtype=torch.int64)
+        if order:
+            slot_of[torch.tensor(order)] = torch.arange(len(order))
+        self.slot_of.copy_(slot_of)
+        self.host_hot = slot_of >= 0
+
+
+class HybridExperts:
+    """The model's expert executor under a VRAM budget (``Qwen35MoE.set_expert_executor``)."""
+
+    def __init__(self, host_experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *,
+                 device: torch.device | str, stats: RoutingStats, min_hot: int,
+                 reserve: GpuReserve | None = None, max_expert_mb: float | None = None,
+                 threads: int | None = None, impl: str = "auto", kernel_config: Any = None):
+        """``host_experts``: per layer (gate, up, down) in host memory. ``max_expert_mb`` caps
+        device memory for experts below what the live GPU allows; ``threads`` sizes the CPU pool."""
+        self.device = torch.device(device)
+        if len(host_experts) != stats.n_layers:
+            raise ValueError(f"{len(host_experts)} layers of experts but routing statistics for {stats.n_layers}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        self.stats = stats
+        self.min_hot = min_hot
+        self.reserve = reserve or GpuReserve()
+        self.max_expert_mb = max_expert_mb
+        self.impl = resolve_impl(impl, self.device)
+        self.kernel_config = kernel_config
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self.expert_bytes = [sum(t[0].numel() for t in layer) * layer[0].element_size() for layer in host_experts]
+        with torch.inference_mode(False):
+            self._layers = [_LayerTiers(*layer, self.device) for layer in host_experts]
+            self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
+        self._pairs = [0] * len(self._layers)
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
+        self.placement: Placement | None = None
+
+    @classmethod
+    def from_model(cls, model: Any, budget_mb: float, stats: RoutingStats | None = None, *,
+                   reserve: GpuReserve | None = None, **options: Any) -> "HybridExperts":
+        """Take over the routed experts of ``model`` (a ``Qwen35MoE``) and place them for ``budget_mb``.
+
+        The budget is checked before anything moves. The model's expert tensors are then
+        replaced by their host copies, so device memory holds only the hot slots.
+        """
+        cfg = model.cfg
+        stats = stats or RoutingStats.uniform(cfg.n_layers, cfg.n_expert)
+        if reserve is None:
+            context = min(cfg.context_length, RESERVED_CONTEXT_TOKENS)
+            reserve = GpuReserve(state_mb=state_bytes(cfg, context, model.dtype) / MB)
+        experts = [layer.moe.experts for layer in model.weights.layers]
+        on_gpu = sum(t.numel() * t.element_size() for ew in experts for t in (ew.gate, ew.up, ew.down)
+                     if t.device.type == "cuda")
+        expert_bytes = [sum(t[0].numel() for t in (ew.gate, ew.up, ew.down)) * ew.gate.element_size()
+                        for ew in experts]
+        _checked_placement(stats, expert_bytes, budget_mb, cfg.n_expert_used, torch.device(model.device),
+                           on_gpu, reserve, options.get("max_expert_mb"))
+        pin = torch.device(model.device).type == "cuda"
+        host = []
+        for ew in experts:
+            ew.gate, ew.up, ew.down = (_host_copy(t, pin) for t in (ew.gate, ew.up, ew.down))
+            host.append((ew.gate, ew.up, ew.down))
+        if pin:
+            torch.cuda.empty_cache()
+        hybrid = cls(host, device=model.device, stats=stats, min_hot=cfg.n_expert_used, reserve=reserve, **options)
+        hybrid.set_budget(budget_mb)
+        return hybrid
+
+    def set_budget(self, budget_mb: float) -> Placement:
+        """Re-place the experts for ``budget_mb`` in place (only experts that change tier move)
+        and reset the counters."""
+        placement = _checked_placement(self.stats, self.expert_bytes, budget_mb, self.min_hot, self.device,
+                                       self.expert_vram_bytes, self.reserve, self.max_expert_mb)
+        with torch.inference_mode(False):
+            # layers that shrink go first, so their memory is free before others grow
+            moves = sorted(zip(self._layers, placement.hot), key=lambda lh: len(lh[1]) - lh[0].n_hot)
+            for layer, hot in moves:
+                layer.place(hot)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        self.placement = placement
+        self.reset_counters()
+        return placement
+
+    @property
+    def expert_vram_bytes(self) -> int:
+        return sum(layer.slot_bytes for layer in self._layers)
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_w: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_ids [T, k] int64, topk_w [T, k] float32 -> [T, H] in x's dtype."""
+        layer = self._layers[layer_idx]
+        slots = layer.slot_of[topk_ids]  # [T, k], -1 where the expert is cold
+        self._hot_hits[layer_idx].add_((slots >= 0).sum())
+        self._pairs[layer_idx] += topk_ids.numel()
+        if layer.n_hot == layer.n_expert:
+            return fused_moe(x, *layer.slots, slots, topk_w, impl=self.impl, config=self.kernel_config)
+
+        host = torch.device("cpu")
+        on_cpu = x.device == host
+        x_h, ids_h, w_h = (t if on_cpu else _to_pinned(t) for t in (x, topk_ids, topk_w))
+        copied = None
+        if not on_cpu:
+            copied = torch.cuda.Event()
+            copied.record()
+        hot = None
+        if layer.n_hot:  # queued on the device before the host waits for its copies
+            hot = fused_moe(x, *layer.slots, slots, topk_w, impl=self.impl, config=self.kernel_config)
+        if copied is not None:
+            copied.synchronize()
+        cold = self._cold(layer, x_h, ids_h, w_h, pin=not on_cpu)
+        cold = cold.to(x.device, non_blocking=True)
+        if hot is not None:
+            cold += hot
+        return cold.to(x.dtype)
+
+    def _cold(self, layer: _LayerTiers, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pin: bool) -> torch.Tensor:
+        """Float32 [T, H] contribution of the cold experts, computed by the thread pool."""
+        cold_ids = torch.where(layer.host_hot[ids], -1, ids)
+        experts = routed_experts(cold_ids)
+        out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=pin)
+        chunks = [experts[i::self.threads] for i in range(min(self.threads, len(experts)))]
+        futures = [self._pool.submit(experts_sum, x, *layer.host, cold_ids, w, chunk) for chunk in chunks]
+        for f in futures:
+            out += f.result()
+        return out
+
+    def stats_snapshot(self) -> HybridStats:
+        """Counters since the last reset (reads the device counters: one host synchronisation)."""
+        placement = self.placement
+        hot_hits = int(self._hot_hits.sum())
+        return HybridStats(
+            budget_mb=placement.budget_mb, hot_experts=placement.hot_count, cold_experts=placement.cold_count,
+            hot_hits=hot_hits, cold_hits=sum(self._pairs) - hot_hits,
+            expected_cold_hit_rate=placement.expected_cold_hit_rate, expert_vram_mb=self.expert_vram_bytes / MB)
+
+    def reset_counters(self) -> None:
+        self._hot_hits.zero_()
+        self._pairs = [0] * len(self._layers)
+
+    def close(self) -> None:
+        """Stop the CPU threads (the executor cannot run afterwards)."""
+        self._pool.shutdown(wait=True)
+
+
+def _checked_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: float, min_hot: int,
+                       device: torch.device, reclaimable_bytes: int, reserve: GpuReserve,
+                       max_expert_mb: float | None) -> Placement:
+    placement = plan_placement(stats, expert_bytes, budget_mb, min_hot)
+    capacity = gpu_expert_capacity_mb(device, reclaimable_bytes, reserve)
+    if max_expert_mb is not None:
+        capacity = max_expert_mb if capacity is None else min(capacity, max_expert_mb)
+    check_fits(placement, capacity, device, reserve)
+    return placement
+
+
+def attach_hybrid(model: Any, budget_mb: float, stats: RoutingStats | None = None, **options: Any) -> HybridExperts:
+    """Engine glue: place ``model``'s experts for ``budget_mb`` and make it run them hybrid."""
+    hybrid = HybridExperts.from_model(model, budget_mb, stats, **options)
+    model.set_expert_executor(hybrid)
+    return hybrid
+
+
+def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(dst, src) index pairs, ascending in both -> (dst start, src start, length) of consecutive runs."""
+    runs: list[list[int]] = []
+    for dst, src in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
+            runs[-1][2] += 1
+        else:
+            runs.append([dst, src, 1])
+    return [(a, b, n) for a, b, n in runs]
+
+
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t.contiguous().pin_memory() if pin else t.contiguous()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    out.copy_(t)
+    return out
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
