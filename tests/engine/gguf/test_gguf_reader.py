@@ -10,14 +10,24 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from engine.errors import GGUFError
+from engine.errors import ConfigError, GGUFError
 from engine.gguf import quants, reader
+from engine.gguf.make_model import default_vocab_path
 from engine.gguf.reader import GGUFFile, TensorInfo
 from engine.gguf.writer import TensorSpec, write_gguf
 from engine.model.config import ModelConfig
 
 ARCH = "qwen35moe"
-VOCAB = Path("/work/shared/data/ggml-vocab-qwen35.gguf")
+
+
+def _find_vocab() -> Path | None:
+    try:
+        return default_vocab_path()
+    except ConfigError:
+        return None
+
+
+VOCAB = _find_vocab()
 
 
 def small_file(path: Path) -> Path:
@@ -168,7 +178,7 @@ def test_raw_view_outlives_close(tmp_path):
     assert raw.view(np.float32).tolist() == [1.0] * 32
 
 
-@pytest.mark.skipif(not VOCAB.is_file(), reason="shared vocabulary GGUF not present")
+@pytest.mark.skipif(VOCAB is None, reason="shared/data vocabulary GGUF not present")
 def test_vocab_only_file_opens_fast():
     t0 = time.perf_counter()
     with GGUFFile(VOCAB) as f:
