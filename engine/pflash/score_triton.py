@@ -12,6 +12,7 @@ padded to powers of two. ``score.py`` holds the reference these kernels are test
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import triton
@@ -161,7 +162,8 @@ def lookahead_max_probs_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *,
     return out
 
 
-def token_scores_triton(queries, keys, *, block_n: int = 64) -> torch.Tensor:
+def token_scores_triton(queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], *,
+                        block_n: int = 64) -> torch.Tensor:
     """Same contract as ``score.token_scores``: [T] float32, max over layers and heads,
     mean over the lookahead queries."""
     if not queries or len(queries) != len(keys):

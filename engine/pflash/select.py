@@ -58,6 +58,7 @@ class Selection:
 
     kept_ids: torch.Tensor  # [n] int64
     kept_positions: torch.Tensor  # [n] int64: original positions, or 0..n-1 when renumbered
+    kept_index: torch.Tensor  # [n] int64: where the kept tokens sit in the prompt
     total: int  # prompt tokens before selection
     drafter_s: float  # drafter prefill + scoring + selection, 0 when the prompt was kept whole
 
@@ -121,7 +122,7 @@ def pflash_select(drafter: Drafter, ids: torch.Tensor, keep_ratio: float,
     total = ids.shape[0]
     if total <= config.threshold:
         positions = torch.arange(total, device=ids.device)
-        return Selection(kept_ids=ids, kept_positions=positions, total=total, drafter_s=0.0)
+        return Selection(kept_ids=ids, kept_positions=positions, kept_index=positions, total=total, drafter_s=0.0)
 
     _sync(drafter.device)
     t0 = time.perf_counter()
@@ -133,7 +134,7 @@ def pflash_select(drafter: Drafter, ids: torch.Tensor, keep_ratio: float,
     kept_ids = ids[kept]
     positions = torch.arange(kept.shape[0], device=ids.device) if config.renumber else kept
     _sync(drafter.device)
-    return Selection(kept_ids=kept_ids, kept_positions=positions, total=total,
+    return Selection(kept_ids=kept_ids, kept_positions=positions, kept_index=kept, total=total,
                      drafter_s=time.perf_counter() - t0)
 
 

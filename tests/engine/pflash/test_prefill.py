@@ -75,7 +75,7 @@ def test_compressed_prefill_keeps_chunks_at_their_original_positions(models, pro
     assert torch.all(pos[1:] > pos[:-1])
     assert {0, n_chunks - 2, n_chunks - 1} <= set(chunks.tolist())
     assert pos[-1] == T - 1 and res.selection.kept == pos.numel() == 8 * CONFIG.chunk - 5
-    assert torch.equal(res.selection.kept_ids, prompt[pos])
+    assert torch.equal(res.selection.kept_index, pos) and torch.equal(res.selection.kept_ids, prompt[pos])
     assert res.state.seq_len == pos.numel() and res.state.next_position == T
 
     # The same tokens prefilled by hand at the same positions, then one decode step at position T.
@@ -93,6 +93,8 @@ def test_renumbered_positions_run_from_zero(models, prompt):
     res = compressed_prefill(target, prompt, drafter=drafter, keep_ratio=0.2, config=config)
     n = res.selection.kept
     assert torch.equal(res.kept_positions, torch.arange(n)) and res.state.next_position == n
+    assert res.selection.kept_index[-1] == T - 1
+    assert torch.equal(res.selection.kept_ids, prompt[res.selection.kept_index])
     assert torch.equal(res.logits, plain_prefill(target, res.selection.kept_ids)[1])
 
 
@@ -126,3 +128,41 @@ def test_bad_arguments_are_config_errors(models, prompt, kwargs, message):
     target, drafter = models
     with pytest.raises(ConfigError, match=message):
         compressed_prefill(target, prompt, drafter=drafter, config=CONFIG, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def cuda_models(pflash_models):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target_path, drafter_path = pflash_models
+    with GGUFFile(target_path) as f:
+        target = Qwen35MoE.from_gguf(f, device="cuda")
+    drafter = Drafter.from_gguf(drafter_path, target_vocab=Tokenizer.from_gguf(target_path), device="cuda")
+    return target, drafter
+
+
+@pytest.mark.gpu
+def test_triton_and_torch_scorers_agree_on_the_drafter(cuda_models, prompt):
+    from engine.pflash.score import token_scores
+    from engine.pflash.score_triton import token_scores_triton
+
+    _, drafter = cuda_models
+    queries, keys = drafter.lookahead(prompt.cuda(), CONFIG.n_lookahead)
+    ref, got = token_scores(queries, keys), token_scores_triton(queries, keys)
+    err = (got - ref).abs()
+    assert (err - 1e-3 * ref).max() <= 1e-6, (err.max().item(), (err / ref).max().item())
+
+
+@pytest.mark.gpu
+def test_compressed_prefill_on_gpu_matches_a_plain_prefill_of_the_kept_tokens(cuda_models, prompt):
+    target, drafter = cuda_models
+    ids = prompt.cuda()
+    full = compressed_prefill(target, ids, drafter=drafter, keep_ratio=1.0, config=CONFIG, reserve=4)
+    _, logits = plain_prefill(target, ids)
+    # bf16 on CUDA, and expert outputs are summed with atomics: equal up to rounding
+    assert (full.logits - logits).abs().max() <= 2e-2 * logits.abs().max()
+    res = compressed_prefill(target, ids, drafter=drafter, keep_ratio=0.3, config=CONFIG, reserve=4)
+    pos = res.kept_positions
+    assert pos[-1] == T - 1 and res.state.next_position == T
+    _, logits = plain_prefill(target, ids[pos], positions=pos)
+    assert (res.logits - logits).abs().max() <= 2e-2 * logits.abs().max()

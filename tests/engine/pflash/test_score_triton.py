@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined
 
-from engine.pflash.score import token_scores  # noqa: E402
+from engine.pflash.score import lookahead_probs, token_scores  # noqa: E402
 from engine.pflash.score_triton import lookahead_max_probs_, token_scores_triton  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,7 +42,7 @@ def check_close(got, ref, rtol, atol):
     (6, 2, 5, 77, 40),  # group of 3 heads, 5 queries: both padded
     (3, 1, 1, 33, 24),  # a single lookahead query
     (4, 4, 8, 130, 64),  # no grouping
-    (8, 2, 8, 301, 136),  # head dim over one BLOCK_D
+    (8, 2, 8, 201, 136),  # head dim over one BLOCK_D
 ])
 def test_triton_matches_reference_at_odd_sizes(n_head, n_kv, n_look, t, d):
     qs, ks = layers(2, n_head, n_kv, n_look, t, d, torch.float32, seed=t, needles=(t // 3,))
@@ -57,8 +57,6 @@ def test_layer_fold_keeps_the_running_maximum_and_reads_strided_keys():
     cache[:, :50] = ks[0]
     out = torch.full((3, 50), 0.5, device=DEVICE)
     lookahead_max_probs_(out, qs[0], cache[:, :50], block_n=16)
-    from engine.pflash.score import lookahead_probs
-
     expected = torch.maximum(lookahead_probs(qs[0], ks[0]).amax(0), torch.tensor(0.5, device=DEVICE))
     assert (out - expected).abs().max() < 1e-6
 
