@@ -12,6 +12,8 @@ target prefill for PFlash, the target prefill alone without it. ``needle kept`` 
 share of cases whose needle value tokens all survived selection. A budget is ``all`` (every
 expert on the GPU), megabytes, or a percentage of the target's expert bytes. The JSON file
 is rewritten after each context length, so an interrupted run keeps what it measured.
+On CUDA the Triton scorer is first checked against and timed beside its torch reference on
+the drafter's attention shapes at each context length.
 """
 
 from __future__ import annotations
@@ -121,6 +123,34 @@ def summarise(runs: list[dict], baseline_ttft: float | None) -> dict:
     return row
 
 
+def time_scorers(drafter: Drafter, contexts: list[int], n_look: int) -> list[dict]:
+    """Torch reference against the Triton scorer on random queries/keys of the drafter's shapes,
+    checked against each other before timing (CUDA only)."""
+    import triton.testing
+
+    from engine.pflash.score import token_scores
+    from engine.pflash.score_triton import token_scores_triton
+
+    cfg, rows = drafter.cfg, []
+    gen = torch.Generator(device=drafter.device).manual_seed(0)
+    for t in contexts:
+        qs = [torch.randn(cfg.n_head, n_look, cfg.head_dim, device=drafter.device, generator=gen,
+                          dtype=drafter.model.dtype) for _ in cfg.attention_layers]
+        ks = [torch.randn(cfg.n_head_kv, t, cfg.head_dim, device=drafter.device, generator=gen,
+                          dtype=drafter.model.dtype) for _ in cfg.attention_layers]
+        ref, got = token_scores(qs, ks), token_scores_triton(qs, ks)
+        err = ((got - ref).abs() / ref.clamp_min(1e-12)).max().item()
+        if err > 1e-2:
+            raise SystemExit(f"Triton scorer differs from the reference by {err:.3g} (relative) at {t} tokens")
+        row = {"context": t, "max_rel_err": err,
+               "torch_ms": triton.testing.do_bench(lambda: token_scores(qs, ks), return_mode="median"),
+               "triton_ms": triton.testing.do_bench(lambda: token_scores_triton(qs, ks), return_mode="median")}
+        print(f"scorer at {t:>6} tokens: torch {row['torch_ms']:.3f} ms, triton {row['triton_ms']:.3f} ms "
+              f"(max rel err {err:.2g})", flush=True)
+        rows.append(row)
+    return rows
+
+
 def _cell(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -161,6 +191,8 @@ def main() -> None:
               "commit": commit(), "target": str(args.target), "drafter": str(args.drafter),
               "device": str(eng.device), "dtype": str(eng.dtype), "config": asdict(config),
               "max_new": args.max_new, "cases": args.cases, "rows": []}
+    if eng.device.type == "cuda":
+        result["scorer"] = time_scorers(drafter, contexts, config.n_lookahead)
 
     header = (f"{'budget':>8} {'context':>7} {'keep':>5} {'acc':>5} {'needle':>6} {'kept':>6} "
               f"{'TTFT s':>8} {'min':>7} {'max':>7} {'drafter':>7} {'speedup':>7}")
