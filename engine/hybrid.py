@@ -97,12 +97,13 @@ class _LayerTiers:
 class HybridExperts:
     """The model's expert executor under a VRAM budget (``Qwen35MoE.set_expert_executor``)."""
 
-    def __init__(self, host_experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *,
-                 device: torch.device | str, stats: RoutingStats, min_hot: int,
+    def __init__(self, host_experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], budget_mb: float,
+                 *, device: torch.device | str, stats: RoutingStats, min_hot: int,
                  reserve: GpuReserve | None = None, max_expert_mb: float | None = None,
                  threads: int | None = None, impl: str = "auto", kernel_config: Any = None):
-        """``host_experts``: per layer (gate, up, down) in host memory. ``max_expert_mb`` caps
-        device memory for experts below what the live GPU allows; ``threads`` sizes the CPU pool."""
+        """``host_experts``: per layer (gate, up, down) in host memory (pinned for CUDA), placed
+        for ``budget_mb``. ``max_expert_mb`` caps device memory for experts below what the live
+        GPU allows; ``threads`` sizes the CPU pool; ``impl`` picks the hot tier's kernel."""
         self.device = torch.device(device)
         if len(host_experts) != stats.n_layers:
             raise ValueError(f"{len(host_experts)} layers of experts but routing statistics for {stats.n_layers}")
@@ -121,7 +122,7 @@ class HybridExperts:
             self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
         self._pairs = [0] * len(self._layers)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
-        self.placement: Placement | None = None
+        self.placement = self.set_budget(budget_mb)
 
     @classmethod
     def from_model(cls, model: Any, budget_mb: float, stats: RoutingStats | None = None, *,
@@ -150,9 +151,8 @@ class HybridExperts:
             host.append((ew.gate, ew.up, ew.down))
         if pin:
             torch.cuda.empty_cache()
-        hybrid = cls(host, device=model.device, stats=stats, min_hot=cfg.n_expert_used, reserve=reserve, **options)
-        hybrid.set_budget(budget_mb)
-        return hybrid
+        return cls(host, budget_mb, device=model.device, stats=stats, min_hot=cfg.n_expert_used, reserve=reserve,
+                   **options)
 
     def set_budget(self, budget_mb: float) -> Placement:
         """Re-place the experts for ``budget_mb`` in place (only experts that change tier move)

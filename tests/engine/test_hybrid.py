@@ -3,8 +3,9 @@ the model wired to it. On the CPU both tiers live in host memory; on CUDA the ho
 device slots and the cold tier runs on CPU threads.
 
 Bounds: float32 tiers must agree with the reference to 1e-5 of the largest output (only the
-order of the sum over experts differs); bf16 tiers on CUDA to 1e-2 of the float32 reference
-computed from the same rounded weights.
+order of the sum over experts differs); bf16 tiers on CUDA to 2e-2 of the float32 reference
+computed from the same rounded weights (the CPU tier rounds the gate/up outputs and the
+activation to bf16, as the model's torch executor does: about 7e-3 measured on the CPU).
 """
 
 import os
@@ -61,8 +62,8 @@ def experts():
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
 @pytest.mark.parametrize("T", [1, 6])
 def test_same_outputs_at_every_budget(experts, fraction, T):
-    hybrid = HybridExperts(experts, device="cpu", stats=skewed_stats(), min_hot=K, threads=2)
-    hybrid.set_budget(fraction * total_mb(experts))
+    hybrid = HybridExperts(experts, fraction * total_mb(experts), device="cpu", stats=skewed_stats(), min_hot=K,
+                           threads=2)
     for layer in range(L):
         x = torch.randn(T, H)
         ids, w = routing(T, seed=layer)
@@ -74,8 +75,8 @@ def test_same_outputs_at_every_budget(experts, fraction, T):
 
 def test_triton_hot_tier_matches_reference(experts):
     pytest.importorskip("triton")
-    hybrid = HybridExperts(experts, device="cpu", stats=skewed_stats(), min_hot=K, threads=2, impl="triton")
-    hybrid.set_budget(0.5 * total_mb(experts))
+    hybrid = HybridExperts(experts, 0.5 * total_mb(experts), device="cpu", stats=skewed_stats(), min_hot=K,
+                           threads=2, impl="triton")
     x = torch.randn(5, H)
     ids, w = routing(5, seed=3)
     assert rel_err(hybrid(1, x, ids, w), moe_reference(x, *experts[1], ids, w)) < 1e-5
@@ -84,8 +85,8 @@ def test_triton_hot_tier_matches_reference(experts):
 
 def test_counters_measure_cold_hits_and_expert_memory(experts):
     stats = skewed_stats()
-    hybrid = HybridExperts(experts, device="cpu", stats=stats, min_hot=K, threads=2)
-    placement = hybrid.set_budget(0.5 * total_mb(experts))
+    hybrid = HybridExperts(experts, 0.5 * total_mb(experts), device="cpu", stats=stats, min_hot=K, threads=2)
+    placement = hybrid.placement
     hot = placement.hot_mask()
     cold = pairs = 0
     for step in range(4):
@@ -108,7 +109,7 @@ def test_counters_measure_cold_hits_and_expert_memory(experts):
 
 def test_set_budget_moves_experts_in_place(experts):
     stats = skewed_stats()
-    hybrid = HybridExperts(experts, device="cpu", stats=stats, min_hot=K, threads=2)
+    hybrid = HybridExperts(experts, 0, device="cpu", stats=stats, min_hot=K, threads=2)
     x = torch.randn(4, H)
     ids, w = routing(4, seed=9)
     for fraction in (0.5, 0.25, 1.0, 0.0, 0.75):
@@ -126,9 +127,9 @@ def test_set_budget_moves_experts_in_place(experts):
 
 
 def test_oversize_budget_is_refused_before_anything_moves(experts):
-    hybrid = HybridExperts(experts, device="cpu", stats=skewed_stats(), min_hot=K, threads=1,
-                           max_expert_mb=0.5 * total_mb(experts))
-    before = hybrid.set_budget(0.25 * total_mb(experts))
+    hybrid = HybridExperts(experts, 0.25 * total_mb(experts), device="cpu", stats=skewed_stats(), min_hot=K,
+                           threads=1, max_expert_mb=0.5 * total_mb(experts))
+    before = hybrid.placement
     with pytest.raises(ConfigError, match=r"does not fit on cpu.*largest expert budget that fits is \d+ MB"):
         hybrid.set_budget(total_mb(experts))
     assert hybrid.placement is before and [t.hot for t in hybrid._layers] == list(before.hot)
@@ -204,15 +205,15 @@ def test_cuda_tiers_at_real_shapes_bf16(fraction, T):
     n_layers = 2
     experts = random_experts(n_layers, 256, 2048, 512, dtype=torch.bfloat16)
     host = [tuple(t.pin_memory() for t in layer) for layer in experts]
-    hybrid = HybridExperts(host, device="cuda", stats=skewed_stats(n_layers, 256), min_hot=8)
-    hybrid.set_budget(fraction * total_mb(experts))
+    hybrid = HybridExperts(host, fraction * total_mb(experts), device="cuda", stats=skewed_stats(n_layers, 256),
+                           min_hot=8)
     assert hybrid.stats_snapshot().expert_vram_mb == pytest.approx(fraction * total_mb(experts), abs=7)
     x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(T, 256, 8, seed=T, device="cuda")
     out = hybrid(1, x, ids, w)
     ref = moe_reference(x.float().cpu(), *(t.float() for t in experts[1]), ids.cpu(), w.cpu())
     assert out.device.type == "cuda" and out.dtype == torch.bfloat16
-    assert rel_err(out.cpu(), ref) < 1e-2
+    assert rel_err(out.cpu(), ref) < 2e-2
     hybrid.close()
 
 
@@ -222,8 +223,7 @@ def test_cuda_set_budget_moves_gigabytes_per_second():
     n_layers = 4  # 6 GiB of bf16 experts at the real shapes
     experts = [tuple(t.pin_memory() for t in layer)
                for layer in random_experts(n_layers, 256, 2048, 512, dtype=torch.bfloat16)]
-    hybrid = HybridExperts(experts, device="cuda", stats=skewed_stats(n_layers, 256), min_hot=8)
-    hybrid.set_budget(0)
+    hybrid = HybridExperts(experts, 0, device="cuda", stats=skewed_stats(n_layers, 256), min_hot=8)
     t0 = time.perf_counter()
     hybrid.set_budget(total_mb(experts))
     seconds = time.perf_counter() - t0

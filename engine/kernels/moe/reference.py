@@ -32,8 +32,8 @@ def experts_sum(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     for e in experts:
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)  # [n], [n]
         xs = xw[tok]  # [n, H]
-        act = F.silu(xs @ gate[e].T) * (xs @ up[e].T)  # [n, ffn]
-        y = (act @ down[e].T).float()  # [n, H]
+        act = F.silu(F.linear(xs, gate[e])) * F.linear(xs, up[e])  # [n, ffn]
+        y = F.linear(act, down[e]).float()  # [n, H]
         out.index_add_(0, tok, y * topk_w[tok, slot].float().unsqueeze(1))
     return out
 

@@ -28,6 +28,7 @@ class MoEKernelConfig:
     gemv_max_tokens: int = 4
     gemv_block_n: int = 16
     gemv_block_k: int = 256
+    gemv_num_warps: int = 4
     block_m: int = 64
     block_m_small: int = 16  # used when experts see few tokens each
     block_n: int = 64
@@ -36,12 +37,19 @@ class MoEKernelConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("gemv_block_n", "gemv_block_k", "block_m", "block_m_small", "block_n", "block_k"):
+        tiles = {"gemv_block_n": 1, "gemv_block_k": 16, "block_m": 16, "block_m_small": 16, "block_n": 16,
+                 "block_k": 16}  # tensor-core dots need 16
+        for name, least in tiles.items():
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.gemv_max_tokens < 0:
-            raise ValueError(f"gemv_max_tokens must be >= 0, got {self.gemv_max_tokens}")
+            if value < least or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
+        for name in ("gemv_num_warps", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.gemv_max_tokens < 0 or self.num_stages < 1:
+            raise ValueError(f"gemv_max_tokens must be >= 0 and num_stages >= 1, got "
+                             f"{self.gemv_max_tokens} and {self.num_stages}")
 
 
 @triton.jit
@@ -255,11 +263,11 @@ def fused_moe_triton(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down
         _gemv_gate_up_kernel[(T * K, triton.cdiv(F_, bn))](
             xw, gate, up, ids, act, H, F_,
             xw.stride(0), gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), act.stride(0),
-            TOPK=K, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.num_warps)
+            TOPK=K, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.gemv_num_warps)
         _gemv_down_kernel[(T, triton.cdiv(H, bn))](
             act, down, ids, w, out, H, F_,
             act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-            TOPK=K, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.num_warps)
+            TOPK=K, BLOCK_N=bn, BLOCK_K=bk, num_warps=config.gemv_num_warps)
         return out
 
     bm = config.block_m if T * K >= 4 * E else config.block_m_small

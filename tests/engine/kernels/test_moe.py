@@ -108,6 +108,8 @@ def test_align_by_expert_groups_every_pair_once():
 def test_config_rejects_bad_tiles():
     with pytest.raises(ValueError, match="block_n"):
         MoEKernelConfig(block_n=48)
+    with pytest.raises(ValueError, match="block_k"):
+        MoEKernelConfig(block_k=8)
 
 
 def test_auto_picks_torch_on_cpu():
