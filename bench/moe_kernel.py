@@ -39,7 +39,6 @@ def copy_bandwidth(dev: torch.device, rep_ms: int, gib: int = 4) -> float:
     src = torch.empty(gib * 2**30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=rep_ms, return_mode="median")
-    del src, dst
     return 2 * gib * 2**30 / (ms * 1e-3)
 
 

@@ -6,7 +6,10 @@ fused-MoE kernel runs them; pairs routed to cold experts are computed on a threa
 from host memory while the GPU works, and the two partial sums are added on the device.
 ``set_budget`` re-plans the placement and moves only the experts that change tier.
 
-On a CPU-only machine both tiers live in host memory and the same code paths run.
+A layer with cold experts reads its routing back to the host once per call (the cold tier
+cannot start without it); a layer whose experts are all hot runs without host syncs. On a
+CPU-only machine both tiers live in host memory (hot experts are then held twice) and the
+same code paths run.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
 from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fits, gpu_expert_capacity_mb,
                               plan_placement, state_bytes)
+
+if TYPE_CHECKING:
+    from engine.kernels.moe.triton import MoEKernelConfig
 
 RESERVED_CONTEXT_TOKENS = 32768  # state kept free for by default when placing experts
 
@@ -100,7 +106,7 @@ class HybridExperts:
     def __init__(self, host_experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], budget_mb: float,
                  *, device: torch.device | str, stats: RoutingStats, min_hot: int,
                  reserve: GpuReserve | None = None, max_expert_mb: float | None = None,
-                 threads: int | None = None, impl: str = "auto", kernel_config: Any = None):
+                 threads: int | None = None, impl: str = "auto", kernel_config: "MoEKernelConfig | None" = None):
         """``host_experts``: per layer (gate, up, down) in host memory (pinned for CUDA), placed
         for ``budget_mb``. ``max_expert_mb`` caps device memory for experts below what the live
         GPU allows; ``threads`` sizes the CPU pool; ``impl`` picks the hot tier's kernel."""
@@ -122,7 +128,8 @@ class HybridExperts:
             self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
         self._pairs = [0] * len(self._layers)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
-        self.placement = self.set_budget(budget_mb)
+        self.placement: Placement
+        self.set_budget(budget_mb)
 
     @classmethod
     def from_model(cls, model: Any, budget_mb: float, stats: RoutingStats | None = None, *,
@@ -191,7 +198,7 @@ class HybridExperts:
         copied = None
         if not on_cpu:
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(torch.cuda.current_stream(x.device))
         hot = None
         if layer.n_hot:  # queued on the device before the host waits for its copies
             hot = fused_moe(x, *layer.slots, slots, topk_w, impl=self.impl, config=self.kernel_config)
