@@ -1,0 +1,88 @@
+"""Loading GGUF variants: fused gate_up experts, an appended MTP block, tied output, bad shapes."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine.errors import GGUFError
+from engine.gguf.reader import GGUFFile
+from engine.gguf.writer import write_gguf
+from engine.model.qwen35moe import Qwen35MoE
+
+
+def rewrite(src, dst, edit):
+    """Copy ``src`` to ``dst`` as F32, with ``edit(metadata, tensors)`` applied to the dicts first."""
+    with GGUFFile(src) as f:
+        md = dict(f.metadata)
+        tensors = {n: f.load(n) for n in f.tensors}
+    edit(md, tensors)
+    specs = [(n, tuple(t.shape), Q.F32, lambda t=t: t.numpy()) for n, t in tensors.items()]
+    return write_gguf(dst, md, specs)
+
+
+def load(path, **kw):
+    with GGUFFile(path) as f:
+        return Qwen35MoE.from_gguf(f, **kw)
+
+
+def logits(model, n=20):
+    ids = torch.arange(n) * 7 % 101
+    return model.forward(ids, model.new_state(n)).logits
+
+
+def test_fused_gate_up_experts_load_like_separate_ones(gguf_path, engine_model, tmp_path):
+    def fuse(md, t):
+        for i in range(8):
+            gate, up = t.pop(f"blk.{i}.ffn_gate_exps.weight"), t.pop(f"blk.{i}.ffn_up_exps.weight")
+            t[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat([gate, up], dim=1)
+
+    fused = load(rewrite(gguf_path, tmp_path / "fused.gguf", fuse))
+    torch.testing.assert_close(fused.weights.layers[2].moe.experts.up, engine_model.weights.layers[2].moe.experts.up,
+                               rtol=0, atol=0)
+    torch.testing.assert_close(logits(fused), logits(engine_model), rtol=0, atol=0)
+
+
+def test_an_appended_mtp_block_is_ignored(gguf_path, engine_model, tmp_path):
+    def add_mtp(md, t):
+        md["qwen35moe.block_count"] = 9
+        md["qwen35moe.nextn_predict_layers"] = 1
+        for name in [n for n in t if n.startswith("blk.3.")]:
+            t["blk.8." + name[len("blk.3."):]] = torch.randn_like(t[name])  # any use would change the logits
+        t["blk.8.nextn.eh_proj.weight"] = torch.zeros(64, 128)
+
+    mtp = load(rewrite(gguf_path, tmp_path / "mtp.gguf", add_mtp))
+    assert mtp.cfg.n_layers == 8 and mtp.cfg.n_nextn == 1
+    torch.testing.assert_close(logits(mtp), logits(engine_model), rtol=0, atol=0)
+
+
+def test_without_output_the_embedding_is_tied(gguf_path, tmp_path):
+    def drop_output(md, t):
+        del t["output.weight"]
+
+    tied = load(rewrite(gguf_path, tmp_path / "tied.gguf", drop_output))
+    assert tied.weights.output is tied.weights.embed
+
+
+def test_a_wrong_shape_names_file_tensor_and_shapes(gguf_path, tmp_path):
+    def shrink(md, t):
+        t["blk.4.ssm_out.weight"] = t["blk.4.ssm_out.weight"][:, :32]
+
+    path = rewrite(gguf_path, tmp_path / "bad.gguf", shrink)
+    with pytest.raises(GGUFError, match=r"bad\.gguf.*blk\.4\.ssm_out\.weight.*\(64, 32\).*\(64, 64\)"):
+        load(path)
+
+
+def test_bf16_weights_keep_vectors_in_float32(gguf_path, engine_model):
+    model = load(gguf_path, dtype=torch.bfloat16)
+    layer = model.weights.layers[0]
+    assert layer.mixer.qkv.dtype == torch.bfloat16 and layer.moe.experts.gate.dtype == torch.bfloat16
+    assert layer.attn_norm.dtype == torch.float32 and layer.mixer.a.dtype == torch.float32
+    assert layer.moe.router.dtype == torch.float32 and layer.moe.shared.gate_inp.dtype == torch.float32
+    ids = torch.arange(20) * 7 % 101
+    out = model.forward(ids, model.new_state(20), capture_layers=(0,))
+    ref = engine_model.forward(ids, engine_model.new_state(20), capture_layers=(0,))
+    assert out.logits.dtype == torch.float32 and out.hidden[0].dtype == torch.bfloat16
+    # one layer in bf16 (weights, activations) stays within a few percent of float32;
+    # later layers of this random model amplify rounding, so they are compared on the GPU
+    h, h_ref = out.hidden[0].float(), ref.hidden[0]
+    assert float((h - h_ref).abs().max() / h_ref.abs().max()) < 0.1
