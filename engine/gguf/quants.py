@@ -6,6 +6,7 @@ on whole arrays of blocks at once; nothing loops over blocks in Python.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import gguf
@@ -39,7 +40,7 @@ def tensor_nbytes(qtype: Q, shape: Sequence[int]) -> int:
         raise ValueError(f"tensor shape {tuple(shape)} must have positive dimensions")
     if int(shape[-1]) % block:
         raise ValueError(f"row length {shape[-1]} is not a multiple of the {qtype.name} block size {block}")
-    return int(np.prod([int(d) for d in shape], dtype=np.int64)) // block * size
+    return math.prod(int(d) for d in shape) // block * size
 
 
 def _as_uint8_tensor(raw: torch.Tensor | np.ndarray) -> torch.Tensor:

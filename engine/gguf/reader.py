@@ -7,6 +7,7 @@ views for every element of every metadata array, which takes over ten seconds on
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -166,8 +167,7 @@ class GGUFFile:
                             f"({HEADER_BYTES} bytes)")
         try:
             with open(self.path, "rb") as fh:
-                # Copy-on-write: tensors built on these pages are writable without touching the file.
-                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as exc:
             raise GGUFError(f"{self.path}: cannot be mapped ({exc.strerror})") from None
         try:
@@ -186,6 +186,8 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
         cur.pos = 4
         self.version = cur.scalar("I")
+        if self.version & 0xFFFF == 0 and self.version:
+            raise GGUFError(f"{self.path}: file is a big-endian GGUF, which is not supported")
         if self.version not in SUPPORTED_VERSIONS:
             raise GGUFError(f"{self.path}: GGUF version {self.version} is not supported "
                             f"(supported: {', '.join(map(str, SUPPORTED_VERSIONS))})")
@@ -286,9 +288,7 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 array backed by the file mapping."""
         info = self._info(name)
-        view = self._buf[info.offset:info.offset + info.nbytes]
-        view.flags.writeable = False
-        return view
+        return self._buf[info.offset:info.offset + info.nbytes]
 
     def load(self, name: str, *, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> torch.Tensor:
@@ -299,7 +299,7 @@ class GGUFFile:
         """
         info = self._info(name)
         out = torch.empty(info.shape, dtype=dtype, device=device)
-        rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+        rows = math.prod(info.shape[:-1])
         row_bytes = info.nbytes // rows
         flat = out.reshape(rows, info.shape[-1])
         chunk = _CPU_CHUNK_BYTES if out.device.type == "cpu" else _DEVICE_CHUNK_BYTES
@@ -307,7 +307,7 @@ class GGUFFile:
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             a = info.offset + r0 * row_bytes
-            raw = torch.from_numpy(self._buf[a:info.offset + r1 * row_bytes]).to(out.device)
+            raw = torch.from_numpy(self._buf[a:info.offset + r1 * row_bytes].copy()).to(out.device)
             flat[r0:r1] = quants.dequantize(raw, info.qtype, (r1 - r0, info.shape[-1]))
         return out
 

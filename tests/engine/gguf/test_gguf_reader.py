@@ -72,6 +72,8 @@ def test_unsupported_version(tmp_path):
     p = tmp_path / "v9.gguf"
     p.write_bytes(struct.pack("<4sIQQ", b"GGUF", 9, 0, 0))
     expect_error(p, r"v9.gguf: GGUF version 9 is not supported \(supported: 2, 3\)")
+    p.write_bytes(struct.pack(">4sIQQ", b"GGUF", 3, 0, 0))
+    expect_error(p, r"v9.gguf: file is a big-endian GGUF, which is not supported")
 
 
 def test_truncated_tensor_data(tmp_path):
