@@ -197,6 +197,25 @@ def test_model_with_hybrid_experts_matches_plain_model(tiny_model_file, plain_ru
     hybrid.close()
 
 
+def test_engine_generates_the_same_with_calibrated_hybrid_experts(tiny_model_file):
+    from engine.engine import Engine
+    from engine.placement import load_routing_stats
+
+    eng = Engine.from_gguf(tiny_model_file, device="cpu")
+    ids = eng.tokenizer.encode("def add(a, b):\n    return a + b\n")
+    plain = eng.generate(ids, 8)
+    calibrate_routing(eng.model, [ids]).save(tiny_model_file)
+    stats = load_routing_stats(tiny_model_file, eng.config)
+    assert stats.calibrated
+    hybrid = attach_hybrid(eng.model, 0.3, stats, threads=2)
+    assert eng.generate(ids, 8).ids == plain.ids
+    snap = hybrid.stats_snapshot()
+    assert snap.hot_hits > 0 and snap.cold_hits > 0 and 0 < snap.expert_vram_mb <= 0.3
+    # the prompt it was calibrated on is routed as the statistics predicted, within a few pairs
+    assert snap.cold_hit_rate == pytest.approx(snap.expected_cold_hit_rate, abs=0.1)
+    hybrid.close()
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
