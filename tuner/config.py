@@ -98,6 +98,7 @@ class WorkloadConfig:
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
+    corpus: Path | None = None  # held-out text for long prompts; None: the standard library
 
     def __post_init__(self) -> None:
         for name in ("code_prompts", "long_form_prompts", "niah_cases", "warmup"):
@@ -385,7 +386,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Reader]]] = {
     "workload": (WorkloadConfig, {
         "code_prompts": _int, "long_form_prompts": _int, "niah_cases": _int,
         "long_prompt_tokens": _int, "max_new_tokens": _int, "warmup": _int, "repeats": _int,
-        "seed": _int}),
+        "seed": _int, "corpus": _optional_path}),
     "objectives": (ObjectivesConfig, {"metrics": _names}),
     "constraints": (ConstraintsConfig, {"greedy_identical": _bool, "niah_min_accuracy": _float}),
     "study": (StudyConfig, {

@@ -81,6 +81,11 @@ class SearchSpace:
                    drafts=tuple(p.name for p in drafts), spec_len=search.spec_len,
                    keep_ratio=search.pflash_keep_ratio if pflash else None, full_model_mb=full)
 
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to choose: one trial says all there is to say."""
+        return not self.budget_max_mb and not self.drafts and self.keep_ratio is None
+
     def suggest(self, trial: Any) -> TrialParams:
         """Ask an Optuna trial for a point, define-by-run."""
         budget = None

@@ -1,0 +1,82 @@
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from storage.repository import Reader
+from tuner.config import ConfigError, load_config
+from tuner.hardware import Nvml, detect_hardware
+from tuner.profile import load_profile, model_hashes, verify_profile
+from tuner.study import Tuner
+
+from .conftest import FAKE
+
+
+def _trials(cfg):
+    return optuna.load_study(study_name=cfg.study.name, storage=cfg.study.storage).get_trials()
+
+
+def test_study_measures_checks_constraints_and_publishes(appliance):
+    cfg = load_config(appliance(
+        sections={"study": {"trials": 5}},
+        behaviour={"incompatible": ["bad.gguf"], "lossy": ["lossy.gguf"]},
+        drafts=("lossy.gguf", "draft.gguf", "bad.gguf")))
+    result = Tuner(cfg, factory=FAKE).run()
+
+    study = optuna.load_study(study_name=cfg.study.name, storage=cfg.study.storage)
+    assert "hidden size 5120" in study.user_attrs["compatibility"]["draft:bad.gguf"]
+    assert study.user_attrs["space"]["drafts"] == ["lossy.gguf", "draft.gguf"]
+    trials = study.get_trials()
+    assert len(trials) == 5 and all(t.state == TrialState.COMPLETE for t in trials)
+    # The warm start: plain decoding, then the first compatible draft at a middle spec_len.
+    assert trials[0].params == {"draft": "none", "pflash": "off"}
+    assert trials[1].params == {"draft": "lossy.gguf", "spec_len": 5, "pflash": "off"}
+    for t in trials:
+        lossy = t.params["draft"] == "lossy.gguf"
+        assert (t.constraints["greedy_mismatches"] > 0) == lossy
+        assert t.constraints["ram_over_cap_mb"] < 0
+    assert len(result.outcomes) == 5
+
+    winner = result.winner
+    assert winner is not None and winner.feasible and winner.params.draft != "lossy.gguf"
+    profile = load_profile(result.profile)
+    assert result.profile == cfg.publish.profile
+    assert profile.trial == winner.number and profile.study == cfg.study.name
+    assert profile.metrics["decode_tok_s"]["n"] == cfg.study.remeasure_repeats
+    assert profile.metrics["decode_tok_s"]["low"] <= profile.metrics["decode_tok_s"]["median"]
+    here = detect_hardware(None, "cpu", cuda_available=False).fingerprint.as_dict()
+    assert verify_profile(profile, here, model_hashes(profile)) == []
+
+    reader = Reader.open(cfg.study.storage)
+    rows = reader.measurements(cfg.study.name)
+    assert sorted({m.trial_number for m in rows if m.phase == "trial"}) == [0, 1, 2, 3, 4]
+    assert any(m.phase == "remeasure" and m.trial_number == winner.number for m in rows)
+    assert all(reader.samples(m.id) for m in rows)
+    assert [p.trial_number for p in reader.profiles(cfg.study.name)] == [winner.number]
+
+
+def test_a_hanging_trial_is_killed_and_the_study_goes_on(appliance):
+    cfg = load_config(appliance(sections={"study": {"trials": 3, "trial_timeout_s": 3}},
+                                drafts=("draft.gguf",), drafter=None))
+    result = Tuner(cfg, factory=FAKE, hang={1: 600}).run()
+    trials = _trials(cfg)
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    assert trials[1].user_attrs["failure"] == "timeout: no answer within 3 s: the worker was killed"
+    assert [o.status for o in result.outcomes] == ["complete", "failed", "complete"]
+    failed = [m for m in Reader.open(cfg.study.storage).measurements(cfg.study.name) if m.trial_number == 1]
+    assert [m.status for m in failed] == ["failed"] and "timeout" in failed[0].reason
+    assert result.profile is not None
+
+
+def test_resuming_with_another_search_space_is_refused(appliance):
+    path = appliance(sections={"study": {"trials": 1}}, drafts=(), drafter=None)
+    Tuner(load_config(path), factory=FAKE).run()
+    path = appliance(sections={"study": {"trials": 1}}, drafts=("draft.gguf",), drafter=None)
+    with pytest.raises(ConfigError, match="differs from the one study 'luce-tune' was created with"):
+        Tuner(load_config(path), factory=FAKE).run()
+
+
+def test_missing_model_file_is_a_config_error(appliance, tmp_path):
+    cfg = load_config(appliance())
+    (tmp_path / "models" / "drafter.gguf").unlink()
+    with pytest.raises(ConfigError, match=r"models\.drafter: model file .*drafter.gguf does not exist"):
+        Tuner(cfg, factory=FAKE).run()

@@ -1,0 +1,78 @@
+import time
+
+import pytest
+
+from tuner.protocol import Job, Load, Loaded, LoadSpec, Measure, Measured
+from tuner.worker import EngineWorker, WorkerError
+
+from .conftest import FAKE
+
+JOBS = (Job("code/a", "def add(a, b):", 4), Job("long/0", "text " * 40, 4, long=True))
+
+
+@pytest.fixture
+def target(appliance, tmp_path):
+    def make(behaviour=None):
+        appliance(behaviour=behaviour)
+        return str(tmp_path / "models" / "target.gguf")
+    return make
+
+
+def test_measure_reuses_the_engine_and_reloads_only_for_a_new_draft(target, tmp_path):
+    spec = LoadSpec(target=target())
+    with EngineWorker(FAKE) as w:
+        loaded = w.request(Load(spec), timeout_s=30, load_timeout_s=60)
+        assert isinstance(loaded, Loaded) and loaded.device == "cpu"
+        pid = w.pid
+        m = w.request(Measure(spec=spec, jobs=JOBS, warmup=1, repeats=2), timeout_s=30, load_timeout_s=60)
+        assert isinstance(m, Measured)
+        assert [(o.key, o.repeat) for o in m.outputs] == [("code/a", 0), ("long/0", 0), ("code/a", 1), ("long/0", 1)]
+        assert m.outputs[0].ids == m.outputs[2].ids and len(m.outputs[0].ids) == 4
+        assert m.outputs[0].timings["new_tokens"] == 4
+        with_draft = LoadSpec(target=spec.target, draft=str(tmp_path / "models" / "draft.gguf"))
+        m2 = w.request(Measure(spec=with_draft, jobs=JOBS, spec_len=3, repeats=1),
+                       timeout_s=30, load_timeout_s=60)
+        assert m2.outputs[0].timings["acceptance_length"] == 2.5
+        assert w.pid == pid  # one long-lived process
+
+
+def test_engine_errors_come_back_and_the_worker_lives_on(target, tmp_path):
+    path = target({"incompatible": ["draft.gguf"]})
+    spec = LoadSpec(target=path, draft=str(tmp_path / "models" / "draft.gguf"))
+    with EngineWorker(FAKE) as w:
+        with pytest.raises(WorkerError, match="draft hidden size 5120") as info:
+            w.request(Load(spec), timeout_s=30, load_timeout_s=60)
+        assert info.value.kind == "user"
+        pid = w.pid
+        w.request(Load(LoadSpec(target=path)), timeout_s=30, load_timeout_s=60)
+        assert w.pid == pid
+
+
+def test_a_hung_request_is_killed_and_the_next_one_gets_a_fresh_worker(target):
+    spec = LoadSpec(target=target())
+    with EngineWorker(FAKE) as w:
+        w.request(Load(spec), timeout_s=30, load_timeout_s=60)
+        first = w.pid
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="no answer within 2 s") as info:
+            w.request(Measure(spec=spec, jobs=JOBS, hang_s=600), timeout_s=2, load_timeout_s=60)
+        assert info.value.kind == "timeout" and time.monotonic() - t0 < 10
+        assert not w.alive
+        m = w.request(Measure(spec=spec, jobs=JOBS), timeout_s=30, load_timeout_s=60)
+        assert isinstance(m, Measured) and w.pid != first
+
+
+def test_crash_and_out_of_memory_restart_the_worker(target):
+    path = target({"oom_above_mb": 1000})
+    spec = LoadSpec(target=path)
+    with EngineWorker(FAKE) as w:
+        with pytest.raises(WorkerError, match="CUDA out of memory") as info:
+            w.request(Measure(spec=spec, jobs=JOBS, expert_budget_mb=4096), timeout_s=30, load_timeout_s=60)
+        assert info.value.kind == "oom" and not w.alive
+        m = w.request(Measure(spec=spec, jobs=JOBS, expert_budget_mb=512), timeout_s=30, load_timeout_s=60)
+        assert m.outputs[0].timings["peak_mem_mb"] == 612.0
+    crashing = target({"crash_on_generate": True})
+    with EngineWorker(FAKE) as w:
+        with pytest.raises(WorkerError, match="exited with status 4") as info:
+            w.request(Measure(spec=LoadSpec(target=crashing), jobs=JOBS), timeout_s=30, load_timeout_s=60)
+        assert info.value.kind == "crash"
