@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+from types import MappingProxyType
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,7 @@ def _key_types() -> dict[str, tuple[GGUFValueType, GGUFValueType | None]]:
     return types | {key.replace("{arch}.", "", 1): t for key, t in per_arch.items()}
 
 
-_STANDARD = _key_types()
+_STANDARD = MappingProxyType(_key_types())
 _PACK = {V.UINT8: "B", V.INT8: "b", V.UINT16: "H", V.INT16: "h", V.UINT32: "I", V.INT32: "i",
          V.FLOAT32: "f", V.UINT64: "Q", V.INT64: "q", V.FLOAT64: "d", V.BOOL: "?"}
 _NUMPY_TYPES = {np.dtype(np.uint8): V.UINT8, np.dtype(np.int8): V.INT8, np.dtype(np.uint16): V.UINT16,
