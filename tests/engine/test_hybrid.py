@@ -216,16 +216,19 @@ def test_engine_generates_the_same_with_calibrated_hybrid_experts(tiny_model_fil
     hybrid.close()
 
 
+@pytest.fixture(scope="module")
+def real_experts():
+    """Four layers of experts at the real shapes, bf16 in pinned host memory (6 GiB)."""
+    return [tuple(t.pin_memory() for t in layer) for layer in random_experts(4, 256, 2048, 512, dtype=torch.bfloat16)]
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
 @pytest.mark.parametrize("T", [1, 16, 200])
-def test_cuda_tiers_at_real_shapes_bf16(fraction, T):
-    n_layers = 2
-    experts = random_experts(n_layers, 256, 2048, 512, dtype=torch.bfloat16)
-    host = [tuple(t.pin_memory() for t in layer) for layer in experts]
-    hybrid = HybridExperts(host, fraction * total_mb(experts), device="cuda", stats=skewed_stats(n_layers, 256),
-                           min_hot=8)
+def test_cuda_tiers_at_real_shapes_bf16(real_experts, fraction, T):
+    experts = real_experts[:2]
+    hybrid = HybridExperts(experts, fraction * total_mb(experts), device="cuda", stats=skewed_stats(2, 256), min_hot=8)
     assert hybrid.stats_snapshot().expert_vram_mb == pytest.approx(fraction * total_mb(experts), abs=7)
     x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(T, 256, 8, seed=T, device="cuda")
@@ -238,18 +241,19 @@ def test_cuda_tiers_at_real_shapes_bf16(fraction, T):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_set_budget_moves_gigabytes_per_second():
-    n_layers = 4  # 6 GiB of bf16 experts at the real shapes
-    experts = [tuple(t.pin_memory() for t in layer)
-               for layer in random_experts(n_layers, 256, 2048, 512, dtype=torch.bfloat16)]
-    hybrid = HybridExperts(experts, 0, device="cuda", stats=skewed_stats(n_layers, 256), min_hot=8)
+def test_cuda_set_budget_moves_gigabytes_per_second(real_experts):
+    hybrid = HybridExperts(real_experts, 0, device="cuda", stats=skewed_stats(4, 256), min_hot=8)
     t0 = time.perf_counter()
-    hybrid.set_budget(total_mb(experts))
+    hybrid.set_budget(total_mb(real_experts))
     seconds = time.perf_counter() - t0
-    gb_s = total_mb(experts) * MB / seconds / 1e9
-    print(f"set_budget uploaded {total_mb(experts):.0f} MB in {seconds:.2f} s ({gb_s:.1f} GB/s); "
+    gb_s = total_mb(real_experts) * MB / seconds / 1e9
+    print(f"set_budget uploaded {total_mb(real_experts):.0f} MB in {seconds:.2f} s ({gb_s:.1f} GB/s); "
           f"a 35B model's 60 GiB of bf16 experts would take {64.4 / gb_s:.1f} s")
     assert gb_s > 4.0
+    t0 = time.perf_counter()
+    hybrid.set_budget(0.5 * total_mb(real_experts))
+    print(f"set_budget down to half took {time.perf_counter() - t0:.2f} s")
+    assert hybrid.expert_vram_bytes <= 0.5 * total_mb(real_experts) * MB
     hybrid.close()
 
 
