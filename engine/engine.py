@@ -6,7 +6,7 @@ import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -15,6 +15,12 @@ from engine.gguf.reader import GGUFFile
 from engine.model.qwen35moe import Qwen35MoE
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.hybrid import HybridExperts
+    from engine.pflash.drafter import Drafter
+    from engine.pflash.select import PFlashConfig
+    from engine.placement import Placement
 
 
 @dataclass
@@ -73,7 +79,8 @@ class Engine:
 
     def __init__(self, *, path: Path, model: Qwen35MoE, tokenizer: Tokenizer,
                  device: torch.device, dtype: torch.dtype, load_s: float,
-                 stall_timeout_s: float) -> None:
+                 stall_timeout_s: float, routing_stats_path: Path | None = None,
+                 drafter: "Drafter | None" = None, pflash: "PFlashConfig | None" = None) -> None:
         self.path = path
         self.model = model
         self.tokenizer = tokenizer
@@ -81,6 +88,10 @@ class Engine:
         self.dtype = dtype
         self.load_s = load_s
         self.stall_timeout_s = stall_timeout_s
+        self.routing_stats_path = routing_stats_path
+        self.hybrid: "HybridExperts | None" = None
+        self.drafter = drafter
+        self.pflash = pflash
 
     @property
     def config(self):
@@ -89,7 +100,15 @@ class Engine:
     @classmethod
     def from_gguf(cls, path: str | Path, *, device: str | torch.device = "auto",
                   dtype: str | torch.dtype | None = None, threads: int | None = None,
-                  stall_timeout_s: float = 120.0, **options: Any) -> "Engine":
+                  stall_timeout_s: float = 120.0, expert_budget_mb: float | None = None,
+                  routing_stats: str | Path | None = None, drafter: str | Path | None = None,
+                  pflash_threshold: int | None = None, **options: Any) -> "Engine":
+        """Load a qwen35moe GGUF file.
+
+        ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
+        budget, cold ones on CPU threads) using the routing statistics beside the model (or
+        ``routing_stats``); ``drafter`` loads a PFlash drafter sharing the target's vocabulary.
+        """
         if options:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(options))}")
         if threads is not None:
@@ -106,9 +125,41 @@ class Engine:
         if tokenizer.vocab_size > model.cfg.vocab:
             raise EngineError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the output "
                               f"layer only {model.cfg.vocab}")
+        pflash = None
+        draft_model = None
+        if drafter is not None:
+            from engine.pflash.drafter import Drafter
+            from engine.pflash.select import PFlashConfig
+
+            draft_model = Drafter.from_gguf(drafter, target_vocab=tokenizer, device=dev, dtype=dt)
+            pflash = PFlashConfig() if pflash_threshold is None else PFlashConfig(threshold=pflash_threshold)
+        eng = cls(path=path, model=model, tokenizer=tokenizer, device=dev, dtype=dt, load_s=0.0,
+                  stall_timeout_s=stall_timeout_s,
+                  routing_stats_path=Path(routing_stats) if routing_stats is not None else None,
+                  drafter=draft_model, pflash=pflash)
+        if expert_budget_mb is not None:
+            eng.set_expert_budget(expert_budget_mb)
         _sync(dev)
-        return cls(path=path, model=model, tokenizer=tokenizer, device=dev, dtype=dt,
-                   load_s=time.perf_counter() - t0, stall_timeout_s=stall_timeout_s)
+        eng.load_s = time.perf_counter() - t0
+        return eng
+
+    def set_expert_budget(self, budget_mb: float) -> "Placement":
+        """Place the routed experts for ``budget_mb`` MB of device memory, in place.
+
+        The first call takes the experts over into host memory plus device slots; later calls
+        move only the experts that change tier. Returns the placement (hot/cold counts, bytes,
+        expected cold-hit rate).
+        """
+        if budget_mb < 0:
+            raise ConfigError(f"expert budget must be >= 0 MB, got {budget_mb}")
+        if self.hybrid is None:
+            from engine.hybrid import attach_hybrid
+            from engine.placement import load_routing_stats
+
+            stats = load_routing_stats(self.path, self.model.cfg, self.routing_stats_path)
+            self.hybrid = attach_hybrid(self.model, budget_mb, stats)
+            return self.hybrid.placement
+        return self.hybrid.set_budget(budget_mb)
 
     def _ids_tensor(self, ids: Sequence[int]) -> torch.Tensor:
         if len(ids) == 0:
@@ -130,12 +181,15 @@ class Engine:
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[str] | None = None, ignore_eos: bool = False,
+                 pflash_keep_ratio: float | None = None,
                  on_token: Callable[[int, str], None] | None = None) -> Generation:
         """Prefill ``ids`` and decode up to ``max_new_tokens`` new tokens.
 
         Stops early at an end-of-sequence token (unless ``ignore_eos``, as benchmarks want) or
         when the text contains a ``stop`` string.
         ``on_token(id, text_piece)`` streams each new token as it is produced.
+        ``pflash_keep_ratio`` prefills only the prompt chunks the drafter scores highest
+        (prompts longer than the drafter's threshold; needs ``drafter=`` at load).
         """
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -144,12 +198,25 @@ class Engine:
         gen = make_generator(params, self.device)
         eos = set() if ignore_eos else set(self.tokenizer.eos_ids)
         stop = list(stop or [])
+        if pflash_keep_ratio is not None and self.drafter is None:
+            raise ConfigError("pflash_keep_ratio needs a drafter: load the engine with drafter=PATH")
         _reset_peak(self.device)
+        if self.hybrid is not None:
+            self.hybrid.reset_counters()
+        extra: dict[str, Any] = {}
 
         t0 = time.perf_counter()
-        state = self.model.new_state(len(ids) + max_new_tokens)
-        out = self.model.forward(prompt, state, logits="last")
-        token = sample(out.logits[-1], params, gen)
+        if pflash_keep_ratio is not None:
+            from engine.pflash.prefill import compressed_prefill
+
+            res = compressed_prefill(self.model, prompt, drafter=self.drafter, keep_ratio=pflash_keep_ratio,
+                                     config=self.pflash, reserve=max_new_tokens)
+            state, last_logits = res.state, res.logits
+            extra.update(res.timings())
+        else:
+            state = self.model.new_state(len(ids) + max_new_tokens)
+            last_logits = self.model.forward(prompt, state, logits="last").logits[-1]
+        token = sample(last_logits, params, gen)
         new = [int(token)]  # the one host synchronisation point per token
         t1 = time.perf_counter()
         stream = _TextStream(self.tokenizer, on_token)
@@ -177,7 +244,9 @@ class Engine:
         timings = Timings(
             prompt_tokens=len(ids), new_tokens=len(new), prefill_s=t1 - t0, decode_s=decode_s,
             decode_tok_s=(len(new) - 1) / decode_s if len(new) > 1 and decode_s > 0 else 0.0,
-            peak_mem_mb=_peak_mb(self.device))
+            peak_mem_mb=_peak_mb(self.device), extra=extra)
+        if self.hybrid is not None:
+            timings.extra.update(self.hybrid.stats_snapshot().as_dict())
         return Generation(ids=new, text=text, timings=timings, stop_reason=reason or "length")
 
     @staticmethod
