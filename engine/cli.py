@@ -18,6 +18,7 @@ def register(app: typer.Typer) -> None:
     app.command("inspect")(inspect)
     app.command("make-model")(make_model)
     app.command("convert")(convert)
+    app.command("calibrate")(calibrate)
 
 
 def generate(
@@ -31,13 +32,20 @@ def generate(
     device: str = typer.Option("auto", "--device"),
     dtype: Optional[str] = typer.Option(None, "--dtype"),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    expert_budget: Optional[float] = typer.Option(
+        None, "--expert-budget", help="MB of device memory for routed experts; the rest run on CPU threads"),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", help="PFlash drafter GGUF (same vocabulary)"),
+    keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="PFlash: share of prompt chunks kept"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
 ) -> None:
     """Generate a continuation of a prompt, streaming the text, then the timings."""
     from engine.engine import Engine
 
     text = _read_prompt(prompt, prompt_file)
-    eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads)
+    if keep_ratio is not None and drafter is None:
+        raise ConfigError("--keep-ratio needs --drafter")
+    eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads,
+                           expert_budget_mb=expert_budget, drafter=drafter)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:
@@ -49,7 +57,7 @@ def generate(
         sys.stdout.flush()
 
     result = eng.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                          on_token=None if as_json else stream)
+                          pflash_keep_ratio=keep_ratio, on_token=None if as_json else stream)
     if as_json:
         out = result.as_dict()
         out["load_s"] = eng.load_s
@@ -61,6 +69,15 @@ def generate(
               f"({t.prompt_tokens / max(t.prefill_s, 1e-9):.1f} tok/s) | decode {t.new_tokens} tok "
               f"at {t.decode_tok_s:.1f} tok/s | peak memory {t.peak_mem_mb:.0f} MB | "
               f"stop: {result.stop_reason}[/dim]")
+    extra = t.extra
+    if "hot_experts" in extra:
+        err.print(f"[dim]experts hot/cold {extra['hot_experts']}/{extra['cold_experts']} | cold-hit rate "
+                  f"{extra['cold_hit_rate']:.1%} (expected {extra['expected_cold_hit_rate']:.1%}) | "
+                  f"expert memory {extra['expert_vram_mb']:.0f} MB[/dim]")
+    if "pflash_kept_tokens" in extra:
+        err.print(f"[dim]pflash kept {extra['pflash_kept_tokens']}/{extra['pflash_total_tokens']} tokens | "
+                  f"drafter {extra['pflash_drafter_s'] * 1000:.1f} ms | target prefill "
+                  f"{extra['pflash_target_prefill_s'] * 1000:.1f} ms[/dim]")
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -119,3 +136,37 @@ def convert(
 
     path = convert_hf(hf_dir, out, quant=quant)
     Console().print(f"wrote {path}")
+
+
+def calibrate(
+    model: Path = typer.Option(..., "--model", "-m", help="qwen35moe GGUF file"),
+    text: list[Path] = typer.Option(..., "--text", help="text file(s) to route through the model"),
+    window: int = typer.Option(512, "--window", help="tokens per calibration prompt"),
+    max_prompts: int = typer.Option(64, "--max-prompts"),
+    out: Optional[Path] = typer.Option(None, "--out", help="default: beside the model, <model>.routing.json"),
+    device: str = typer.Option("auto", "--device"),
+) -> None:
+    """Count how often each (layer, expert) is routed to over real text: hybrid placement's input."""
+    from rich.progress import Progress
+
+    from engine.engine import Engine
+    from engine.placement import calibrate_routing
+
+    if window < 1 or max_prompts < 1:
+        raise ConfigError("--window and --max-prompts must be at least 1")
+    eng = Engine.from_gguf(model, device=device)
+    ids: list[int] = []
+    for f in text:
+        try:
+            ids += eng.tokenizer.encode(f.read_text(encoding="utf-8", errors="replace"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read calibration text {f}: {exc.strerror}") from None
+    prompts = [ids[i:i + window] for i in range(0, len(ids), window)][:max_prompts]
+    if not prompts:
+        raise ConfigError("the calibration text is empty")
+    with Progress(transient=True) as progress:
+        task = progress.add_task("calibrating", total=len(prompts))
+        stats = calibrate_routing(eng.model, prompts,
+                                  progress=lambda done, total: progress.update(task, completed=done))
+    path = stats.save(model, out)
+    Console().print(f"routing statistics of {len(prompts)} prompts ({sum(map(len, prompts))} tokens) -> {path}")
