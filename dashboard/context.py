@@ -1,0 +1,118 @@
+"""What every page shares in a browser session: the database, the chosen study, the settings.
+
+``luce-tune dashboard`` passes its options to the Streamlit process through the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import streamlit as st
+
+from dashboard.data import READ_ERRORS, Source, StudyView, describe_error
+
+STORAGE_ENV = "LUCE_TUNE_DASHBOARD_STORAGE"
+REFRESH_ENV = "LUCE_TUNE_DASHBOARD_REFRESH_S"
+STUDY_KEY = "study"
+LIVE_KEY = "live"
+
+
+@dataclass(frozen=True)
+class Settings:
+    storage: str
+    refresh_s: float = 5.0  # live refresh of the overview; 0 turns it off
+
+    def __post_init__(self) -> None:
+        if not self.storage.strip():
+            raise ValueError(f"storage: expected a database URL, found {self.storage!r}")
+        if self.refresh_s < 0:
+            raise ValueError(f"refresh_s: expected 0 or more seconds, found {self.refresh_s}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "Settings":
+        storage = env.get(STORAGE_ENV, "")
+        if not storage:
+            raise ValueError(f"no study database given ({STORAGE_ENV} is not set): start the "
+                             "dashboard with `luce-tune dashboard --storage URL`")
+        text = env.get(REFRESH_ENV, "5")
+        try:
+            refresh = float(text)
+        except ValueError:
+            raise ValueError(f"{REFRESH_ENV}: expected a number of seconds, found {text!r}") from None
+        return cls(storage=storage, refresh_s=refresh)
+
+
+@st.cache_resource(show_spinner=False)
+def _source(url: str) -> Source:
+    return Source.open(url)
+
+
+def settings() -> Settings:
+    try:
+        return Settings.from_env(os.environ)
+    except ValueError as exc:
+        st.error(f"Dashboard settings: {exc}.")
+        st.stop()
+
+
+def source() -> Source:
+    """The shared read-only source; on a bad URL or file, an error message and the page stops."""
+    url = settings().storage
+    try:
+        return _source(url)
+    except READ_ERRORS as exc:
+        st.error(f"Cannot open the study database: {describe_error(exc, url)}.")
+        st.stop()
+
+
+def sidebar() -> None:
+    """Choose the study (default: ``?study=`` in the URL, else the newest) and live refresh."""
+    src = source()
+    try:
+        names = [s.name for s in src.studies()]
+    except READ_ERRORS as exc:
+        st.error(f"Cannot read the study database: {describe_error(exc, src.display_url)}.")
+        st.stop()
+    st.sidebar.caption(f"Database: `{src.display_url}` (read-only)")
+    if not names:
+        st.info(f"No studies in {src.display_url} yet. Start one with `luce-tune run`; "
+                "reload this page once it has begun.")
+        st.stop()
+    wanted = st.query_params.get(STUDY_KEY)
+    if st.session_state.get(STUDY_KEY) not in names:
+        st.session_state[STUDY_KEY] = wanted if wanted in names else names[-1]
+    st.sidebar.selectbox("Study", names, key=STUDY_KEY)
+    refresh = settings().refresh_s
+    st.sidebar.toggle(f"Live refresh (every {refresh:g} s)", value=refresh > 0, key=LIVE_KEY,
+                      disabled=refresh == 0)
+
+
+def study() -> StudyView:
+    """The chosen study, read afresh; stops the page with a message when it cannot be read."""
+    src = source()
+    name = st.session_state.get(STUDY_KEY)
+    try:
+        view = src.study(name) if name else None
+    except READ_ERRORS as exc:
+        st.error(f"Cannot read study {name!r}: {describe_error(exc, src.display_url)}.")
+        st.stop()
+    if view is None:
+        st.warning(f"Study {name!r} is not in {src.display_url} any more.")
+        st.stop()
+    return view
+
+
+def refresh_every() -> float | None:
+    """Seconds between live refreshes, None when off."""
+    s = settings().refresh_s
+    return s if s > 0 and st.session_state.get(LIVE_KEY, True) else None
+
+
+def tok_s(value: float | None) -> str:
+    return "\u2014" if value is None else f"{value:.1f}"
+
+
+def ms(seconds: float | None) -> str:
+    return "\u2014" if seconds is None else f"{seconds * 1e3:.1f} ms"
