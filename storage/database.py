@@ -76,12 +76,12 @@ class Database:
         return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False}}
 
     def _retry(self, action: Callable[[], Any], what: str) -> Any:
-        # Several workers starting together on PostgreSQL can race to create the same tables.
+        # Processes starting together (workers, a dashboard) can race to create the same tables.
         for attempt in range(3):
             try:
                 return action()
             except DBAPIError as exc:
-                if attempt == 2 or self.is_sqlite:
+                if attempt == 2:
                     raise StorageError(f"storage {self.display_url}: cannot {what}: "
                                        f"{_first_line(exc)}") from None
                 time.sleep(0.5 * (attempt + 1))

@@ -129,14 +129,14 @@ class Nvml:
         }
 
 
-def detect_hardware(nvml: Nvml | None, device: str, *, cuda_available: bool) -> Hardware:
+def detect_hardware(nvml: Nvml | None, device: str, *, torch_cuda: bool) -> Hardware:
     """The machine as the engine will use it. ``device`` is the config's (auto, cpu, cuda[:N]).
 
-    ``cuda_available`` is torch's answer: a GPU that NVML sees but torch cannot use does not
+    ``torch_cuda`` is torch's answer: a GPU that NVML sees but torch cannot use does not
     count, since the engine would run on the CPU.
     """
     gpu = None
-    if device != "cpu" and nvml is not None and cuda_available:
+    if device != "cpu" and nvml is not None and torch_cuda:
         cuda_index = int(device.split(":")[1]) if ":" in device else 0
         index = _nvml_index(nvml, cuda_index)
         if index is not None and index < nvml.device_count():
@@ -144,6 +144,13 @@ def detect_hardware(nvml: Nvml | None, device: str, *, cuda_available: bool) -> 
     cgroup_max, _ = cgroup_memory_mb()
     return Hardware(gpu=gpu, cpu=cpu_name(), cpu_count=psutil.cpu_count(logical=True) or 1,
                     ram_mb=int(psutil.virtual_memory().total // MB), cgroup_max_mb=cgroup_max)
+
+
+def cuda_available() -> bool:
+    """torch's view (imported only when asked): an NVML GPU torch cannot use does not count."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _nvml_index(nvml: Nvml, cuda_index: int) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -24,7 +25,7 @@ from storage.database import StorageError
 from storage.records import HardwareRecord, MeasurementRecord
 from storage.repository import Repository, hardware_key
 from tuner.config import ApplianceConfig, ConfigError
-from tuner.hardware import Hardware, Nvml, detect_hardware
+from tuner.hardware import Hardware, Nvml, cuda_available, detect_hardware
 from tuner.jobs import Workload, build_workload
 from tuner.metrics import TrialMetrics, aggregate, constraints
 from tuner.observer import RunObserver
@@ -108,7 +109,7 @@ class Tuner:
     def _open(self, scratch: Path) -> None:
         c = self.config
         self.hardware = detect_hardware(self.nvml, c.hardware.device,
-                                        cuda_available=self.nvml is not None and _cuda_available())
+                                        torch_cuda=self.nvml is not None and cuda_available())
         if c.hardware.device.startswith("cuda") and self.hardware.gpu is None:
             raise ConfigError(f"{c.source}: hardware.device is {c.hardware.device!r}, "
                               "but no usable CUDA GPU was found")
@@ -276,6 +277,7 @@ class Tuner:
                 optuna.storages.fail_stale_trials(self.study)
                 trial = self.study.ask()
             trial.set_user_attr("hardware", self.hardware_key)
+            trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
             started = time.monotonic()
             with _Heartbeat(self.storage, self.study.study_name, trial.number, c.study.heartbeat_s):
                 try:
@@ -415,8 +417,9 @@ class _Heartbeat:
 
 
 def _requeue_stale(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-    """A trial of a killed run: measure the same point again."""
-    study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number}, skip_if_exists=False)
+    """A trial of a killed run: measure the same point again (if it got as far as having one)."""
+    if trial.params:
+        study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
 
 
 def _violations(limits: Mapping[str, float]) -> str:
@@ -441,12 +444,6 @@ def _check_models(c: ApplianceConfig) -> None:
     if len(set(names)) != len(names):
         raise ConfigError(f"{c.source}: models.drafts: candidates must have distinct file names, "
                           f"found {names}")
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def parse_hang(text: str | None) -> dict[int, float]:

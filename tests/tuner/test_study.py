@@ -43,7 +43,7 @@ def test_study_measures_checks_constraints_and_publishes(appliance):
     assert profile.trial == winner.number and profile.study == cfg.study.name
     assert profile.metrics["decode_tok_s"]["n"] == cfg.study.remeasure_repeats
     assert profile.metrics["decode_tok_s"]["low"] <= profile.metrics["decode_tok_s"]["median"]
-    here = detect_hardware(None, "cpu", cuda_available=False).fingerprint.as_dict()
+    here = detect_hardware(None, "cpu", torch_cuda=False).fingerprint.as_dict()
     assert verify_profile(profile, here, model_hashes(profile)) == []
 
     reader = Reader.open(cfg.study.storage)

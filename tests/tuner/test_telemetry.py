@@ -58,7 +58,7 @@ def test_missing_driver_degrades_to_cpu_only():
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
         assert Nvml.open() is None
-        hw = detect_hardware(None, "auto", cuda_available=False)
+        hw = detect_hardware(None, "auto", torch_cuda=False)
         assert hw.gpu is None and hw.fingerprint.gpu_vram_mb == 0 and hw.ram_mb > 0
     else:
         pynvml.nvmlShutdown()
