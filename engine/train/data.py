@@ -1,0 +1,107 @@
+"""The family's training data: the offline corpus, tokenized with the project's BPE.
+
+The tokenizer is trained once and kept in the data directory, so a resumed run and every
+member of the family read the same token ids; text is encoded through the engine's own
+``Tokenizer`` built from the GGUF metadata that ships in the files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.train.batches import TokenStream
+from engine.train.train_target import TrainData
+
+TOKENIZER_FILE = "tokenizer.json"
+ANSWER_MARK = " It is"  # engine.train.corpus.retrieval_example ends every example with " It is <code>."
+
+
+@dataclass(frozen=True)
+class CorpusSettings:
+    seed: int = 0
+    vocab_size: int = 4096
+    n_retrieval: int = 2000
+    held_out_fraction: float = 0.05
+    max_bytes: int | None = None  # library bytes, both splits together
+    bpe_max_bytes: int | None = 8_000_000
+    retrieval_tokens: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
+
+    def __post_init__(self) -> None:
+        if self.vocab_size <= 0 or self.n_retrieval < 0:
+            raise ValueError(f"vocab_size {self.vocab_size} must be positive and n_retrieval "
+                             f"{self.n_retrieval} non-negative")
+
+
+@dataclass(frozen=True)
+class RetrievalCase:
+    """A held-out retrieval example: the model must produce ``ids[answer_start:]`` from the rest."""
+
+    ids: tuple[int, ...]
+    answer_start: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.answer_start < len(self.ids):
+            raise ValueError(f"answer_start {self.answer_start} must lie inside the {len(self.ids)} ids")
+
+
+@dataclass(frozen=True)
+class FamilyData:
+    train: TrainData
+    retrieval_cases: tuple[RetrievalCase, ...]
+    tokenizer_metadata: dict[str, Any]
+    stats: dict[str, Any]
+
+
+def prepare_data(data_dir: Path, settings: CorpusSettings) -> FamilyData:
+    """Build the corpus under ``data_dir``, train or reuse the tokenizer, tokenize every split."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from engine.tokenizer import Tokenizer
+    from engine.train.bpe import gguf_tokenizer_metadata, train_bpe
+    from engine.train.corpus import build_corpus, iter_documents
+
+    files = build_corpus(data_dir / "corpus", seed=settings.seed, held_out_fraction=settings.held_out_fraction,
+                         n_retrieval=settings.n_retrieval, max_bytes=settings.max_bytes,
+                         retrieval_tokens=settings.retrieval_tokens)
+    tok_path = data_dir / TOKENIZER_FILE
+    if tok_path.exists():
+        hf_tok = HFTokenizer.from_file(str(tok_path))
+    else:
+        hf_tok = train_bpe([files.train, files.retrieval_train], settings.vocab_size, seed=settings.seed,
+                           max_bytes=settings.bpe_max_bytes)
+        hf_tok.save(str(tok_path))
+    metadata = gguf_tokenizer_metadata(hf_tok)
+    tok = Tokenizer.from_metadata(metadata, source=str(tok_path))
+    eos = tok.eos_id
+
+    def stream(path: Path) -> TokenStream:
+        return TokenStream.from_documents(tok.encode_batch(list(iter_documents(path))), separator=eos)
+
+    train, heldout = stream(files.train), stream(files.held_out)
+    examples = stream(files.retrieval_train) if settings.n_retrieval else None
+    cases = tuple(_retrieval_case(tok, text) for text in iter_documents(files.retrieval_held_out)) \
+        if settings.n_retrieval else ()
+    data = TrainData(train=train, heldout=heldout, vocab=tok.vocab_size, examples=examples,
+                     bos_id=tok.bos_id, eos_id=eos, pad_id=tok.pad_id)
+    stats = {"train_tokens": len(train), "train_documents": train.n_docs,
+             "heldout_tokens": len(heldout), "heldout_documents": heldout.n_docs,
+             "retrieval_train_tokens": len(examples) if examples is not None else 0,
+             "retrieval_train_examples": examples.n_docs if examples is not None else 0,
+             "retrieval_heldout_examples": len(cases), "vocab": tok.vocab_size,
+             "train_bytes": files.train.stat().st_size, "heldout_bytes": files.held_out.stat().st_size,
+             "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()}}
+    return FamilyData(train=data, retrieval_cases=cases, tokenizer_metadata=metadata, stats=stats)
+
+
+def _retrieval_case(tok, text: str) -> RetrievalCase:
+    """The example with its answer span: the code's digits and the closing period."""
+    cut = text.rfind(ANSWER_MARK)
+    if cut <= 0:
+        raise ValueError(f"held-out retrieval example ends with {text[-40:]!r}, without {ANSWER_MARK!r}")
+    cut += len(ANSWER_MARK)
+    context, answer = tok.encode(text[:cut]), tok.encode(text[cut:])
+    if context + answer != tok.encode(text):
+        raise ValueError(f"the answer {text[cut:]!r} does not start on a token boundary")
+    return RetrievalCase(ids=tuple(context + answer), answer_start=len(context))
