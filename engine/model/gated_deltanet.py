@@ -97,9 +97,10 @@ def _fla_kernels() -> tuple[DeltaRuleFn, DeltaRuleFn] | None:
 
     def wrap(kernel: Callable) -> DeltaRuleFn:
         def run(q, k, v, g, beta, state, scale):
-            o, s = kernel(q[None].to(v.dtype).contiguous(), k[None].to(v.dtype).contiguous(), v[None].contiguous(),
-                          g[None].contiguous(), beta[None].contiguous(), scale=scale,
-                          initial_state=state[None].float().contiguous(), output_final_state=True)
+            # keywords only: the two kernels' positional parameters differ (gk, gv in fused_recurrent)
+            o, s = kernel(q=q[None].to(v.dtype).contiguous(), k=k[None].to(v.dtype).contiguous(),
+                          v=v[None].contiguous(), g=g[None].contiguous(), beta=beta[None].contiguous(),
+                          scale=scale, initial_state=state[None].float().contiguous(), output_final_state=True)
             return o[0], s[0]
         return run
 

@@ -5,6 +5,8 @@ give 6 Gated DeltaNet and 2 attention layers; norms, A_log and dt_bias are moved
 their initial values so that a wrong norm convention or a missed transform shows.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -20,10 +22,22 @@ HF_CONFIG = dict(
 )
 
 
+def _hf_model_class():
+    """transformers binds fla's Triton kernels into the model at import when fla is installed,
+    and those cannot run on the CPU, where the reference runs: import it with fla hidden."""
+    hidden = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "fla"}
+    sys.modules["fla"] = None  # makes "import fla" fail
+    try:
+        return transformers.Qwen3_5MoeForCausalLM
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+
+
 def make_hf_model(seed: int = 0, **overrides) -> "transformers.Qwen3_5MoeForCausalLM":
     torch.manual_seed(seed)
     cfg = transformers.Qwen3_5MoeTextConfig(**{**HF_CONFIG, **overrides})
-    model = transformers.Qwen3_5MoeForCausalLM(cfg).float().eval()
+    model = _hf_model_class()(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -97,12 +97,15 @@ def test_torch_backend_is_chosen_on_cpu_and_when_forced():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("T", [1, 3, 65, 300])
-def test_fla_kernels_match_the_torch_reference(T):
+@pytest.mark.parametrize("v_dtype, tol", [
+    (torch.float32, 5e-3),  # measured on an H200: <= 1.6e-3 (the chunk kernel's products are tf32-like)
+    (torch.bfloat16, 2e-2),  # v in bf16 as the model feeds it: measured <= 8.3e-3
+])
+def test_fla_kernels_match_the_torch_reference(T, v_dtype, tol):
     pytest.importorskip("fla")
     rule = DeltaRule.select("cuda")
     assert rule.backend == "fla"
     q, k, v, g, beta, s0 = inputs(T, H=32, dk=128, dv=128, seed=T, device="cuda")
     o_ref, s_ref = delta_rule_recurrent(q, k, v, g, beta, s0, 128 ** -0.5)
-    # bf16 q/k/v as the model feeds them: relative error budget 2e-2
-    o, s = rule(q, k, v.bfloat16(), g, beta, s0, 128 ** -0.5)
-    assert close(o.float(), o_ref) <= 2e-2 and close(s, s_ref) <= 2e-2
+    o, s = rule(q, k, v.to(v_dtype), g, beta, s0, 128 ** -0.5)
+    assert close(o.float(), o_ref) <= tol and close(s, s_ref) <= tol
