@@ -36,6 +36,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.gguf import names
+from engine.gguf.hf_vocab import tokenizer_metadata_from_hf
 from engine.gguf.writer import write_gguf
 from engine.model.config import ARCH, ModelConfig
 from engine.model.value_heads import reorder_value_heads
@@ -267,14 +268,17 @@ def convert_hf(model_dir_or_module: Any, out_path: str | Path, *, quant: str = "
 
     ``model_dir_or_module``: a checkpoint directory (config.json + safetensors), an in-memory
     HF model, or a state dict with ``config``. ``quant``: f32, f16, bf16 or q8_0.
-    ``tokenizer_metadata``: ``tokenizer.*`` keys to store; without them the file records
-    ``qwen35moe.vocab_size`` instead.
+    ``tokenizer_metadata``: ``tokenizer.*`` keys to store; by default a directory's
+    tokenizer.json is converted, and without either the file records ``qwen35moe.vocab_size``.
     """
     if quant not in QUANTS:
         raise ConfigError(f"unknown quant {quant!r} for conversion (choose from {', '.join(QUANTS)})")
     qtype, file_type = QUANTS[quant]
     ckpt = HFCheckpoint.open(model_dir_or_module, config)
     cfg = config_from_hf(ckpt.hparams)
+    if tokenizer_metadata is None and isinstance(model_dir_or_module, (str, Path)) \
+            and (Path(model_dir_or_module) / "tokenizer.json").is_file():
+        tokenizer_metadata = tokenizer_metadata_from_hf(model_dir_or_module, cfg.vocab)
     loaders = gguf_tensors(ckpt, cfg)
     expected = names.expected_tensors(cfg)
     if "output.weight" not in loaders:  # tied embeddings: llama.cpp's loader reuses token_embd

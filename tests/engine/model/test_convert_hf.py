@@ -163,3 +163,48 @@ def test_bad_inputs_raise_config_errors(hf_model, tmp_path):
     with pytest.raises(ConfigError, match="blk.5.ffn_up_shexp.weight"):
         convert_hf(sd, tmp_path / "x.gguf", config=hf_model.config)
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_checkpoint_tokenizer_becomes_gguf_vocabulary(hf_model_factory, tmp_path):
+    """A byte-level BPE tokenizer.json beside the checkpoint is stored as llama.cpp stores it,
+    and the engine's tokenizer reads it back to the same ids as the HF tokenizer."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    from engine.tokenizer import Tokenizer
+
+    text = "the cat sat on the mat, and the dog sat on the log; then the cat ran after the dog. " * 20
+    hf_tok = HFTokenizer(models.BPE())
+    hf_tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf_tok.decoder = decoders.ByteLevel()
+    hf_tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=290, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    hf_tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    n_trained = hf_tok.get_vocab_size() - 3
+
+    ckpt = tmp_path / "ckpt"
+    hf_model_factory(vocab_size=300).save_pretrained(ckpt)
+    hf_tok.save(str(ckpt / "tokenizer.json"))
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": template}))
+
+    with GGUFFile(convert_hf(ckpt, tmp_path / "tok.gguf")) as f:
+        md, types = f.metadata, f.metadata_types
+    tokens = md["tokenizer.ggml.tokens"]
+    assert len(tokens) == 300 and md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "qwen35"
+    assert tokens[n_trained:n_trained + 3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert tokens[299] == "[PAD299]"
+    assert md["tokenizer.ggml.token_type"][:3] == [1, 1, 1]
+    assert md["tokenizer.ggml.token_type"][n_trained:n_trained + 3] == [3, 3, 3]  # CONTROL
+    assert md["tokenizer.ggml.token_type"][-1] == 5  # UNUSED
+    assert md["tokenizer.ggml.eos_token_id"] == n_trained + 2 and types["tokenizer.ggml.eos_token_id"][0] == V.UINT32
+    assert md["tokenizer.ggml.padding_token_id"] == n_trained
+    assert md["tokenizer.chat_template"] == template
+    assert "qwen35moe.vocab_size" not in md
+
+    ours = Tokenizer.from_metadata(md, source="tok.gguf")
+    sample = "the dog ran after the cat on the mat"
+    assert ours.encode(sample) == hf_tok.encode(sample).ids
+    assert ours.decode(hf_tok.encode(sample).ids) == sample
