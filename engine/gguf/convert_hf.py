@@ -77,14 +77,18 @@ def _attention_interval(hp: Mapping[str, Any]) -> int:
 
 
 def config_from_hf(hp: Mapping[str, Any]) -> ModelConfig:
-    """ModelConfig of the GGUF file llama.cpp's converter writes for these hyperparameters."""
+    """ModelConfig of the GGUF file llama.cpp's converter writes for these hyperparameters.
+
+    rope.dimension_count is ``head_dim * partial_rotary_factor`` (0.25 when absent, as in
+    llama.cpp); MRoPE sections are padded to four.
+    """
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
-    head_dim = int(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
-    partial = float(rope.get("partial_rotary_factor", hp.get("partial_rotary_factor", 0.25)))
     sections = list(rope.get("mrope_section", ()))
     if sections:
-        sections = (sections + [0, 0, 0, 0])[:4]  # llama.cpp pads to [t, h, w, extra]
+        sections = (sections + [0, 0, 0, 0])[:4]
     try:
+        head_dim = int(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+        partial = float(rope.get("partial_rotary_factor", hp.get("partial_rotary_factor", 0.25)))
         return ModelConfig(
             n_layers=int(hp["num_hidden_layers"]),
             hidden=int(hp["hidden_size"]),
@@ -110,7 +114,7 @@ def config_from_hf(hp: Mapping[str, Any]) -> ModelConfig:
         )
     except KeyError as exc:
         raise ConfigError(f"HF config has no {exc.args[0]!r}, which a qwen35moe model needs") from None
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"HF config is not a valid qwen35moe model: {exc}") from None
 
 
@@ -142,7 +146,7 @@ class HFCheckpoint:
 
     @classmethod
     def _from_dir(cls, path: Path) -> "HFCheckpoint":
-        from safetensors import safe_open
+        from safetensors import safe_open  # only checkpoint directories need it (a test extra so far)
 
         config_path = path / "config.json"
         if not config_path.is_file():
@@ -156,18 +160,10 @@ class HFCheckpoint:
             raise ConfigError(f"{path}: no *.safetensors files")
         tensors: dict[str, Loader] = {}
         for file in files:
-            with safe_open(file, framework="pt") as f:
-                keys = list(f.keys())
-            for key in keys:
-                tensors[key] = lambda file=file, key=key: _read_safetensor(file, key)
+            handle = safe_open(file, framework="pt")  # memory-mapped; tensors are read when asked for
+            for key in handle.keys():
+                tensors[key] = lambda handle=handle, key=key: handle.get_tensor(key)
         return cls(hp, tensors, path.name)
-
-
-def _read_safetensor(file: Path, key: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as f:
-        return f.get_tensor(key)
 
 
 def _normalise_name(name: str) -> str | None:

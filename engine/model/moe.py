@@ -3,7 +3,7 @@ behind an executor, and a shared expert scaled by a sigmoid gate."""
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ class TorchExpertExecutor:
     for the decode loop replaces this one.
     """
 
-    def __init__(self, experts: Sequence[ExpertWeights]):
+    def __init__(self, experts: Sequence[ExpertWeights] | Mapping[int, ExpertWeights]):
         self.experts = experts  # indexed by layer
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,

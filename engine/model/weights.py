@@ -11,7 +11,7 @@ bfloat16 would lose most of ``w``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 
@@ -24,6 +24,7 @@ class TensorSource(Protocol):
     """What the loader needs of a GGUF file (``engine.gguf.reader.GGUFFile`` provides it)."""
 
     path: object
+    metadata: Mapping[str, Any]
     tensors: Mapping[str, object]
 
     def load(self, name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor: ...
