@@ -1,7 +1,11 @@
-"""The ``luce-tune train`` command: build the shipped family (mounted by ``tuner.cli``)."""
+"""The ``luce-tune train`` command: build the shipped family (mounted by ``tuner.cli``).
+
+``python -m engine.train.cli train ...`` runs the same command without the rest of the CLI.
+"""
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -11,7 +15,7 @@ from typing import Callable, Optional
 import typer
 from rich.console import Console
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, EngineError
 
 PRESETS = {"target": ("target",), "drafter": ("drafter",), "both": ("target", "drafter"), "micro": ("micro",)}
 LOG_EVERY_S = 15.0
@@ -19,6 +23,18 @@ LOG_EVERY_S = 15.0
 
 def register(app: typer.Typer) -> None:
     app.command("train")(train)
+
+
+def main(argv: list[str] | None = None) -> int:
+    app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
+    app.callback()(lambda: None)  # a command group, so that "train" is named as in luce-tune
+    register(app)
+    try:
+        app(args=argv, standalone_mode=False)
+    except EngineError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    return 0
 
 
 def train(
@@ -32,10 +48,13 @@ def train(
     device: str = typer.Option("auto", "--device"),
     ckpt_every: int = typer.Option(100, "--ckpt-every", help="steps between checkpoints"),
     batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="tokens per step (preset default)"),
+    lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (preset default)"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="sequence length of the first phase"),
     long_seq_len: Optional[int] = typer.Option(None, "--long-seq-len", help="sequence length of the last phase"),
     n_retrieval: int = typer.Option(2000, "--retrieval-examples", help="synthetic retrieval examples to train on"),
     max_corpus_mb: Optional[float] = typer.Option(None, "--max-corpus-mb", help="cap on library text used"),
+    experts_impl: Optional[str] = typer.Option(None, "--experts-impl",
+                                               help="transformers experts implementation (grouped_mm, eager)"),
 ) -> None:
     """Train the shipped qwen35moe family and write luce-<member>.gguf (Q8_0) with JSON reports."""
     from engine.engine import resolve_device
@@ -59,7 +78,8 @@ def train(
     try:
         settings = RunSettings(members=PRESETS[preset], out_dir=out_dir, seed=seed, steps=steps, minutes=minutes,
                                ckpt_dir=ckpt_dir, resume=resume, batch_tokens=batch_tokens, curriculum=curriculum,
-                               ckpt_every=ckpt_every, command=command_line())
+                               ckpt_every=ckpt_every, experts_implementation=experts_impl, lr=lr,
+                               command=command_line())
         for name in settings.members:
             settings.member_config(name)
         corpus = CorpusSettings(seed=seed, n_retrieval=n_retrieval,
@@ -129,3 +149,7 @@ class _progress:
         if now - self.last_log >= LOG_EVERY_S or info.step == info.planned_steps:
             self.last_log = now
             self.console.print(f"{member} step {info.step}/{planned}  {stats}", highlight=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

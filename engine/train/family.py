@@ -74,8 +74,8 @@ class ModelShape:
             context_length=self.context_length, rope_sections=self.rope_sections + (0,))  # GGUF pads to 4
 
     def hf_config(self, vocab: int, *, bos_id: int | None = None, eos_id: int | None = None,
-                  pad_id: int | None = None):
-        """The transformers ``Qwen3_5MoeTextConfig`` of this shape."""
+                  pad_id: int | None = None, **options: Any):
+        """The transformers ``Qwen3_5MoeTextConfig`` of this shape; ``options`` pass through."""
         from transformers import Qwen3_5MoeTextConfig
 
         return Qwen3_5MoeTextConfig(
@@ -92,7 +92,7 @@ class ModelShape:
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
                              "partial_rotary_factor": self.partial_rotary,
                              "mrope_section": list(self.rope_sections)},
-            bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+            bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, **options)
 
     def param_count(self, vocab: int) -> int:
         return sum(_numel(s) for s in expected_tensors(self.model_config(vocab)).values())

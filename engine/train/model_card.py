@@ -16,7 +16,14 @@ from engine.train.family import SHIPPED_BUDGET_BYTES, TARGET_BUDGET_BYTES, shape
 REPORT_SUFFIX = ".report.json"
 CARD_NAME = "README.md"
 VOCAB_NOMINAL = 4096  # the BPE's size, for the size estimates of members not built yet
-REBUILD = "bash bench/train_family.sh   # on the CUDA machine; writes the files and reports into $OUT"
+REBUILD = (
+    "# on a CUDA machine, from the repository root (one call of under 10 minutes):\n"
+    "bash bench/train_family.sh        # leaves the files, reports and this card in $OUT\n"
+    "# the same with the installed CLI:\n"
+    "luce-tune train --out-dir models/ --preset both --minutes 8.5 --seed 0 --device cuda\n"
+    "# after copying reports here, re-render this card:\n"
+    "python -m engine.train.model_card models/"
+)
 ROLES = {
     "target": "the default target: a small qwen35moe with the real layer pattern (Gated DeltaNet and "
               "gated attention, value heads twice the key heads, routed experts plus a shared expert)",

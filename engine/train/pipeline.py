@@ -41,6 +41,8 @@ class RunSettings:
     ckpt_dir: Path | None = None
     resume: bool = False
     ckpt_every: int = 100
+    experts_implementation: str | None = None
+    lr: float | None = None
     batch_tokens: int | None = None
     curriculum: Curriculum | None = None
     eval_tokens: int = 1 << 20
@@ -60,9 +62,12 @@ class RunSettings:
 
     def member_config(self, name: str) -> TrainConfig:
         overrides: dict[str, Any] = {"seed": self.seed, "steps": self.steps, "minutes": self.minutes,
-                                     "ckpt_every": self.ckpt_every}
+                                     "ckpt_every": self.ckpt_every,
+                                     "experts_implementation": self.experts_implementation}
         if self.batch_tokens is not None:
             overrides["batch_tokens"] = self.batch_tokens
+        if self.lr is not None:
+            overrides["lr"] = self.lr
         if self.curriculum is not None:
             overrides["curriculum"] = self.curriculum
         if name == "micro":

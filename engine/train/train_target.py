@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ConfigError
 from engine.train.batches import BatchSampler, Curriculum, TokenStream
 from engine.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from engine.train.family import ModelShape, shape as shape_named
@@ -48,6 +49,7 @@ class TrainConfig:
     calibration_steps: int = 6
     time_safety: float = 0.92  # share of the measured step budget the plan uses
     sync_every: int = 10  # steps between reads of the loss from the device
+    experts_implementation: str | None = None  # transformers' choice (grouped_mm where it can) or e.g. "eager"
 
     def __post_init__(self) -> None:
         shape_named(self.shape)
@@ -171,10 +173,11 @@ def build_model(cfg: TrainConfig, data: TrainData, device: torch.device):
     """The seeded, freshly initialised HF model of ``cfg``'s shape, on ``device`` in fp32."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
+    options: dict[str, Any] = {"router_aux_loss_coef": cfg.router_aux_loss_coef, "use_cache": False}
+    if cfg.experts_implementation is not None:
+        options["experts_implementation"] = cfg.experts_implementation
     hf_cfg = cfg.model_shape.hf_config(data.vocab, bos_id=data.bos_id, eos_id=data.eos_id,
-                                       pad_id=data.pad_id)
-    hf_cfg.router_aux_loss_coef = cfg.router_aux_loss_coef
-    hf_cfg.use_cache = False
+                                       pad_id=data.pad_id, **options)
     torch.manual_seed(cfg.seed)
     model = Qwen3_5MoeForCausalLM(hf_cfg)
     return model.to(device)
@@ -338,6 +341,9 @@ def train(cfg: TrainConfig, data: TrainData, *, device: torch.device, ckpt_dir: 
                 run.planned = _plan(cfg, trainer, run.step, calibration_start, t_calibration, deadline)
         if len(run.pending) >= cfg.sync_every:
             run.flush()
+            if not math.isfinite(run.last_loss):
+                raise ConfigError(f"{cfg.shape} training diverged at step {run.step} (loss {run.last_loss}); "
+                                  f"lower the learning rate {cfg.lr:g}")
         if run.step % cfg.ckpt_every == 0:
             save()
         if on_step is not None:

@@ -244,22 +244,15 @@ def test_retrieval_exact_match_is_greedy_decodings_answer(trained):
 
 
 @pytest.mark.slow
-def test_train_command_writes_models_reports_and_card(tmp_path):
-    import typer
-    from typer.testing import CliRunner
-
+def test_train_command_writes_models_reports_and_card(tmp_path, capsys):
     from engine.gguf.reader import GGUFFile
-    from engine.train import cli
+    from engine.train.cli import main
 
-    app = typer.Typer()
-    cli.register(app)
-    app.command("noop")(lambda: None)  # keeps "train" a sub-command
     out = tmp_path / "models"
     args = ["train", "--out-dir", str(out), "--preset", "micro", "--steps", "4", "--batch-tokens", "512",
             "--seq-len", "64", "--long-seq-len", "128", "--max-corpus-mb", "0.2", "--retrieval-examples", "6",
             "--ckpt-dir", str(tmp_path / "ckpt")]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
+    assert main(args) == 0
     report = json.loads((out / "luce-micro.report.json").read_text())
     assert report["training"]["steps"] == 4 and report["export"]["bytes"] == (out / "luce-micro.gguf").stat().st_size
     assert report["heldout"]["unigram_loss"] > 0 and len(report["heldout"]["routing"]) == MICRO.n_layers
@@ -267,11 +260,23 @@ def test_train_command_writes_models_reports_and_card(tmp_path):
         assert len(f.metadata["tokenizer.ggml.tokens"]) == report["vocab"]
     card = (out / "README.md").read_text()
     assert report["export"]["sha256"] in card and "luce-target.gguf" in card
+    # a member's card shows the numbers of its report
+    from engine.train.model_card import render
+
+    (tmp_path / "card").mkdir()
+    (tmp_path / "card" / "luce-target.report.json").write_text(json.dumps(report | {"member": "target"}))
+    card = render(tmp_path / "card")
+    for text in (f"{report['heldout']['loss']:.3f} nats/token", f"{report['heldout']['unigram_loss']:.3f}",
+                 f"{report['training']['tokens']:,} tokens", report["export"]["sha256"], report["command"]):
+        assert text in card
+    assert card.count("| top-quarter share |") == 1 and "Not built yet" in card  # the drafter
     # the tokenizer is kept with the checkpoints and reused on resume
     assert (tmp_path / "ckpt" / "data" / "tokenizer.json").exists()
-    again = CliRunner().invoke(app, args + ["--resume"])
-    assert again.exit_code == 0, again.output
+    assert main(args + ["--resume"]) == 0
     assert json.loads((out / "luce-micro.report.json").read_text())["training"]["resumed_from"] == 4
+    capsys.readouterr()
+    assert main(args[:-2] + ["--resume"]) == 2
+    assert "--resume needs --ckpt-dir" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
