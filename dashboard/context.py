@@ -85,8 +85,8 @@ def sidebar() -> None:
         st.session_state[STUDY_KEY] = wanted if wanted in names else names[-1]
     st.sidebar.selectbox("Study", names, key=STUDY_KEY)
     refresh = settings().refresh_s
-    st.sidebar.toggle(f"Live refresh (every {refresh:g} s)", value=refresh > 0, key=LIVE_KEY,
-                      disabled=refresh == 0)
+    label = f"Live refresh (every {refresh:g} s)" if refresh > 0 else "Live refresh (off: --refresh 0)"
+    st.sidebar.toggle(label, value=refresh > 0, key=LIVE_KEY, disabled=refresh == 0)
 
 
 def study() -> StudyView:

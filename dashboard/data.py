@@ -126,6 +126,9 @@ class Source:
             reader = Reader.open(read_only_url(url))
         except StorageError as exc:
             raise DashboardError(str(exc)) from None
+        except ImportError as exc:
+            raise DashboardError(f"storage URL {url!r} needs the database driver {exc.name!r}, "
+                                 "which is not installed (pip install 'luce-tune[postgres]')") from None
         return cls(reader, make_url(url).render_as_string(hide_password=True))
 
     def studies(self) -> list[StudyRecord]:
