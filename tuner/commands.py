@@ -62,8 +62,8 @@ def run(config: Optional[Path] = ConfigOption,
         console.print(f"winner: trial #{w.number} ({w.params.label()}): "
                       f"{w.metrics.decode_tok_s.median:.2f} tok/s "
                       f"[{w.metrics.decode_tok_s.low:.2f}, {w.metrics.decode_tok_s.high:.2f}], "
-                      f"TTFT {w.metrics.ttft_s.median * 1000:.1f} ms", highlight=False)
-        console.print(f"profile: {result.profile}", highlight=False)
+                      f"TTFT {w.metrics.ttft_s.median * 1000:.1f} ms", highlight=False, soft_wrap=True)
+        console.print(f"profile: {result.profile}", highlight=False, soft_wrap=True)
     else:
         console.print("no feasible trial: no profile was published")
 
@@ -109,7 +109,7 @@ def status(config: Optional[Path] = ConfigOption, storage: Optional[str] = Stora
         console.print(table)
     for p in reader.profiles(name):
         console.print(f"profile of trial #{p.trial_number}: {p.path} ({p.created:%Y-%m-%d %H:%M} UTC)",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
 
 
 def _params(params: dict) -> str:
@@ -127,7 +127,7 @@ def export(trial: int = typer.Option(..., "--trial", "-t", help="trial number to
     cfg = _config(config, storage)
     _quiet_optuna()
     path = export_trial(cfg, trial, out or cfg.publish.profile)
-    Console().print(f"profile of trial #{trial}: {path}", highlight=False)
+    Console().print(f"profile of trial #{trial}: {path}", highlight=False, soft_wrap=True)
 
 
 def boot(profile: Path = typer.Option(..., "--profile", "-p", help="profile written by run or export"),
@@ -141,12 +141,12 @@ def boot(profile: Path = typer.Option(..., "--profile", "-p", help="profile writ
     result = boot_engine(profile, fallback_target=cfg.models.target, fallback_device=cfg.hardware.device)
     if result.fell_back:
         err.print(f"[yellow]warning:[/yellow] profile {profile} not used, booted the safe default "
-                  f"({cfg.models.target.name}, engine defaults):", highlight=False)
+                  f"({cfg.models.target.name}, engine defaults):", highlight=False, soft_wrap=True)
         for problem in result.problems:
             err.print(f"  - {problem}", highlight=False, soft_wrap=True)
     else:
         settings = ", ".join(f"{k}={v}" for k, v in result.profile.engine.items())
         err.print(f"booted from {profile}: trial #{result.profile.trial} of study "
-                  f"{result.profile.study!r} ({settings})", highlight=False)
+                  f"{result.profile.study!r} ({settings})", highlight=False, soft_wrap=True)
     Console().print(f"smoke generation: {result.smoke_text!r} at {result.smoke_tok_s:.1f} tok/s",
-                    highlight=False)
+                    highlight=False, soft_wrap=True)

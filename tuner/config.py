@@ -73,6 +73,7 @@ class SearchConfig:
     spec_len: tuple[int, int] = (2, 8)
     pflash_keep_ratio: tuple[float, float] = (0.05, 0.5)
     pflash: bool = True  # search PFlash when a drafter and long prompts are configured
+    pflash_threshold: int | None = None  # compress prompts longer than this; None: engine default
 
     def __post_init__(self) -> None:
         if self.expert_budget_step_mb < 1:
@@ -82,6 +83,8 @@ class SearchConfig:
         lo, hi = self.spec_len
         if not 1 <= lo <= hi:
             raise ValueError(f"spec_len: expected [low, high] with 1 <= low <= high, found [{lo}, {hi}]")
+        if self.pflash_threshold is not None and self.pflash_threshold < 1:
+            raise ValueError(f"pflash_threshold: expected at least 1 token or \"auto\", found {self.pflash_threshold}")
         lo, hi = self.pflash_keep_ratio
         if not 0.0 < lo <= hi <= 1.0:
             raise ValueError(f"pflash_keep_ratio: expected [low, high] with 0 < low <= high <= 1, "
@@ -382,7 +385,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Reader]]] = {
         "ram_cap_mb": _live_mb, "vram_reserve_mb": _int}),
     "search": (SearchConfig, {
         "expert_budget_step_mb": _int, "expert_budget_max_mb": _live_mb, "spec_len": _int_pair,
-        "pflash_keep_ratio": _float_pair, "pflash": _bool}),
+        "pflash_keep_ratio": _float_pair, "pflash": _bool, "pflash_threshold": _auto_int}),
     "workload": (WorkloadConfig, {
         "code_prompts": _int, "long_form_prompts": _int, "niah_cases": _int,
         "long_prompt_tokens": _int, "max_new_tokens": _int, "warmup": _int, "repeats": _int,

@@ -22,8 +22,9 @@ import tomli_w
 from tuner.config import ConfigError
 
 SCHEMA = 1
-ENGINE_KEYS = ("device", "dtype", "threads", "expert_budget_mb", "spec_len", "pflash_keep_ratio")
-LOAD_KEYS = ("device", "dtype", "threads", "expert_budget_mb")
+ENGINE_KEYS = ("device", "dtype", "threads", "expert_budget_mb", "pflash_threshold", "spec_len",
+               "pflash_keep_ratio")
+LOAD_KEYS = ("device", "dtype", "threads", "expert_budget_mb", "pflash_threshold")
 GENERATE_KEYS = ("spec_len", "pflash_keep_ratio")
 MODEL_ROLES = ("target", "draft", "drafter")
 FINGERPRINT_KEYS = ("gpu_name", "gpu_uuid", "gpu_driver", "gpu_vram_mb", "cpu", "cpu_count", "ram_mb")

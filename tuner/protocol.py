@@ -13,6 +13,7 @@ class LoadSpec:
     target: str
     draft: str | None = None
     drafter: str | None = None
+    pflash_threshold: int | None = None  # with a drafter: compress prompts longer than this
     device: str = "auto"
     dtype: str | None = None
     threads: int | None = None

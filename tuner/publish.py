@@ -98,6 +98,8 @@ def build_profile(c: ApplianceConfig, model_files: Mapping[str, Any], number: in
         models["draft"] = _entry(model_files[f"draft:{params.draft}"])
     if params.pflash_keep_ratio is not None:
         models["drafter"] = _entry(model_files["drafter"])
+        if c.search.pflash_threshold is not None:
+            engine["pflash_threshold"] = c.search.pflash_threshold
     return Profile(study=c.study.name, trial=number,
                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    luce_tune_version=luce_tune_version(), engine=engine, models=models,

@@ -76,7 +76,9 @@ class SearchSpace:
             whole = math.ceil(target_mb / step) * step  # no expert set is larger than the file
             full = whole if whole <= upper else None
             budget_max = min(upper, whole) // step * step
-        pflash = (search.pflash and drafter_ok and config.workload.has_long_prompts)
+        threshold = search.pflash_threshold
+        long_enough = threshold is None or config.workload.long_prompt_tokens > threshold
+        pflash = search.pflash and drafter_ok and config.workload.has_long_prompts and long_enough
         return cls(budget_max_mb=budget_max, budget_step_mb=search.expert_budget_step_mb,
                    drafts=tuple(p.name for p in drafts), spec_len=search.spec_len,
                    keep_ratio=search.pflash_keep_ratio if pflash else None, full_model_mb=full)

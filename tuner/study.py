@@ -186,6 +186,7 @@ class Tuner:
         return LoadSpec(target=str(self.config.models.target),
                         draft=str(self.drafts[draft]) if draft else None,
                         drafter=str(self.drafter) if self.drafter else None,
+                        pflash_threshold=self.config.search.pflash_threshold,
                         device=h.device, dtype=h.dtype, threads=h.threads)
 
     def _probe_models(self) -> None:
@@ -200,6 +201,7 @@ class Tuner:
             spec = LoadSpec(target=str(c.models.target),
                             draft=str(path) if role != "drafter" else None,
                             drafter=str(path) if role == "drafter" else (str(drafter) if drafter else None),
+                            pflash_threshold=c.search.pflash_threshold,
                             device=c.hardware.device, dtype=c.hardware.dtype,
                             threads=c.hardware.threads)
             try:

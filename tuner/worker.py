@@ -209,7 +209,8 @@ class _EngineHost:
         self._conn.send(Loading())
         self.engine = self.spec = None  # free the old engine before loading the next
         options = {"draft": spec.draft, "drafter": spec.drafter, "dtype": spec.dtype,
-                   "threads": spec.threads, "expert_budget_mb": budget_mb}
+                   "threads": spec.threads, "expert_budget_mb": budget_mb,
+                   "pflash_threshold": spec.pflash_threshold if spec.drafter else None}
         t0 = time.perf_counter()
         self.engine = self._load(spec.target, device=spec.device,
                                  **{k: v for k, v in options.items() if v is not None})
@@ -241,7 +242,8 @@ class _EngineHost:
             options["spec_len"] = m.spec_len
         if m.pflash_keep_ratio is not None and job.long:
             options["pflash_keep_ratio"] = m.pflash_keep_ratio
-        return self.engine.generate(ids, n, temperature=0.0, seed=m.seed, **options)
+        # ignore_eos: every repeat decodes the same number of tokens, so rates compare.
+        return self.engine.generate(ids, n, temperature=0.0, seed=m.seed, ignore_eos=True, **options)
 
 
 def _resolve(factory: str) -> Callable[..., Any]:

@@ -63,7 +63,8 @@ class FakeEngine:
     @classmethod
     def from_gguf(cls, path: str | Path, *, device: str = "auto", dtype: str | None = None,
                   threads: int | None = None, expert_budget_mb: int | None = None,
-                  draft: str | None = None, drafter: str | None = None) -> "FakeEngine":
+                  draft: str | None = None, drafter: str | None = None,
+                  pflash_threshold: int | None = None) -> "FakeEngine":
         sidecar = Path(f"{path}.fake.json")
         behaviour = json.loads(sidecar.read_text()) if sidecar.exists() else {}
         if behaviour.get("crash_on_load"):
@@ -81,7 +82,7 @@ class FakeEngine:
 
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop: Any = None,
-                 spec_len: int | None = None, pflash_keep_ratio: float | None = None) -> Generation:
+                 ignore_eos: bool = False, spec_len: int | None = None, pflash_keep_ratio: float | None = None) -> Generation:
         if self.behaviour.get("crash_on_generate"):
             os._exit(4)
         vocab = self.tokenizer.vocab_size

@@ -1,3 +1,5 @@
+import dataclasses
+
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -7,6 +9,7 @@ from tuner.config import ConfigError, load_config
 from tuner.hardware import Nvml, detect_hardware
 from tuner.profile import load_profile, model_hashes, verify_profile
 from tuner.study import Tuner
+from tuner.telemetry import SW_THERMAL, TelemetrySampler
 
 from .conftest import FAKE
 
@@ -80,3 +83,32 @@ def test_missing_model_file_is_a_config_error(appliance, tmp_path):
     (tmp_path / "models" / "drafter.gguf").unlink()
     with pytest.raises(ConfigError, match=r"models\.drafter: model file .*drafter.gguf does not exist"):
         Tuner(cfg, factory=FAKE).run()
+
+
+class _ThermalOnce(TelemetrySampler):
+    """Host telemetry plus a GPU that reports thermal slowdown during the first measurement."""
+
+    calls = 0
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        type(self).calls += 1
+        self.hot = type(self).calls == 1
+
+    def read(self):
+        sample = super().read()
+        return dataclasses.replace(sample, gpu_clock_reasons=SW_THERMAL if self.hot else 0)
+
+
+@pytest.mark.parametrize("retries, attempts, flagged", [(1, 2, False), (0, 1, True)])
+def test_throttled_measurements_are_repeated_then_flagged(appliance, monkeypatch, retries, attempts, flagged):
+    monkeypatch.setattr("tuner.study.TelemetrySampler", type("T", (_ThermalOnce,), {"calls": 0}))
+    cfg = load_config(appliance(sections={"study": {"trials": 1, "throttle_retries": retries}},
+                                drafts=(), drafter=None))
+    Tuner(cfg, factory=FAKE).run()
+    rows = [m for m in Reader.open(cfg.study.storage).measurements(cfg.study.name) if m.phase == "trial"]
+    assert [m.attempt for m in rows] == list(range(attempts))
+    assert rows[0].throttled and rows[0].telemetry["throttle_reasons"] == SW_THERMAL
+    assert rows[-1].throttled == flagged
+    (trial,) = _trials(cfg)
+    assert trial.user_attrs.get("throttled", False) == flagged
