@@ -26,7 +26,6 @@ from storage.records import (
 )
 from storage.repository import Reader
 
-METRICS = ("decode_tok_s", "ttft_s")
 STATUSES = ("complete", "infeasible", "failed", "running", "waiting", "pruned")
 MIN_IMPORTANCE_TRIALS = 4
 FAILURE_ATTR = "failure"  # the tuner's user attr holding why it failed a trial
@@ -131,18 +130,26 @@ class Source:
                                  "which is not installed (pip install 'luce-tune[postgres]')") from None
         return cls(reader, make_url(url).render_as_string(hide_password=True))
 
+    def _has(self, table: str) -> bool:
+        return sqlalchemy.inspect(self.reader.db.engine).has_table(table)
+
     def studies(self) -> list[StudyRecord]:
         """Every study, oldest first; none when the tuner has not created its tables yet."""
-        if not sqlalchemy.inspect(self.reader.db.engine).has_table("studies"):
-            return []
-        return self.reader.studies()
+        return self.reader.studies() if self._has("studies") else []
+
+    def measurements(self, study: str) -> list[MeasurementRecord]:
+        """The study's measurements; none in a database that only Optuna has written."""
+        return self.reader.measurements(study) if self._has("luce_measurements") else []
 
     def study(self, name: str) -> StudyView | None:
         record = self.reader.study(name)
         if record is None:
             return None
-        measurements = tuple(self.reader.measurements(name))
-        front = {t.number for t in self.reader.pareto_front(name)} if record.directions else set()
+        measurements = tuple(self.measurements(name))
+        try:
+            front = {t.number for t in self.reader.pareto_front(name)}
+        except ValueError:  # a single-objective study before its first completed trial
+            front = set()
         views = tuple(_trial_view(record, t, measurements, t.number in front)
                       for t in self.reader.trials(name))
         return StudyView(study=record, trials=views, measurements=measurements)
@@ -151,17 +158,17 @@ class Source:
         return self.reader.samples(measurement_id)
 
     def hardware(self) -> dict[int, HardwareRecord]:
-        return {h.id: h for h in self.reader.hardware()}
+        return {h.id: h for h in self.reader.hardware()} if self._has("luce_hardware") else {}
 
     def profiles(self, study: str | None = None) -> list[ProfileRecord]:
-        return self.reader.profiles(study)
+        return self.reader.profiles(study) if self._has("luce_profiles") else []
 
     def comparisons(self) -> list[Comparison]:
         """Each study's best measured results per machine, from the trials' measurements."""
         machines = self.hardware()
         out = []
         for study in self.studies():
-            rows = [m for m in self.reader.measurements(study.name) if m.phase == "trial"]
+            rows = [m for m in self.measurements(study.name) if m.phase == "trial"]
             for hw_id in sorted({m.hardware_id for m in rows}, key=lambda h: (h is None, h or 0)):
                 mine = [m for m in rows if m.hardware_id == hw_id]
                 done = [m for m in mine if m.status == "complete"]

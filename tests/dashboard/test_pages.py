@@ -1,47 +1,17 @@
 """Every page, rendered by Streamlit's AppTest on the tuner-made database, shows the numbers
 the database holds (read independently through storage and Optuna)."""
 
-import base64
-import json
-import math
 import re
 import tomllib
 
-import numpy as np
 import pytest
 
-from tests.dashboard.conftest import HUNG_TRIAL, make_app
-
-PAGES = ("overview.py", "trials.py", "landscape.py", "importance.py", "telemetry.py",
-         "profiles.py", "hardware.py")
-
-
-def metrics(at):
-    return {m.label: m.value for m in at.metric}
+from tests.dashboard.apptest import PAGES, chart, make_app, metrics
+from tests.dashboard.seed import HUNG_TRIAL
 
 
 def flat(pairs):
     return [v for pair in sorted(pairs) for v in pair]
-
-
-def decoded(value):
-    """Plotly's JSON with its typed arrays ({"dtype", "bdata"}) turned back into lists."""
-    if isinstance(value, dict) and "bdata" in value:
-        a = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
-        if "shape" in value:
-            a = a.reshape([int(n) for n in value["shape"].split(",")])
-        return a.tolist()
-    if isinstance(value, dict):
-        return {k: decoded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [decoded(v) for v in value]
-    return value
-
-
-def chart(at, key):
-    found = [c for c in at.get("plotly_chart") if c.proto.id.endswith(f"-{key}")]
-    assert found, f"no chart {key!r} on the page"
-    return {"data": decoded(json.loads(found[0].proto.spec)["data"])}
 
 
 @pytest.mark.parametrize("study", ["cpu-real", "search"])
@@ -127,7 +97,7 @@ def test_landscape_heatmap_and_parallel_coordinates(study_db, truth, monkeypatch
     at = make_app(study_db.url, monkeypatch, study="search", page="landscape.py")
     heat = chart(at, "landscape_heatmap")["data"][0]
     measured = [t for t in truth.trials["search"] if t.values is not None]
-    cells = [v for row in heat["z"] for v in row if not math.isnan(v)]
+    cells = [v for row in heat["z"] for v in row if v == v]  # NaN: a cell no trial measured
     assert max(cells) == pytest.approx(max(t.values[0] for t in measured))
     plain = [t.values[0] for t in measured if t.params["draft"] == "none" and t.params["pflash"] == "off"]
     column = heat["x"].index("0")  # spec_len 0: plain decoding

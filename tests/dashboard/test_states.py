@@ -14,12 +14,7 @@ import sqlalchemy
 from dashboard.data import DashboardError, Source
 from storage.records import HardwareRecord, MeasurementRecord, TelemetrySample
 from storage.repository import Repository, hardware_key
-from tests.dashboard.conftest import make_app
-from tests.dashboard.test_pages import PAGES, chart, metrics
-
-
-def page_errors(at):
-    return [e.value for e in at.exception] + [e.value for e in at.error]
+from tests.dashboard.apptest import PAGES, chart, make_app, metrics, page_errors
 
 
 def copy_db(study_db, tmp_path):
@@ -70,6 +65,21 @@ def test_an_empty_database_says_so_on_every_page(tmp_path, monkeypatch, made_by)
         at = make_app(f"sqlite:///{path}", monkeypatch, page=page)
         assert not page_errors(at)
         assert at.info[0].value.startswith(f"No studies in sqlite:///{path} yet.")
+
+
+@pytest.mark.parametrize("directions", [["maximize", "minimize"], ["maximize"]])
+@pytest.mark.parametrize("made_by", ["storage", "optuna alone"])
+def test_a_study_just_begun_renders_every_page(tmp_path, monkeypatch, directions, made_by):
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    storage = Repository.open(url).optuna_storage() if made_by == "storage" else url
+    study = optuna.create_study(study_name="new", storage=storage, directions=directions)
+    study.ask()  # its first trial, still running
+    for page in PAGES:
+        at = make_app(url, monkeypatch, page=page)
+        assert not page_errors(at), page
+    overview = make_app(url, monkeypatch)
+    assert metrics(overview)["Running"] == "1"
+    assert any(i.value.startswith("No feasible trial yet") for i in overview.info)
 
 
 def test_a_study_in_progress_shows_its_running_trial_and_new_results(study_db, tmp_path, monkeypatch):
