@@ -116,8 +116,8 @@ class Tuner:
         try:
             self.repo = Repository.open(c.study.storage)
             self.storage = self.repo.optuna_storage(heartbeat_interval_s=c.study.heartbeat_s,
-                                               grace_s=3 * c.study.heartbeat_s,
-                                               on_stale=_requeue_stale)
+                                                    grace_s=3 * c.study.heartbeat_s,
+                                                    on_stale=_requeue_stale)
         except StorageError as exc:
             raise ConfigError(f"{c.source}: study.storage: {exc}") from None
         fp = self.hardware.fingerprint.as_dict()
@@ -130,12 +130,13 @@ class Tuner:
             self.study = optuna.create_study(study_name=c.study.name, storage=self.storage,
                                              directions=list(c.objectives.directions),
                                              sampler=sampler, load_if_exists=True)
-            if [d.name.lower() for d in self.study.directions] != list(c.objectives.directions):
+            names = self.study.metric_names
+            directions = [d.name.lower() for d in self.study.directions]
+            if directions != list(c.objectives.directions) or names not in (None, list(c.objectives.metrics)):
                 raise ConfigError(
                     f"{c.source}: objectives.metrics: study {c.study.name!r} optimises "
-                    f"{self.study.metric_names or [d.name.lower() for d in self.study.directions]}, "
-                    f"not {list(c.objectives.metrics)}; use another study.name")
-            if self.study.metric_names is None:
+                    f"{names or directions}, not {list(c.objectives.metrics)}; use another study.name")
+            if names is None:
                 self.study.set_metric_names(list(c.objectives.metrics))
             optuna.storages.fail_stale_trials(self.study)
         self._check_model_files()
