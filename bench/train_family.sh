@@ -5,7 +5,7 @@
 #   luce-target.gguf.part-aa, -ab ...   the target, split under the 16 MiB a returned file may take
 #   luce-drafter.gguf, luce-*.report.json, README.md (the model card), train.log
 # Run from the repository root with .whl carried (../shared/device/wheels.sh fills it):
-#   bash bench/train_family.sh
+#   bash bench/train_family.sh [more luce-tune train options]
 # Then, here:  cat $FILES/luce-target.gguf.part-* > models/luce-target.gguf
 #              cp $FILES/luce-drafter.gguf $FILES/luce-*.report.json models/
 #              python -m engine.train.model_card models/
@@ -13,6 +13,7 @@ set -euo pipefail
 OUT=${OUT:-out/family}
 MINUTES=${MINUTES:-8.5}   # the whole training command; the machine's limit is 10 minutes a call
 SEED=${SEED:-0}
+DEVICE=${DEVICE:-cuda}
 WORK=${WORK:-/tmp/luce-family}
 mkdir -p "$OUT" "$WORK/models"
 
@@ -35,7 +36,7 @@ print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
 PY
 
 python3 -m engine.train.cli train --out-dir "$WORK/models" --preset both --minutes "$MINUTES" --seed "$SEED" \
-  --ckpt-dir "$WORK/ckpt" --device cuda 2>&1 | tee -a "$OUT/train.log"
+  --ckpt-dir "$WORK/ckpt" --device "$DEVICE" "$@" 2>&1 | tee -a "$OUT/train.log"
 
 cp "$WORK/models"/luce-*.report.json "$WORK/models/README.md" "$WORK/models/luce-drafter.gguf" "$OUT/"
 split -b 15m -a 2 "$WORK/models/luce-target.gguf" "$OUT/luce-target.gguf.part-"

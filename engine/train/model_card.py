@@ -99,7 +99,7 @@ def _member_section(member: str, report: dict[str, Any] | None) -> list[str]:
     ]
     if report is None:
         return out + ["Not built yet: run the rebuild command above, then this card's generator.", ""]
-    t, h, e = report["training"], report["heldout"], report["export"]
+    t, h, e, d = report["training"], report["heldout"], report["export"], report["data"]
     cfg = report["config"]
     curriculum = cfg["curriculum"]
     out += [
@@ -114,10 +114,13 @@ def _member_section(member: str, report: dict[str, Any] | None) -> list[str]:
         f"{cfg['min_lr_ratio']:g}x), {cfg['batch_tokens']:,} tokens/step, sequence "
         f"{curriculum['short_len']} then {curriculum['long_len']} for the last "
         f"{curriculum['long_fraction']:.0%}, seed {cfg['seed']} |",
+        f"| data | {d['train_tokens']:,} tokens of library source ({d['train_documents']:,} files) and "
+        f"{d['retrieval_train_examples']:,} retrieval examples ({d['retrieval_train_tokens']:,} tokens); "
+        f"training saw {t['tokens'] / max(1, d['train_tokens'] + d['retrieval_train_tokens']):.1f}x that |",
         f"| held-out loss | {h['loss']:.3f} nats/token (perplexity {h['perplexity']:.1f}) over "
         f"{h['tokens']:,} tokens in windows of {h['seq_len']} |",
         f"| unigram baseline | {h['unigram_loss']:.3f} nats/token (fitted on the training tokens); "
-        f"held-out unigram entropy {h['unigram_entropy']:.3f} |",
+        f"held-out unigram entropy {h['unigram_entropy']:.3f}; held-out text: library files never trained on |",
     ]
     r = report.get("retrieval")
     if r:

@@ -47,7 +47,7 @@ class RunSettings:
     curriculum: Curriculum | None = None
     eval_tokens: int = 1 << 20
     eval_batch_tokens: int = 65536
-    reserve_s: float = 20.0  # per member, for measures and export
+    reserve_s: float = 30.0  # per member, for measures and export
     quant: str = "q8_0"
     command: str = ""
 

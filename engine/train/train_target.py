@@ -2,9 +2,9 @@
 
 The HF model is the oracle the engine is tested against, so training it (and converting it
 with ``engine.gguf.convert_hf``) gives files the engine must read exactly. On CUDA the
-forward runs under bf16 autocast with fp32 master weights, and transformers picks fla's
-Gated DeltaNet kernels when fla is importable; on the CPU everything runs in fp32 through
-the torch fallbacks.
+forward runs under bf16 autocast with fp32 master weights, with fla's Gated DeltaNet kernels
+where fla can train (``fla_trains_on``) and transformers' torch path elsewhere; on the CPU
+everything runs in fp32 through the torch paths.
 
 Under a time budget the number of steps is planned once, from timed steps at both sequence
 lengths, so the cosine schedule and the curriculum end together before the deadline; the
@@ -14,7 +14,10 @@ seed it fixes the batches, the initial weights and the schedule.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -121,13 +124,12 @@ class TrainData:
     heldout: TokenStream
     vocab: int
     examples: TokenStream | None = None  # retrieval examples for training rows
-    heldout_examples: TokenStream | None = None
     bos_id: int | None = None
     eos_id: int | None = None
     pad_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("train", "heldout", "examples", "heldout_examples"):
+        for name in ("train", "heldout", "examples"):
             stream = getattr(self, name)
             if stream is not None and len(stream) and int(stream.ids.max()) >= self.vocab:
                 raise ValueError(f"{name} stream holds token id {int(stream.ids.max())}, "
@@ -169,29 +171,56 @@ class TrainResult:
         return d
 
 
-def build_model(cfg: TrainConfig, data: TrainData, device: torch.device):
-    """The seeded, freshly initialised HF model of ``cfg``'s shape, on ``device`` in fp32."""
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+HF_MODELING = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"
 
+
+def fla_trains_on(device: torch.device) -> bool:
+    """Whether fla's Gated DeltaNet kernels can train on ``device``.
+
+    fla 0.6 refuses its gated chunk backward on Hopper GPUs under Triton 3.4 to 3.7.0, whose
+    code for it is wrong (fla issue #640); the forward alone would run, the first backward not.
+    """
+    if device.type != "cuda" or importlib.util.find_spec("fla") is None:
+        return False
+    import triton
+    from packaging.version import Version
+
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    return not (hopper and Version("3.4.0") <= Version(triton.__version__) < Version("3.7.1"))
+
+
+def hf_model_class(use_fla: bool) -> tuple[type, str]:
+    """(transformers' Qwen3_5MoeForCausalLM, the Gated DeltaNet kernel its module bound).
+
+    transformers binds fla's kernels into the module when it is first imported and fla is
+    importable; without ``use_fla`` it is imported with fla hidden, so the torch path is bound.
+    A module imported earlier in this process keeps what it bound then (in a fresh process,
+    as the train command runs, the first import is this one).
+    """
+    if HF_MODELING in sys.modules:
+        bound = "fla" if use_fla and "fla" in sys.modules else "torch"
+        return sys.modules[HF_MODELING].Qwen3_5MoeForCausalLM, bound
+    if use_fla:
+        return importlib.import_module(HF_MODELING).Qwen3_5MoeForCausalLM, "fla"
+    hidden = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "fla"}
+    sys.modules["fla"] = None  # "import fla" now fails
+    try:
+        return importlib.import_module(HF_MODELING).Qwen3_5MoeForCausalLM, "torch"
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+
+
+def build_model(cfg: TrainConfig, data: TrainData, device: torch.device):
+    """(the seeded, freshly initialised HF model of ``cfg``'s shape on ``device`` in fp32, GDN kernel)."""
+    model_class, gdn_kernel = hf_model_class(fla_trains_on(device))
     options: dict[str, Any] = {"router_aux_loss_coef": cfg.router_aux_loss_coef, "use_cache": False}
     if cfg.experts_implementation is not None:
         options["experts_implementation"] = cfg.experts_implementation
     hf_cfg = cfg.model_shape.hf_config(data.vocab, bos_id=data.bos_id, eos_id=data.eos_id,
                                        pad_id=data.pad_id, **options)
     torch.manual_seed(cfg.seed)
-    model = Qwen3_5MoeForCausalLM(hf_cfg)
-    return model.to(device)
-
-
-def gdn_kernel_name(device: torch.device) -> str:
-    """Which Gated DeltaNet implementation transformers runs: fla's kernels or its torch fallback."""
-    if device.type != "cuda":
-        return "torch"
-    try:
-        from transformers.utils import is_flash_linear_attention_available
-    except ImportError:
-        return "unknown"
-    return "fla" if is_flash_linear_attention_available() else "torch"
+    return model_class(hf_cfg).to(device), gdn_kernel
 
 
 def _optimizer(model, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -289,7 +318,7 @@ def train(cfg: TrainConfig, data: TrainData, *, device: torch.device, ckpt_dir: 
     """
     if deadline is None and cfg.minutes is not None:
         deadline = time.monotonic() + 60.0 * cfg.minutes
-    model = build_model(cfg, data, device)
+    model, gdn_kernel = build_model(cfg, data, device)
     model.train()
     opt = _optimizer(model, cfg, device)
     identity = cfg.identity(data.vocab)
@@ -358,7 +387,7 @@ def train(cfg: TrainConfig, data: TrainData, *, device: torch.device, ckpt_dir: 
         steps=run.step, planned_steps=run.planned if run.planned is not None else run.step,
         tokens=run.tokens, train_seconds=elapsed(), stopped_by=stopped_by, final_loss=run.last_loss,
         loss_history=tuple(run.history), resumed_from=resumed_from, device=_device_name(device),
-        gdn_kernel=gdn_kernel_name(device),
+        gdn_kernel=gdn_kernel,
         experts_implementation=str(getattr(model.config, "_experts_implementation", "eager")))
     return model, result
 
@@ -372,7 +401,9 @@ def _plan(cfg: TrainConfig, trainer: _Trainer, step: int, calibration_start: int
     short_s = (time.perf_counter() - t_calibration) / (step - calibration_start - 1)
     long_s = short_s
     if cfg.curriculum.long_fraction > 0 and cfg.curriculum.long_len != cfg.curriculum.short_len:
-        long_s = max(short_s, trainer.time_probe(cfg.curriculum.long_len))
+        # the probes time forward and backward alone; their ratio scales the measured whole step
+        ratio = trainer.time_probe(cfg.curriculum.long_len) / trainer.time_probe(cfg.curriculum.short_len)
+        long_s = short_s * max(1.0, ratio)
     remaining = max(0.0, deadline - time.monotonic()) * cfg.time_safety
     f = cfg.curriculum.long_fraction
     # step + n = total, with (total - step) steps of which a share f are long

@@ -281,24 +281,33 @@ def test_train_command_writes_models_reports_and_card(tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_target_trains_on_cuda_in_bf16(tokenizer_metadata):
-    vocab = len(tokenizer_metadata["tokenizer.ggml.tokens"])
-    docs = progressions(2000, 600, vocab, seed=5)
-    data = TrainData(train=TokenStream.from_documents(docs, separator=0),
-                     heldout=TokenStream.from_documents(progressions(50, 600, vocab, seed=6), separator=0),
-                     vocab=vocab)
-    cfg = TrainConfig(shape="target", steps=40, batch_tokens=65536, curriculum=Curriculum(512, 2048, 0.25),
-                      warmup_steps=10, lr=2e-3)
-    device = torch.device("cuda")
-    model, result = train(cfg, data, device=device)
-    losses = [v for _, v in result.loss_history]
-    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 1.0
-    try:
-        import fla  # noqa: F401
-    except ImportError:
-        assert result.gdn_kernel == "torch"
-    else:
-        assert result.gdn_kernel == "fla"
-    held = evaluate(model, eval_windows(data.heldout, 2048, 65536), device=device, batch_rows=8, autocast=True,
-                    unigram=unigram_log_probs(data.train.ids, vocab))
-    assert held.loss < held.unigram_loss - 1.0
+def test_train_command_trains_the_target_on_cuda(tmp_path):
+    """The target preset for 40 steps in bf16, in a fresh process as the train command runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.engine import Engine
+    from engine.train.train_target import fla_trains_on
+
+    root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "models"
+    cmd = [sys.executable, "-m", "engine.train.cli", "train", "--preset", "target", "--steps", "40",
+           "--batch-tokens", "65536", "--seq-len", "512", "--long-seq-len", "2048", "--max-corpus-mb", "3",
+           "--retrieval-examples", "100", "--device", "cuda", "--out-dir", str(out),
+           "--ckpt-dir", str(tmp_path / "ckpt")]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((out / "luce-target.report.json").read_text())
+    t = report["training"]
+    losses = [v for _, v in t["loss_history"]]
+    assert t["steps"] == 40 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 1.0
+    assert t["gdn_kernel"] == ("fla" if fla_trains_on(torch.device("cuda")) else "torch")
+    assert report["heldout"]["loss"] < report["heldout"]["unigram_loss"]
+    assert report["export"]["bytes"] <= TARGET_BUDGET_BYTES
+    eng = Engine.from_gguf(out / "luce-target.gguf", device="cuda")
+    ids = eng.tokenizer.encode("def main():\n    ")
+    assert torch.isfinite(eng.logits(ids)).all()
+    assert len(eng.generate(ids, 16).ids) == 16
