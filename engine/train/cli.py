@@ -53,8 +53,9 @@ def train(
     long_seq_len: Optional[int] = typer.Option(None, "--long-seq-len", help="sequence length of the last phase"),
     n_retrieval: int = typer.Option(2000, "--retrieval-examples", help="synthetic retrieval examples to train on"),
     max_corpus_mb: Optional[float] = typer.Option(None, "--max-corpus-mb", help="cap on library text used"),
-    experts_impl: Optional[str] = typer.Option(None, "--experts-impl",
-                                               help="transformers experts implementation (grouped_mm, eager)"),
+    experts_impl: Optional[str] = typer.Option(
+        None, "--experts-impl", help="transformers experts implementation: eager, grouped_mm "
+                                     "(default: eager on CUDA, transformers' choice elsewhere)"),
 ) -> None:
     """Train the shipped qwen35moe family and write luce-<member>.gguf (Q8_0) with JSON reports."""
     from engine.engine import resolve_device

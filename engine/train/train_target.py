@@ -52,7 +52,7 @@ class TrainConfig:
     calibration_steps: int = 6
     time_safety: float = 0.92  # share of the measured step budget the plan uses
     sync_every: int = 10  # steps between reads of the loss from the device
-    experts_implementation: str | None = None  # transformers' choice (grouped_mm where it can) or e.g. "eager"
+    experts_implementation: str | None = None  # None: see experts_implementation_for
 
     def __post_init__(self) -> None:
         shape_named(self.shape)
@@ -211,12 +211,23 @@ def hf_model_class(use_fla: bool) -> tuple[type, str]:
         sys.modules.update(hidden)
 
 
+def experts_implementation_for(device: torch.device) -> str | None:
+    """transformers' experts implementation for training on ``device`` (None: its own default).
+
+    On CUDA torch's grouped GEMM is fast for bf16 weights only; with fp32 master weights it
+    falls back to a host-synchronised loop of fp32 matmuls, while the per-expert loop runs its
+    matmuls in bf16 under autocast.
+    """
+    return "eager" if device.type == "cuda" else None
+
+
 def build_model(cfg: TrainConfig, data: TrainData, device: torch.device):
     """(the seeded, freshly initialised HF model of ``cfg``'s shape on ``device`` in fp32, GDN kernel)."""
     model_class, gdn_kernel = hf_model_class(fla_trains_on(device))
     options: dict[str, Any] = {"router_aux_loss_coef": cfg.router_aux_loss_coef, "use_cache": False}
-    if cfg.experts_implementation is not None:
-        options["experts_implementation"] = cfg.experts_implementation
+    experts = cfg.experts_implementation or experts_implementation_for(device)
+    if experts is not None:
+        options["experts_implementation"] = experts
     hf_cfg = cfg.model_shape.hf_config(data.vocab, bos_id=data.bos_id, eos_id=data.eos_id,
                                        pad_id=data.pad_id, **options)
     torch.manual_seed(cfg.seed)
