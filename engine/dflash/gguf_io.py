@@ -160,8 +160,9 @@ def config_from_zlab(config: Mapping[str, Any], *, source: str) -> DraftConfig:
         return value
 
     for key, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", None)):
-        if get(key, neutral) != neutral:
-            raise GGUFError(f"{source}: {key} = {get(key)} is not supported (only plain DFlash drafts are)")
+        value = dflash.get(key, config.get(key, neutral))
+        if value != neutral:
+            raise GGUFError(f"{source}: {key} = {value} is not supported (only plain DFlash drafts are)")
     rope = config.get("rope_parameters") or {}
     theta = rope.get("rope_theta", config.get("rope_theta"))
     if theta is None:

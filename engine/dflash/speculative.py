@@ -225,8 +225,8 @@ class _Generation:
         """Append tokens one by one; True when the generation must end at the last one appended."""
         now = time.perf_counter()
         if self.last_progress is not None and now - self.last_progress > self.opts.stall_timeout_s:
-            raise GenerationStalled(f"generation made no progress for {now - self.last_progress:.0f} s "
-                                    f"(limit {self.opts.stall_timeout_s:.0f} s) at token {len(self.new)}")
+            raise GenerationStalled(f"generation made no progress for {now - self.last_progress:.3g} s "
+                                    f"(limit {self.opts.stall_timeout_s:.3g} s) at token {len(self.new)}")
         self.last_progress = now
         for t in tokens:
             self.new.append(t)

@@ -1,0 +1,322 @@
+"""Training a DFlash draft for a qwen35moe target (the SpecForge recipe).
+
+The target is frozen and runs through the engine's own model: one forward per training
+sequence gives the context features (residual stream at ``target_layer_ids``) and the
+labels. Each step draws random anchors; the block of an anchor ``a`` is ``[ids[a], MASK x
+(B - 1)]`` at positions ``a .. a + B - 1``, sees the context features strictly before ``a``
+and its own block (non-causally), and slot ``k`` learns the token at ``a + k`` with weight
+``exp(-(k - 1) / gamma)``. All blocks of a sequence share one draft forward through a
+block-diagonal visibility mask.
+
+Labels are the target's own greedy choices at each position by default (what verification
+will compare against); ``labels="corpus"`` uses the corpus tokens instead. Batches and
+anchors depend only on (seed, step), so a resumed run sees what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.dflash.compat import check_compatible
+from engine.dflash.draft import DFlashDraft, DraftConfig, default_layer_ids
+from engine.dflash.gguf_io import DraftFile, write_draft_gguf
+from engine.dflash.speculative import speculative_generate
+from engine.errors import ConfigError
+from engine.model.config import ModelConfig
+from engine.model.qwen35moe import Qwen35MoE
+from engine.train.batches import BatchSampler, TokenStream, eval_windows
+from engine.train.checkpoint import load_checkpoint, save_checkpoint
+from engine.train.corpus import iter_documents
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".cpp", ".js", ".ts", ".rs", ".go", ".java",
+                 ".json", ".jsonl", ".toml", ".yaml", ".yml", ".html", ".tex", ".sh")
+QWEN_DFLASH_MASK_ID = 248070  # the mask id of the published Qwen3.5/3.6 drafts; padded vocabularies reach it
+LABELS = ("target", "corpus")
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay: 7 for blocks of 16 and 4 for blocks of 8 (SpecForge), in proportion below."""
+    return 7.0 if block_size >= 16 else 4.0 if block_size >= 8 else max(1.0, block_size / 2)
+
+
+def new_draft_config(target: ModelConfig, *, n_layers: int = 5, n_features: int = 5, block_size: int = 16,
+                     mask_token_id: int | None = None, layer_ids: tuple[int, ...] | None = None) -> DraftConfig:
+    """A Qwen3-style draft sized for ``target``: heads of 128 (hidden/4 on small targets), a quarter as
+    many KV heads, an FFN three times the hidden size."""
+    head_dim = 128 if target.hidden >= 1024 else max(8, target.hidden // 4)
+    n_head = max(1, target.hidden // head_dim)
+    if mask_token_id is None:
+        mask_token_id = QWEN_DFLASH_MASK_ID if target.vocab > QWEN_DFLASH_MASK_ID else target.vocab - 1
+    try:
+        return DraftConfig(
+            n_layers=n_layers, hidden=target.hidden, ffn=3 * target.hidden, n_head=n_head,
+            n_head_kv=max(1, n_head // 4), head_dim=head_dim, rms_eps=target.rms_eps, rope_theta=target.rope_theta,
+            block_size=block_size, mask_token_id=mask_token_id,
+            target_layer_ids=layer_ids or default_layer_ids(target.n_layers, n_features),
+            vocab=target.vocab, context_length=min(target.context_length, 262144))
+    except ValueError as exc:
+        raise ConfigError(f"draft shape: {exc}") from None
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    steps: int = 2000
+    seq_len: int = 2048
+    batch: int = 1  # sequences per step
+    anchors: int = 64  # blocks per sequence
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float | None = None  # None: default_gamma(block_size)
+    labels: str = "target"
+    seed: int = 0
+    time_budget_s: float | None = None
+    ckpt_every: int = 50
+    held_out_fraction: float = 0.05
+    eval_prompts: int = 8
+    eval_prompt_len: int = 128
+    eval_new_tokens: int = 128
+    weights: str = "bf16"  # type of the draft's matrices in the written GGUF
+
+    def __post_init__(self) -> None:
+        positive = {"steps": self.steps, "batch": self.batch, "anchors": self.anchors, "lr": self.lr,
+                    "ckpt_every": self.ckpt_every, "eval_prompts": self.eval_prompts,
+                    "eval_new_tokens": self.eval_new_tokens}
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.seq_len < 8:
+            raise ValueError(f"seq_len must be at least 8, got {self.seq_len}")
+        if self.eval_prompt_len < 2:
+            raise ValueError(f"eval_prompt_len must be at least 2, got {self.eval_prompt_len}")
+        if self.labels not in LABELS:
+            raise ValueError(f"labels must be one of {LABELS}, got {self.labels!r}")
+        if self.gamma is not None and self.gamma <= 0:
+            raise ValueError(f"gamma must be positive, got {self.gamma}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"time budget must be positive, got {self.time_budget_s} s")
+        if not 0 < self.held_out_fraction < 1:
+            raise ValueError(f"held_out_fraction must be in (0, 1), got {self.held_out_fraction}")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        t = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def read_corpus(path: str | Path) -> list[str]:
+    """Documents of a text file (split at ``<|endoftext|>``) or of every text file under a directory."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise ConfigError(f"corpus directory {path} holds no text file ({', '.join(TEXT_SUFFIXES)})")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ConfigError(f"corpus {path} does not exist")
+    docs = []
+    for file in files:
+        try:
+            docs.extend(d for d in iter_documents(file) if d.strip())
+        except UnicodeDecodeError:
+            raise ConfigError(f"corpus file {file} is not UTF-8 text") from None
+    if not docs:
+        raise ConfigError(f"corpus {path} holds no text")
+    return docs
+
+
+def split_documents(docs: list[str], held_out_fraction: float) -> tuple[list[str], list[str]]:
+    """A split by content hash (stable across runs and seeds), at least one document on each side."""
+    held = [zlib.crc32(d.encode("utf-8")) % 10_000 < held_out_fraction * 10_000 for d in docs]
+    if len(docs) < 2:
+        raise ConfigError(f"the corpus holds {len(docs)} document; at least 2 are needed (one is held out)")
+    if not any(held):
+        held[-1] = True
+    if all(held):
+        held[0] = False
+    return [d for d, h in zip(docs, held) if not h], [d for d, h in zip(docs, held) if h]
+
+
+@torch.inference_mode()
+def target_pass(model: Qwen35MoE, ids: torch.Tensor, layer_ids: tuple[int, ...],
+                labels: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context features [L, n_features * hidden] and labels [L] (the token expected at each position)."""
+    out = model.forward(ids, model.new_state(ids.shape[0]), capture_layers=layer_ids, logits="none")
+    features = torch.cat([out.hidden[i] for i in layer_ids], dim=-1)
+    if labels == "corpus":
+        return features, ids
+    rows = 1024  # the logits of 1024 positions at a time: [1024, vocab] float32
+    choice = torch.cat([F.linear(out.final_hidden[r:r + rows], model.weights.output).argmax(-1)
+                        for r in range(0, ids.shape[0], rows)])
+    return features, torch.cat([ids[:1], choice[:-1]])
+
+
+def block_loss(draft: DFlashDraft, embed: torch.Tensor, output: torch.Tensor, features: torch.Tensor,
+               ids: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor,
+               gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted cross-entropy of the blocks at ``anchors`` [n] of one sequence of ``L`` tokens.
+
+    features [L, F], ids and labels [L]. Returns the loss and the accepted length under
+    teacher forcing [n] (drafts that match the label, counted up to the first miss, plus one).
+    """
+    cfg = draft.cfg
+    B, L, n = cfg.block_size, ids.shape[0], anchors.shape[0]
+    device = ids.device
+    slot = torch.arange(B, device=device)
+    positions = anchors[:, None] + slot[None, :]  # [n, B]
+    block = torch.full((n, B), cfg.mask_token_id, dtype=torch.long, device=device)
+    block[:, 0] = ids[anchors]
+    ctx_positions = torch.arange(L, device=device)
+    sees_context = ctx_positions[None, :] < anchors[:, None]  # [n, L]: strictly before the anchor
+    same_block = torch.eye(n, dtype=torch.bool, device=device)
+    visible = torch.cat([sees_context[:, None, :].expand(n, B, L).reshape(n * B, L),
+                         same_block[:, None, :, None].expand(n, B, n, B).reshape(n * B, n * B)], dim=1)
+    hidden = draft(F.embedding(block.reshape(-1), embed), positions.reshape(-1),
+                   draft.project_context(features, ctx_positions), ctx_positions, visible)
+    logits = F.linear(hidden.view(n, B, -1)[:, 1:], output).float()  # [n, B - 1, vocab]
+    target_pos = positions[:, 1:]
+    valid = target_pos < L
+    target = labels[target_pos.clamp(max=L - 1)]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view(n, B - 1)
+    weight = torch.exp(-(slot[1:] - 1).float() / gamma)[None, :] * valid
+    loss = (ce * weight).sum() / weight.sum()
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == target) & valid
+        accepted = hit.long().cumprod(1).sum(1) + 1
+    return loss, accepted
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    steps: int
+    train_s: float
+    final_loss: float
+    teacher_forced_acceptance: float
+    held_out: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Path, out: str | Path,
+                opts: TrainOptions, *, target_name: str, resume: bool = True,
+                progress: Callable[[int, int, dict[str, float]], None] | None = None) -> TrainReport:
+    """Train a draft for ``model``, write it to ``out`` (GGUF) and a held-out report beside it.
+
+    ``progress(step, steps, metrics)`` is called after every step. A checkpoint beside ``out``
+    (``<out>.ckpt``) is written every ``ckpt_every`` steps and when the time budget ends the
+    loop; with ``resume`` an existing checkpoint of the same run is continued.
+    """
+    out = Path(out)
+    check_compatible(cfg, model.cfg, draft_name=out.name, target_name=target_name)
+    train_docs, held_docs = split_documents(read_corpus(corpus), opts.held_out_fraction)
+    stream = TokenStream.from_documents(tokenizer.encode(d) for d in train_docs)
+    held = TokenStream.from_documents(tokenizer.encode(d) for d in held_docs)
+    sampler = BatchSampler(stream, None, batch_tokens=opts.batch * (opts.seq_len - 1), example_share=0.0,
+                           seed=opts.seed)
+    gamma = opts.gamma or default_gamma(cfg.block_size)
+    device = model.device
+    draft = DFlashDraft(cfg, device=device, dtype=torch.float32).init_random(
+        torch.Generator().manual_seed(opts.seed))
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
+    ckpt = out.with_name(out.name + ".ckpt")
+    identity = {"target": target_name, "draft": asdict(cfg), "options": _run_identity(opts)}
+    step, spent_before = 0, 0.0
+    if resume and ckpt.exists():
+        state = load_checkpoint(ckpt, {})
+        if state.get("identity") != identity:
+            raise ConfigError(f"{ckpt}: the checkpoint belongs to another run (target, draft shape or options "
+                              f"differ); pass --restart to start over")
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, spent_before = state["step"], state["train_s"]
+    started, t0 = step, time.perf_counter()
+
+    def save() -> None:
+        save_checkpoint(ckpt, {"identity": identity, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                               "step": step, "train_s": spent_before + time.perf_counter() - t0})
+
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    embed, output = model.weights.embed, model.weights.output
+    loss_value = accept_value = float("nan")
+    while step < opts.steps:
+        if opts.time_budget_s is not None and time.perf_counter() - t0 >= opts.time_budget_s:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = opts.lr_at(step)
+        gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
+        rows = sampler.batch(step, opts.seq_len - 1).to(device)
+        losses, accepted = [], []
+        for row in rows:
+            features, labels = target_pass(model, row, cfg.target_layer_ids, opts.labels)
+            features, labels = features.clone(), labels.clone()  # leave inference mode for autograd
+            n = min(opts.anchors, row.shape[0] - 2)
+            anchors = (torch.randperm(row.shape[0] - 2, generator=gen)[:n] + 1).sort().values.to(device)
+            with autocast:
+                loss, acc = block_loss(draft, embed, output, features, row, labels, anchors, gamma)
+            (loss / rows.shape[0]).backward()
+            losses.append(loss.detach())
+            accepted.append(acc)
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), opts.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        loss_value = float(torch.stack(losses).mean())
+        accept_value = float(torch.cat(accepted).float().mean())
+        if progress is not None:
+            progress(step, opts.steps, {"loss": loss_value, "tf_accept": accept_value, "lr": opts.lr_at(step - 1)})
+        if step % opts.ckpt_every == 0:
+            save()
+    save()
+    spent = spent_before + time.perf_counter() - t0
+
+    write_draft_gguf(draft, out, qtype=opts.weights)
+    report = TrainReport(steps=step, train_s=round(spent, 3), final_loss=loss_value,
+                         teacher_forced_acceptance=accept_value,
+                         held_out=held_out_acceptance(model, DraftFile.open(out), held, cfg, opts))
+    report_path = out.with_suffix(".acceptance.json")
+    report_path.write_text(json.dumps({"target": target_name, "draft": out.name,
+                                       "steps_this_run": step - started} | report.as_dict(), indent=2) + "\n")
+    return report
+
+
+def held_out_acceptance(model: Qwen35MoE, draft_file: DraftFile, held: TokenStream, cfg: DraftConfig,
+                        opts: TrainOptions) -> dict[str, Any]:
+    """Greedy speculative decoding of held-out prompts with the written draft: acceptance length."""
+    draft = draft_file.load(device=model.device, dtype=model.dtype)
+    try:
+        prompts = eval_windows(held, opts.eval_prompt_len - 1, opts.eval_prompts * (opts.eval_prompt_len - 1))
+    except ValueError:
+        raise ConfigError(f"the held-out documents hold {len(held)} tokens, fewer than one evaluation "
+                          f"prompt of {opts.eval_prompt_len}") from None
+    per_prompt, spec_tokens, steps = [], 0, 0
+    for prompt in prompts[:opts.eval_prompts]:
+        _, stats = speculative_generate(model, draft, prompt.tolist(), opts.eval_new_tokens, spec_len=cfg.block_size,
+                                        fallback_threshold=0.0)
+        per_prompt.append(round(stats.acceptance_length, 4))
+        spec_tokens += stats.spec_tokens
+        steps += stats.verify_steps
+    return {"prompts": len(per_prompt), "prompt_tokens": opts.eval_prompt_len, "new_tokens": opts.eval_new_tokens,
+            "spec_len": cfg.block_size, "acceptance_length": round(spec_tokens / steps, 4) if steps else 0.0,
+            "per_prompt": per_prompt}
+
+
+def _run_identity(opts: TrainOptions) -> dict[str, Any]:
+    """Options that must match for a checkpoint to continue the same run (not budgets or evaluation)."""
+    keep = ("steps", "seq_len", "batch", "anchors", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
+            "gamma", "labels", "seed", "held_out_fraction")
+    return {k: getattr(opts, k) for k in keep}

@@ -1,0 +1,86 @@
+"""A tiny random qwen35moe target, a random draft written through gguf_io, and a "right" draft:
+one trained (with the real training loss) until it reproduces the target's greedy continuation
+of PROMPT, so that verification accepts whole blocks."""
+
+import pytest
+import torch
+
+from engine.dflash.draft import DFlashDraft, DraftConfig
+from engine.dflash.gguf_io import load_draft, write_draft_gguf
+from engine.dflash.train import block_loss, new_draft_config, target_pass
+from engine.gguf.make_model import make_model
+from engine.gguf.reader import GGUFFile
+from engine.model.qwen35moe import Qwen35MoE
+
+PROMPT = [5, 17, 99, 3, 250, 1000, 42]
+CONTINUATION = 48
+
+
+def plain_greedy(model: Qwen35MoE, ids: list[int], n: int) -> list[int]:
+    """Plain one-token-at-a-time greedy decoding: the reference speculative decoding must match."""
+    with torch.inference_mode():
+        state = model.new_state(len(ids) + n)
+        out = model.forward(torch.tensor(ids), state, logits="last")
+        token = out.logits[-1].argmax()
+        new = [int(token)]
+        while len(new) < n:
+            token = model.forward(token.reshape(1), state, logits="last").logits[-1].argmax()
+            new.append(int(token))
+    return new
+
+
+@pytest.fixture(scope="session")
+def prompt():
+    return list(PROMPT)
+
+
+@pytest.fixture(scope="session")
+def plain():
+    return plain_greedy
+
+
+@pytest.fixture(scope="session")
+def target_path(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("dflash") / "target.gguf", "tiny", seed=3)
+
+
+@pytest.fixture(scope="session")
+def target(target_path):
+    with GGUFFile(target_path) as f:
+        return Qwen35MoE.from_gguf(f, device="cpu")
+
+
+def random_draft_config(target: Qwen35MoE, **overrides) -> DraftConfig:
+    kw = dict(n_layers=2, hidden=target.cfg.hidden, ffn=96, n_head=4, n_head_kv=2, head_dim=16, rms_eps=1e-6,
+              rope_theta=1e7, block_size=8, mask_token_id=target.cfg.vocab - 1, target_layer_ids=(0, 2),
+              vocab=target.cfg.vocab)
+    return DraftConfig(**(kw | overrides))
+
+
+@pytest.fixture(scope="session")
+def random_draft_path(target, tmp_path_factory):
+    draft = DFlashDraft(random_draft_config(target)).init_random(torch.Generator().manual_seed(0))
+    return write_draft_gguf(draft, tmp_path_factory.mktemp("dflash") / "random-draft.gguf", qtype="f32")
+
+
+@pytest.fixture(scope="session")
+def random_draft(random_draft_path):
+    return load_draft(random_draft_path)
+
+
+@pytest.fixture(scope="session")
+def right_draft(target):
+    """A draft trained on the target's greedy continuation of PROMPT until it predicts it."""
+    seq = torch.tensor(PROMPT + plain_greedy(target, PROMPT, CONTINUATION))
+    cfg = new_draft_config(target.cfg, n_layers=1, block_size=8, layer_ids=(1, 3))
+    draft = DFlashDraft(cfg).init_random(torch.Generator().manual_seed(0))
+    features, labels = (t.clone() for t in target_pass(target, seq, cfg.target_layer_ids, "target"))
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        anchors = (torch.randperm(len(seq) - 2, generator=gen)[:32] + 1).sort().values
+        loss, _ = block_loss(draft, target.weights.embed, target.weights.output, features, seq, labels, anchors, 4.0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return draft.requires_grad_(False)

@@ -1,0 +1,123 @@
+"""The draft network: config checks, layer ids, attention pattern, context cache, block packing."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.dflash.draft import DFlashDraft, DraftCache, DraftConfig, block_hidden, default_layer_ids
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _cfg(**overrides):
+    kw = dict(n_layers=2, hidden=32, ffn=48, n_head=4, n_head_kv=2, head_dim=8, rms_eps=1e-6, rope_theta=1e4,
+              block_size=4, mask_token_id=0, target_layer_ids=(1, 3), vocab=50)
+    return DraftConfig(**(kw | overrides))
+
+
+def _draft(**overrides):
+    return DFlashDraft(_cfg(**overrides)).init_random(torch.Generator().manual_seed(0), std=0.2)
+
+
+def test_layer_ids_follow_the_published_rule():
+    assert default_layer_ids(40, 5) == (1, 10, 19, 28, 37)
+    assert default_layer_ids(64, 5) == (1, 16, 31, 46, 61)
+    assert default_layer_ids(4, 2) == (1, 1)  # tiny targets clamp, never leave the target
+    assert default_layer_ids(40, 1) == (20,)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"block_size": 1}, "block_size must be at least 2"),
+    ({"n_head_kv": 3}, "not a multiple of n_head_kv"),
+    ({"mask_token_id": 50}, "mask_token_id 50 is outside the vocabulary of 50"),
+    ({"target_layer_ids": ()}, "target_layer_ids must be non-negative"),
+    ({"swa_layers": (True,)}, "swa_layers has 1 entries for 2 layers"),
+    ({"rope_dim": 6, "head_dim": 4}, "rope_dim 6 must be even and at most head_dim 4"),
+])
+def test_config_is_validated(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(**overrides)
+
+
+def test_rope_dim_defaults_to_the_whole_head():
+    assert _cfg().rope_dim == 8 and _cfg(rope_dim=4).rope_dim == 4
+
+
+def _run(draft, x, start, features):
+    cache = DraftCache.empty(draft, 32)
+    cache.extend(draft, features, torch.arange(features.shape[0]))
+    return block_hidden(draft, cache, x, start)
+
+
+def test_block_attention_is_non_causal_unless_configured():
+    gen = torch.Generator().manual_seed(1)
+    features = torch.randn(6, 64, generator=gen)
+    x = torch.randn(4, 32, generator=gen)
+    x2 = x.clone()
+    x2[3] += 1.0  # only the last slot changes
+    for causal in (False, True):
+        draft = _draft(causal=causal)
+        a, b = _run(draft, x, 6, features), _run(draft, x2, 6, features)
+        first_slot_moved = (a[0] - b[0]).abs().max().item()
+        if causal:
+            assert first_slot_moved < 1e-6
+        else:
+            assert first_slot_moved > 1e-3
+
+
+def test_context_cache_extended_in_pieces_equals_one_extension():
+    draft = _draft()
+    gen = torch.Generator().manual_seed(2)
+    features = torch.randn(9, 64, generator=gen)
+    x = torch.randn(4, 32, generator=gen)
+    whole = _run(draft, x, 9, features)
+    cache = DraftCache.empty(draft, 32)
+    for lo, hi in ((0, 2), (2, 7), (7, 9)):
+        cache.extend(draft, features[lo:hi], torch.arange(lo, hi))
+    torch.testing.assert_close(block_hidden(draft, cache, x, 9), whole, **TOL)
+    with pytest.raises(ValueError, match="holds 32 context rows; 41 were asked for"):
+        cache.extend(draft, torch.randn(32, 64), torch.arange(9, 41))
+
+
+def test_sliding_window_hides_far_context():
+    draft = _draft(sliding_window=3)
+    gen = torch.Generator().manual_seed(3)
+    features = torch.randn(10, 64, generator=gen)
+    x = torch.randn(4, 32, generator=gen)
+    base = _run(draft, x, 10, features)
+    far, near = features.clone(), features.clone()
+    far[0] += 5.0  # position 0 is more than 3 away from every block slot (10..13)
+    near[9] += 5.0
+    torch.testing.assert_close(_run(draft, x, 10, far), base, **TOL)
+    assert (_run(draft, x, 10, near) - base).abs().max() > 1e-3
+
+
+def test_packed_blocks_equal_separate_blocks():
+    """Training packs blocks with a visibility mask; each must equal a lone block with its own context."""
+    draft = _draft()
+    gen = torch.Generator().manual_seed(4)
+    L, B = 12, 4
+    features = torch.randn(L, 64, generator=gen)
+    anchors = [3, 8]
+    x = torch.randn(2 * B, 32, generator=gen)
+    positions = torch.cat([torch.arange(a, a + B) for a in anchors])
+    ctx_pos = torch.arange(L)
+    sees = torch.stack([ctx_pos < a for a in anchors]).repeat_interleave(B, 0)  # [2B, L]
+    same = torch.block_diag(torch.ones(B, B), torch.ones(B, B)).bool()
+    packed = draft(x, positions, draft.project_context(features, ctx_pos), ctx_pos, torch.cat([sees, same], 1))
+    for j, a in enumerate(anchors):
+        alone = _run(draft, x[j * B:(j + 1) * B], a, features[:a])
+        torch.testing.assert_close(packed[j * B:(j + 1) * B], alone, **TOL)
+
+
+def test_output_is_normed_and_trainable():
+    draft = _draft()
+    gen = torch.Generator().manual_seed(5)
+    features = torch.randn(5, 64, generator=gen)
+    ctx_pos = torch.arange(5)
+    out = draft(torch.randn(4, 32, generator=gen), torch.arange(5, 9), draft.project_context(features, ctx_pos),
+                ctx_pos)
+    rms = out.pow(2).mean(-1).sqrt()
+    torch.testing.assert_close(rms, torch.ones(4), atol=1e-3, rtol=0)  # final norm with unit weight
+    F.mse_loss(out, torch.zeros_like(out)).backward()
+    assert all(p.grad is not None for p in draft.parameters())

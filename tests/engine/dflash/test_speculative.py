@@ -1,0 +1,160 @@
+"""The speculative loop: identical greedy output, lossless sampling, stops, fallback, stalls."""
+
+import pytest
+import torch
+
+from engine.dflash.speculative import speculative_generate
+from engine.errors import ConfigError, GenerationStalled
+from engine.sampling import SamplingParams, probabilities
+
+OTHER_prompt = [11, 2000, 7, 7, 301]
+
+
+@pytest.mark.parametrize("rollback", ["capture", "recompute"])
+@pytest.mark.parametrize("spec_len", [2, 5, 8])
+def test_random_draft_greedy_matches_plain(target, random_draft, prompt, plain, spec_len, rollback):
+    for ids in (prompt, OTHER_prompt):
+        ref = plain(target, ids, 20)
+        new, stats = speculative_generate(target, random_draft, ids, 20, spec_len=spec_len, rollback=rollback,
+                                          fallback_threshold=0)
+        assert new == ref
+        assert stats.new_tokens == 20 and stats.verify_steps >= 1 and not stats.fallback
+
+
+@pytest.mark.parametrize("rollback", ["capture", "recompute"])
+@pytest.mark.parametrize("spec_len", [2, 4, 8])
+def test_right_draft_accepts_blocks_and_matches_plain(target, right_draft, prompt, plain, spec_len, rollback):
+    # 64 tokens: the first 48 are what the draft was trained on (whole blocks accepted), the
+    # rest are new to it (partial acceptances and rollbacks)
+    ref = plain(target, prompt, 64)
+    new, stats = speculative_generate(target, right_draft, prompt, 64, spec_len=spec_len, rollback=rollback,
+                                      fallback_threshold=0)
+    assert new == ref
+    assert stats.acceptance_length > 1.3
+    assert max(stats.accept_lengths) == spec_len  # some block accepted whole, bonus token included
+    assert stats.rollbacks > 0
+    # the first token comes from the prefill; a last single token, if any, from a plain step
+    assert sum(stats.accept_lengths) == stats.spec_tokens == 63 - stats.plain_steps
+    assert stats.accepted == stats.spec_tokens - stats.verify_steps
+
+
+def test_max_new_tokens_is_exact_when_spec_len_does_not_divide_it(target, right_draft, prompt, plain):
+    for n in (1, 2, 7, 13):
+        new, stats = speculative_generate(target, right_draft, prompt, n, spec_len=8, fallback_threshold=0)
+        assert new == plain(target, prompt, n)
+        assert stats.new_tokens == n
+
+
+def test_eos_and_stop_predicate_end_the_generation(target, right_draft, prompt, plain):
+    ref = plain(target, prompt, 30)
+    new, stats = speculative_generate(target, right_draft, prompt, 30, spec_len=8, eos_ids={ref[10]},
+                                      fallback_threshold=0)
+    assert new == ref[:ref.index(ref[10]) + 1] and stats.stop_reason == "eos"
+    seen = []
+    new, stats = speculative_generate(target, right_draft, prompt, 30, spec_len=8, fallback_threshold=0,
+                                      stop=lambda ids: seen.append(len(ids)) or len(ids) == 13)
+    assert new == ref[:13] and stats.stop_reason == "stop"
+    assert seen == list(range(1, 14))  # called once per committed token, in order
+
+
+def test_low_acceptance_falls_back_to_plain_decoding(target, random_draft, prompt, plain):
+    ref = plain(target, prompt, 30)
+    new, stats = speculative_generate(target, random_draft, prompt, 30, spec_len=4, fallback_threshold=1.5,
+                                      fallback_window=4)
+    assert new == ref
+    assert stats.fallback and stats.verify_steps == 4 and stats.fallback_at == 1 + sum(stats.accept_lengths)
+    assert stats.plain_steps == 30 - stats.fallback_at
+    d = stats.as_dict()
+    assert d["fallback"] is True and d["acceptance_length"] == pytest.approx(stats.acceptance_length)
+
+
+def test_good_acceptance_does_not_fall_back(target, right_draft, prompt, plain):
+    _, stats = speculative_generate(target, right_draft, prompt, 40, spec_len=8, fallback_threshold=1.5,
+                                    fallback_window=2)
+    assert not stats.fallback and stats.plain_steps == 0
+
+
+def test_stalled_generation_raises(target, random_draft, prompt, plain):
+    with pytest.raises(GenerationStalled, match=r"no progress for .* s \(limit 1e-09 s\) at token 1"):
+        speculative_generate(target, random_draft, prompt, 10, spec_len=4, fallback_threshold=0,
+                             stall_timeout_s=1e-9)
+
+
+@pytest.mark.parametrize("spec_len", [1, 9])
+def test_spec_len_outside_the_block_is_refused(target, random_draft, prompt, plain, spec_len):
+    with pytest.raises(ConfigError, match="spec_len must be between 2 and the draft's block size 8"):
+        speculative_generate(target, random_draft, prompt, 4, spec_len=spec_len)
+
+
+def test_timings_are_measured(target, right_draft, prompt, plain):
+    _, stats = speculative_generate(target, right_draft, prompt, 24, spec_len=8, fallback_threshold=0)
+    assert stats.prefill_s > 0 and stats.draft_s > 0 and stats.verify_s > 0
+    assert stats.draft_s + stats.verify_s + stats.rollback_s <= stats.decode_s
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _exact_first_tokens(model, prompt, k, params, max_leaves):
+    """P(first k new tokens) under the target's sampling distribution, by enumerating the tree."""
+    out = {}
+
+    def walk(prefix, p):
+        if len(prefix) == len(prompt) + k:
+            out[tuple(prefix[len(prompt):])] = p
+            if len(out) > max_leaves:
+                raise _TooMany
+            return
+        with torch.inference_mode():
+            logits = model.forward(torch.tensor(prefix), model.new_state(len(prefix)), logits="last").logits[-1]
+        probs = probabilities(logits, params)
+        for tok in torch.nonzero(probs).flatten().tolist():
+            walk(prefix + [tok], p * float(probs[tok]))
+
+    try:
+        walk(list(prompt), 1.0)
+    except _TooMany:
+        return None
+    return out
+
+
+def test_sampling_is_lossless(target, right_draft, prompt, plain):
+    # k = 5 tokens at spec_len 5: the prefill samples one, a verify step commits 1 to 4 more.
+    # The temperature is the highest (of a few) whose tree of possible outputs stays small
+    # enough to enumerate yet spreads over at least 6 sequences expected 5 times or more.
+    k, n_samples, top_p = 5, 300, 0.8
+    for temperature in (0.4, 0.3, 0.25, 0.2, 0.15, 0.1):
+        params = SamplingParams(temperature=temperature, top_p=top_p)
+        exact = _exact_first_tokens(target, prompt, k, params, max_leaves=400)
+        if exact is not None and sum(p * n_samples >= 5 for p in exact.values()) >= 6:
+            break
+    else:
+        pytest.fail("no temperature gives an enumerable yet spread output distribution on this target")
+    assert sum(exact.values()) == pytest.approx(1.0, abs=1e-5)
+    counts: dict[tuple, int] = {}
+    accepted = 0
+    for seed in range(n_samples):
+        new, stats = speculative_generate(target, right_draft, prompt, k, spec_len=k, temperature=temperature,
+                                          top_p=top_p, seed=seed, fallback_threshold=0)
+        counts[tuple(new)] = counts.get(tuple(new), 0) + 1
+        accepted += stats.accepted
+    assert set(counts) <= set(exact)  # never a sequence the target cannot produce
+    assert accepted >= n_samples // 2  # drafts were accepted: the acceptance path is what is tested
+
+    # chi-square goodness of fit; sequences expected fewer than 5 times share one bin
+    big = [s for s, p in exact.items() if p * n_samples >= 5]
+    bins = [(exact[s] * n_samples, counts.get(s, 0)) for s in big]
+    rest = (n_samples - sum(e for e, _ in bins), n_samples - sum(o for _, o in bins))
+    if rest[0] >= 1:
+        bins.append(rest)
+    expected = torch.tensor([e for e, _ in bins], dtype=torch.float64)
+    observed = torch.tensor([o for _, o in bins], dtype=torch.float64)
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(bins) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(chi2 / 2, dtype=torch.float64)))
+    tv = 0.5 * float((observed - expected).abs().sum()) / n_samples  # over the bins
+    assert dof >= 2
+    assert p_value > 1e-3, f"chi2 {chi2:.1f} on {dof} dof (p = {p_value:.2e}), total variation {tv:.3f}"
+    assert tv < 0.15
