@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.dflash.compat import check_compatible
 from engine.dflash.draft import DFlashDraft, DraftConfig, default_layer_ids
-from engine.dflash.gguf_io import DraftFile, write_draft_gguf
+from engine.dflash.gguf_io import WRITE_TYPES, DraftFile, write_draft_gguf
 from engine.dflash.speculative import speculative_generate
 from engine.errors import ConfigError
 from engine.model.config import ModelConfig
@@ -100,6 +100,8 @@ class TrainOptions:
             raise ValueError(f"seq_len must be at least 8, got {self.seq_len}")
         if self.eval_prompt_len < 2:
             raise ValueError(f"eval_prompt_len must be at least 2, got {self.eval_prompt_len}")
+        if self.weights not in WRITE_TYPES:
+            raise ValueError(f"draft weights must be one of {', '.join(WRITE_TYPES)}, got {self.weights!r}")
         if self.labels not in LABELS:
             raise ValueError(f"labels must be one of {LABELS}, got {self.labels!r}")
         if self.gamma is not None and self.gamma <= 0:

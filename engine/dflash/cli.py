@@ -1,0 +1,109 @@
+"""``luce-tune train-draft``: train a DFlash draft for a qwen35moe target (mounted by tuner.cli)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from engine.errors import ConfigError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train-draft")(train_draft)
+
+
+def parse_duration(text: str) -> float:
+    """``90m``, ``2h``, ``3600s`` or a bare number of minutes -> seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"time budget {text!r} is not a positive duration such as 90m, 2h or 3600s")
+    return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "": 60}[match.group(2)]
+
+
+def train_draft(
+    target: Path = typer.Option(..., "--target", help="qwen35moe GGUF the draft is trained for (kept frozen)"),
+    corpus: Path = typer.Option(..., "--corpus", help="a text file (documents split at <|endoftext|>) or a "
+                                                       "directory of text files"),
+    out: Path = typer.Option(..., "--out", "-o", help="draft GGUF to write; <out>.ckpt and "
+                                                      "<out stem>.acceptance.json go beside it"),
+    steps: int = typer.Option(2000, "--steps", help="optimizer steps (the learning-rate schedule spans them)"),
+    time_budget: Optional[str] = typer.Option(None, "--time-budget", help="stop training after this long "
+                                              "(90m, 2h, 3600s; a bare number is minutes), then save and evaluate"),
+    seq_len: int = typer.Option(2048, "--seq-len", help="tokens per training sequence"),
+    batch: int = typer.Option(1, "--batch", help="sequences per step"),
+    anchors: int = typer.Option(64, "--anchors", help="random blocks per sequence"),
+    lr: float = typer.Option(6e-4, "--lr"),
+    layers: int = typer.Option(5, "--layers", help="draft layers"),
+    features: int = typer.Option(5, "--features", help="target layers whose outputs feed the draft"),
+    block_size: int = typer.Option(16, "--block-size", help="tokens per drafted block (the largest spec_len)"),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help="loss decay over block slots (7 at 16, 4 at 8)"),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id"),
+    labels: str = typer.Option("target", "--labels", help="target (the target's greedy choices) or corpus"),
+    seed: int = typer.Option(0, "--seed"),
+    weights: str = typer.Option("bf16", "--weights", help="f32, f16, bf16 or q8_0 for the draft's matrices"),
+    device: str = typer.Option("auto", "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="the target's compute dtype"),
+    restart: bool = typer.Option(False, "--restart", help="start over even if a checkpoint of this run exists"),
+    eval_prompts: int = typer.Option(8, "--eval-prompts", help="held-out prompts for the acceptance report"),
+    eval_new_tokens: int = typer.Option(128, "--eval-new-tokens"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """Train a DFlash draft for a target, write it as a Lucebox draft GGUF, report held-out acceptance."""
+    from engine.dflash.train import TrainOptions, new_draft_config, train_draft as run
+    from engine.engine import Engine
+
+    try:
+        opts = TrainOptions(steps=steps, seq_len=seq_len, batch=batch, anchors=anchors, lr=lr, gamma=gamma,
+                            labels=labels, seed=seed, weights=weights, eval_prompts=eval_prompts,
+                            eval_new_tokens=eval_new_tokens,
+                            time_budget_s=parse_duration(time_budget) if time_budget is not None else None)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    err = Console(stderr=True)
+    eng = Engine.from_gguf(target, device=device, dtype=dtype)
+    cfg = new_draft_config(eng.model.cfg, n_layers=layers, n_features=features, block_size=block_size,
+                           mask_token_id=mask_token_id)
+    err.print(f"[dim]{target.name}: {eng.model.cfg.n_layers} layers, hidden {eng.model.cfg.hidden}, on {eng.device}; "
+              f"draft {cfg.n_layers} layers reading target layers {list(cfg.target_layer_ids)}, "
+              f"block {cfg.block_size}[/dim]")
+    with _ProgressBar(err, enabled=progress) as bar:
+        report = run(eng.model, eng.tokenizer, cfg, corpus, out, opts, target_name=target.name,
+                     resume=not restart, progress=bar.update)
+    held = report.held_out
+    err.print(f"wrote {out} after {report.steps} steps ({report.train_s:.0f} s, loss {report.final_loss:.3f}); "
+              f"held-out acceptance length {held['acceptance_length']:.2f} at spec_len {held['spec_len']} "
+              f"over {held['prompts']} prompts ({out.with_suffix('.acceptance.json')})")
+
+
+class _ProgressBar:
+    def __init__(self, console: Console, *, enabled: bool) -> None:
+        self.console, self.enabled = console, enabled
+        self.progress = None
+        self.task = None
+
+    def __enter__(self) -> "_ProgressBar":
+        if self.enabled:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            self.progress = Progress(TextColumn("train-draft"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                     TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
+                                     console=self.console, transient=False)
+            self.progress.__enter__()
+        return self
+
+    def update(self, step: int, total: int, metrics: dict[str, float]) -> None:
+        if self.progress is None:
+            return
+        text = f"loss {metrics['loss']:.3f}  accept {metrics['tf_accept']:.2f}  lr {metrics['lr']:.2e}"
+        if self.task is None:
+            self.task = self.progress.add_task("train", total=total, completed=step, metrics=text)
+        self.progress.update(self.task, completed=step, metrics=text)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
