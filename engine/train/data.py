@@ -50,7 +50,7 @@ class RetrievalCase:
 
 @dataclass(frozen=True)
 class FamilyData:
-    train: TrainData
+    streams: TrainData
     retrieval_cases: tuple[RetrievalCase, ...]
     tokenizer_metadata: dict[str, Any]
     stats: dict[str, Any]
@@ -94,7 +94,7 @@ def prepare_data(data_dir: Path, settings: CorpusSettings) -> FamilyData:
              "retrieval_heldout_examples": len(cases), "vocab": tok.vocab_size,
              "train_bytes": files.train.stat().st_size, "heldout_bytes": files.held_out.stat().st_size,
              "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()}}
-    return FamilyData(train=data, retrieval_cases=cases, tokenizer_metadata=metadata, stats=stats)
+    return FamilyData(streams=data, retrieval_cases=cases, tokenizer_metadata=metadata, stats=stats)
 
 
 def _retrieval_case(tok, text: str) -> RetrievalCase:

@@ -87,7 +87,7 @@ def run_family(settings: RunSettings, data: FamilyData, *, device: torch.device,
     from engine.train.model_card import write_model_card
 
     end = started + 60.0 * settings.minutes if settings.minutes is not None else None
-    unigram = unigram_log_probs(data.train.train.ids, data.train.vocab)
+    unigram = unigram_log_probs(data.streams.train.ids, data.streams.vocab)
     reports = []
     for i, name in enumerate(settings.members):
         cfg = settings.member_config(name)
@@ -99,20 +99,14 @@ def run_family(settings: RunSettings, data: FamilyData, *, device: torch.device,
             deadline = time.monotonic() + max(0.0, budget) * share
         if on_status:
             on_status(f"training {name}")
-        model, result = train(cfg, data.train, device=device, ckpt_dir=settings.ckpt_dir,
+        model, result = train(cfg, data.streams, device=device, ckpt_dir=settings.ckpt_dir,
                               resume=settings.resume, deadline=deadline,
                               on_step=(lambda info, name=name: on_step(name, info)) if on_step else None)
         if result.steps == 0:
             raise ConfigError(f"the time budget of {settings.minutes} minutes left no time to train the {name}")
         if on_status:
             on_status(f"measuring {name}")
-        autocast = device.type == "cuda"
-        eval_len = min(cfg.curriculum.long_len, len(data.train.heldout) - 1)
-        rows = eval_windows(data.train.heldout, eval_len, settings.eval_tokens)
-        heldout = evaluate(model, rows, unigram=unigram, device=device, autocast=autocast,
-                           batch_rows=max(1, settings.eval_batch_tokens // eval_len))
-        retrieval = evaluate_retrieval(model, data.retrieval_cases, device=device, autocast=autocast,
-                                       max_len=cfg.curriculum.long_len)
+        heldout, retrieval, eval_len = _measure(model, cfg, data, settings, unigram, device)
         if on_status:
             on_status(f"exporting {name}")
         exported = export_gguf(model, settings.out_dir / gguf_name(name), cfg.model_shape,
@@ -128,14 +122,28 @@ def run_family(settings: RunSettings, data: FamilyData, *, device: torch.device,
     return reports
 
 
+def _measure(model, cfg: TrainConfig, data: FamilyData, settings: RunSettings, unigram: torch.Tensor,
+             device: torch.device):
+    """(held-out loss and routing, retrieval score or None, held-out window length)."""
+    autocast = device.type == "cuda"
+    eval_len = min(cfg.curriculum.long_len, len(data.streams.heldout) - 1)
+    rows = eval_windows(data.streams.heldout, eval_len, settings.eval_tokens)
+    heldout = evaluate(model, rows, unigram=unigram, device=device, autocast=autocast,
+                       batch_rows=max(1, settings.eval_batch_tokens // eval_len))
+    retrieval = evaluate_retrieval(model, data.retrieval_cases, device=device, autocast=autocast,
+                                   max_len=cfg.curriculum.long_len)
+    return heldout, retrieval, eval_len
+
+
 def _report(name, cfg: TrainConfig, settings: RunSettings, data: FamilyData, result, heldout, retrieval,
             exported, eval_len: int) -> dict[str, Any]:
     shape = cfg.model_shape
-    vocab = data.train.vocab
+    vocab = data.streams.vocab
     history = list(result.loss_history)
     stride = max(1, len(history) // HISTORY_POINTS)
     training = result.as_dict()
-    training["loss_history"] = [list(p) for p in history[::stride]]
+    kept = history[::stride] + ([history[-1]] if history and (len(history) - 1) % stride else [])
+    training["loss_history"] = [list(p) for p in kept]
     return {
         "member": name,
         "file": Path(exported.path).name,

@@ -243,6 +243,23 @@ def test_retrieval_exact_match_is_greedy_decodings_answer(trained):
     assert evaluate_retrieval(model, [greedy], device=CPU, autocast=False, max_len=5) is None
 
 
+def test_retrieval_case_answer_is_the_code_of_the_asked_name(tokenizer_metadata):
+    import random
+
+    from engine.tokenizer import Tokenizer
+    from engine.train.corpus import SourceFile, retrieval_example
+    from engine.train.data import _retrieval_case
+
+    tok = Tokenizer.from_metadata(tokenizer_metadata, source="test")
+    sources = [SourceFile("a.py", "import os\n\ndef f(x):\n    return x + 1\n" * 20)]
+    for seed in range(5):
+        example = retrieval_example(random.Random(seed), sources, context_chars=400, n_facts=3)
+        case = _retrieval_case(tok, example.text)
+        code = dict(example.facts)[example.asked]
+        assert tok.decode(list(case.ids[case.answer_start:])) == f" {code}."
+        assert tok.decode(list(case.ids[:case.answer_start])).endswith(f"{example.asked}? It is")
+
+
 @pytest.mark.slow
 def test_train_command_writes_models_reports_and_card(tmp_path, capsys):
     from engine.gguf.reader import GGUFFile
