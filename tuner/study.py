@@ -90,8 +90,7 @@ class Tuner:
         self.drafter: Path | None = None
 
     def run(self) -> RunResult:
-        c = self.config
-        _check_models(c)
+        self.config = c = _present_models(self.config, self.observer)
         t_end = time.monotonic() + c.study.timeout_s if c.study.timeout_s else math.inf
         self.nvml = Nvml.open()
         try:
@@ -435,18 +434,23 @@ def _params_dict(p: TrialParams) -> dict[str, Any]:
             if v is not None}
 
 
-def _check_models(c: ApplianceConfig) -> None:
-    files = [("models.target", c.models.target)]
-    files += [("models.drafts", p) for p in c.models.drafts]
-    if c.models.drafter is not None:
-        files.append(("models.drafter", c.models.drafter))
-    for key, path in files:
-        if not path.is_file():
-            raise ConfigError(f"{c.source}: {key}: model file {path} does not exist")
+def _present_models(c: ApplianceConfig, observer: RunObserver) -> ApplianceConfig:
+    """The config with only the draft and drafter files that exist: a missing target is an
+    error, a missing optional model a warning (its dimension of the search goes away)."""
+    if not c.models.target.is_file():
+        raise ConfigError(f"{c.source}: models.target: model file {c.models.target} does not exist")
     names = [p.name for p in c.models.drafts]
     if len(set(names)) != len(names):
         raise ConfigError(f"{c.source}: models.drafts: candidates must have distinct file names, "
                           f"found {names}")
+    drafts = tuple(p for p in c.models.drafts if p.is_file())
+    drafter = c.models.drafter if c.models.drafter is not None and c.models.drafter.is_file() else None
+    missing = [p for p in c.models.drafts if p not in drafts]
+    if c.models.drafter is not None and drafter is None:
+        missing.append(c.models.drafter)
+    for p in missing:
+        observer.warn(f"{p.name} is not used: model file {p} does not exist")
+    return replace(c, models=replace(c.models, drafts=drafts, drafter=drafter))
 
 
 def parse_hang(text: str | None) -> dict[int, float]:

@@ -6,7 +6,8 @@ from optuna.trial import TrialState
 
 from storage.repository import Reader
 from tuner.config import ConfigError, load_config
-from tuner.hardware import Nvml, detect_hardware
+from tuner.hardware import detect_hardware
+from tuner.observer import RunObserver
 from tuner.profile import load_profile, model_hashes, verify_profile
 from tuner.study import Tuner
 from tuner.telemetry import SW_THERMAL, TelemetrySampler
@@ -78,10 +79,24 @@ def test_resuming_with_another_search_space_is_refused(appliance):
         Tuner(load_config(path), factory=FAKE).run()
 
 
-def test_missing_model_file_is_a_config_error(appliance, tmp_path):
-    cfg = load_config(appliance())
+class _Warnings(RunObserver):
+    def __init__(self):
+        self.messages = []
+
+    def warn(self, message):
+        self.messages.append(message)
+
+
+def test_a_missing_target_is_an_error_a_missing_drafter_a_warning(appliance, tmp_path):
+    cfg = load_config(appliance(sections={"study": {"trials": 1}}, drafts=()))
     (tmp_path / "models" / "drafter.gguf").unlink()
-    with pytest.raises(ConfigError, match=r"models\.drafter: model file .*drafter.gguf does not exist"):
+    seen = _Warnings()
+    result = Tuner(cfg, factory=FAKE, observer=seen).run()
+    assert any(m.startswith("drafter.gguf is not used: model file") for m in seen.messages)
+    (trial,) = _trials(cfg)
+    assert trial.params == {} and result.profile is not None  # nothing left to search
+    (tmp_path / "models" / "target.gguf").unlink()
+    with pytest.raises(ConfigError, match=r"models\.target: model file .*target.gguf does not exist"):
         Tuner(cfg, factory=FAKE).run()
 
 
