@@ -24,7 +24,9 @@ from engine.errors import ConfigError, GenerationStalled
 from engine.model.qwen35moe import Qwen35MoE
 from engine.sampling import SamplingParams, make_generator, sample
 
-# Measured in bench/dflash.py (rollback column); "capture" skips the extra target forward.
+# bench/dflash.py, tiny target on the CPU, random draft, spec_len 4 and 8, both budgets: rollback
+# cost per verify step 0.9-1.9 ms with "capture" against 4.2-8.5 ms with "recompute" (which runs
+# the target again over the kept tokens, experts included).
 DEFAULT_ROLLBACK = "capture"
 
 

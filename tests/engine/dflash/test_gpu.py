@@ -1,0 +1,105 @@
+"""DFlash on CUDA: fla's Gated DeltaNet kernels in the verify and in the capture rollback's replay,
+greedy identity in float32, and a bf16 run end to end."""
+
+import pytest
+import torch
+
+from engine.dflash.draft import DFlashDraft
+from engine.dflash.rollback import make_rollback
+from engine.dflash.speculative import speculative_generate
+from engine.dflash.train import block_loss, new_draft_config, target_pass
+from engine.gguf.reader import GGUFFile
+from engine.model.qwen35moe import Qwen35MoE
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _load(path, dtype):
+    with GGUFFile(path) as f:
+        return Qwen35MoE.from_gguf(f, device="cuda", dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def cuda_target(target_path):
+    return _load(target_path, torch.float32)
+
+
+def _right_draft(model, prompt, plain, dtype=torch.float32):
+    seq = torch.tensor(prompt + plain(model, prompt, 48), device="cuda")
+    cfg = new_draft_config(model.cfg, n_layers=1, block_size=8, layer_ids=(1, 3))
+    draft = DFlashDraft(cfg, device="cuda", dtype=torch.float32).init_random(torch.Generator().manual_seed(0))
+    features, labels = (t.clone().float() if t.is_floating_point() else t.clone()
+                        for t in target_pass(model, seq, cfg.target_layer_ids, "target"))
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    embed, output = model.weights.embed.float(), model.weights.output.float()
+    for _ in range(80):
+        anchors = (torch.randperm(len(seq) - 2, generator=gen)[:32] + 1).sort().values.cuda()
+        loss, _ = block_loss(draft, embed, output, features, seq, labels, anchors, 4.0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return draft.to(dtype).requires_grad_(False)
+
+
+def _plain_cuda(model, ids, n):
+    with torch.inference_mode():
+        state = model.new_state(len(ids) + n)
+        token = model.forward(torch.tensor(ids, device="cuda"), state, logits="last").logits[-1].argmax()
+        new = [int(token)]
+        while len(new) < n:
+            token = model.forward(token.reshape(1), state, logits="last").logits[-1].argmax()
+            new.append(int(token))
+    return new
+
+
+def test_verify_uses_fla(cuda_target):
+    pytest.importorskip("fla")
+    assert cuda_target.delta_rule.backend == "fla"
+
+
+@pytest.mark.parametrize("rollback", ["capture", "recompute"])
+def test_float32_greedy_matches_plain_on_cuda(cuda_target, prompt, rollback):
+    draft = _right_draft(cuda_target, prompt, _plain_cuda)
+    ref = _plain_cuda(cuda_target, prompt, 64)
+    for spec_len in (4, 8):
+        new, stats = speculative_generate(cuda_target, draft, prompt, 64, spec_len=spec_len, rollback=rollback,
+                                          fallback_threshold=0)
+        assert new == ref
+        assert stats.acceptance_length > 1.3 and stats.rollbacks > 0
+        assert stats.verify_s > 0 and stats.draft_s > 0  # CUDA event timings
+
+
+@pytest.mark.parametrize("mode", ["capture", "recompute"])
+@pytest.mark.parametrize("n, keep", [(8, 3), (8, 6), (16, 11)])
+def test_rollback_on_cuda_equals_plain(cuda_target, prompt, mode, n, keep):
+    good = _plain_cuda(cuda_target, prompt, n)
+    block = good[:keep] + [(t + 1) % cuda_target.cfg.vocab for t in good[keep:]]
+    max_len = len(prompt) + n + 2
+    with torch.inference_mode():
+        state = cuda_target.new_state(max_len)
+        cuda_target.forward(torch.tensor(prompt, device="cuda"), state, logits="none")
+        rb = make_rollback(mode, cuda_target, state)
+        rb.verify(torch.tensor(block, device="cuda"), (1, 3))
+        rb.rollback(keep)
+        ref = cuda_target.new_state(max_len)
+        for t in prompt + block[:keep]:
+            cuda_target.forward(torch.tensor([t], device="cuda"), ref, logits="none")
+    assert (state.seq_len, state.next_position) == (ref.seq_len, ref.next_position)
+    for i in state.conv:
+        torch.testing.assert_close(state.conv[i], ref.conv[i], atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(state.recurrent[i], ref.recurrent[i], atol=1e-3, rtol=1e-3)
+    for i, c in state.kv.items():
+        assert c.length == ref.kv[i].length
+        torch.testing.assert_close(c.k[:, :c.length], ref.kv[i].k[:, :c.length], atol=1e-4, rtol=1e-3)
+
+
+def test_bf16_end_to_end(target_path, prompt):
+    model = _load(target_path, torch.bfloat16)
+    draft = _right_draft(model, prompt, _plain_cuda, dtype=torch.bfloat16)
+    ref = _plain_cuda(model, prompt, 48)
+    new, stats = speculative_generate(model, draft, prompt, 48, spec_len=8, fallback_threshold=0)
+    assert len(new) == 48 and stats.acceptance_length > 1.3
+    # bf16 verify (one chunk) and plain decode (token by token) round differently; near-ties may
+    # flip, so only the start is held to identity
+    assert new[:8] == ref[:8]
