@@ -158,3 +158,23 @@ def test_sampling_is_lossless(target, right_draft, prompt, plain):
     assert dof >= 2
     assert p_value > 1e-3, f"chi2 {chi2:.1f} on {dof} dof (p = {p_value:.2e}), total variation {tv:.3f}"
     assert tv < 0.15
+
+
+def test_verification_runs_through_the_hybrid_expert_executor(target_path, target, right_draft, prompt, plain):
+    from engine.gguf.reader import GGUFFile
+    from engine.hybrid import attach_hybrid
+    from engine.model.qwen35moe import Qwen35MoE
+
+    with GGUFFile(target_path) as f:
+        model = Qwen35MoE.from_gguf(f, device="cpu")
+    total_mb = sum(t.numel() * t.element_size() for layer in model.weights.layers
+                   for t in (layer.moe.experts.gate, layer.moe.experts.up, layer.moe.experts.down)) / 2**20
+    hybrid = attach_hybrid(model, 0.5 * total_mb, threads=1)
+    try:
+        ref = plain(target, prompt, 40)
+        new, stats = speculative_generate(model, right_draft, prompt, 40, spec_len=8, fallback_threshold=0)
+        assert new == ref and stats.acceptance_length > 1.3
+        snap = hybrid.stats_snapshot()
+        assert snap.hot_hits > 0 and snap.cold_hits > 0
+    finally:
+        hybrid.close()
