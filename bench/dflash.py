@@ -69,8 +69,8 @@ def parse_budget(text: str, total_mb: float) -> float | None:
 
 def load_draft(eng: Engine, spec: str) -> DFlashDraft:
     if spec == "random":
-        draft = DFlashDraft(new_draft_config(eng.config), device=eng.device, dtype=torch.float32)
-        return draft.init_random(torch.Generator().manual_seed(0)).to(eng.dtype).requires_grad_(False)
+        draft = DFlashDraft(new_draft_config(eng.config), device=eng.device, dtype=eng.dtype)
+        return draft.init_random(torch.Generator().manual_seed(0)).requires_grad_(False)
     return open_compatible(spec, eng.config, target_name=eng.path.name).load(device=eng.device, dtype=eng.dtype)
 
 

@@ -13,7 +13,6 @@ depend only on the context rows, never on the block), so one draft step costs on
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -142,7 +141,7 @@ class DFlashDraft(nn.Module):
     def init_random(self, generator: torch.Generator | None = None, std: float = 0.02) -> "DFlashDraft":
         """Normal(0, std) matrices, unit norms: the starting point of training (and of tests)."""
         with torch.no_grad():
-            for name, p in self.named_parameters():
+            for p in self.parameters():
                 if p.dim() == 2:
                     p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p))
                     p.mul_(std)
@@ -263,7 +262,3 @@ def block_hidden(draft: DFlashDraft, cache: DraftCache, block_embeddings: torch.
     positions = torch.arange(start, start + B, device=block_embeddings.device)
     context, context_positions = cache.context()
     return draft(block_embeddings, positions, context, context_positions)
-
-
-def param_count(draft: DFlashDraft) -> int:
-    return sum(math.prod(p.shape) for p in draft.parameters())

@@ -120,9 +120,11 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
                          fallback_window: int = 8, stall_timeout_s: float = 120.0) -> tuple[list[int], SpecStats]:
     """Generate up to ``max_new_tokens`` after ``ids`` with ``draft`` proposing blocks.
 
-    ``stop(new_ids)`` is called after each committed token (streaming can live there); True
-    ends the generation at that token, as does a token in ``eos_ids``. Returns the new ids and
-    the statistics. ``spec_len`` (2 .. the draft's block size) tokens are verified per step.
+    ``stop(new_ids)`` is called after every committed token, in order (streaming can live
+    there); True ends the generation at that token, as does a token in ``eos_ids``. Returns the
+    new ids and the statistics. ``spec_len`` (2 .. the draft's block size) tokens are verified
+    per step. When the acceptance length over the last ``fallback_window`` verify steps falls
+    under ``fallback_threshold``, the rest is decoded plainly (``stats.fallback``).
     """
     try:
         opts = SpecOptions(spec_len=spec_len, rollback=rollback, fallback_threshold=fallback_threshold,
@@ -232,11 +234,9 @@ class _Generation:
         self.last_progress = now
         for t in tokens:
             self.new.append(t)
-            if t in self.eos:
-                self.stats.stop_reason = "eos"
-                return True
-            if self.stop is not None and self.stop(self.new):
-                self.stats.stop_reason = "stop"
+            stopped = self.stop is not None and self.stop(self.new)  # called for every token: it may stream
+            if t in self.eos or stopped:
+                self.stats.stop_reason = "eos" if t in self.eos else "stop"
                 return True
             if len(self.new) >= self.max_new:
                 return True

@@ -178,3 +178,11 @@ def test_verification_runs_through_the_hybrid_expert_executor(target_path, targe
         assert snap.hot_hits > 0 and snap.cold_hits > 0
     finally:
         hybrid.close()
+
+
+def test_stop_predicate_sees_the_eos_token_too(target, right_draft, prompt, plain):
+    ref = plain(target, prompt, 12)
+    seen = []
+    new, stats = speculative_generate(target, right_draft, prompt, 12, spec_len=8, eos_ids={ref[5]},
+                                      fallback_threshold=0, stop=lambda ids: seen.append(ids[-1]) and False)
+    assert new == ref[:ref.index(ref[5]) + 1] == seen and stats.stop_reason == "eos"
