@@ -132,12 +132,12 @@ def _merge_survives(merge: str, kept: set[str]) -> bool:
 def tensor_qtype(name: str, shape: tuple[int, ...], quant: Q, expert_quant: Q | None = None) -> Q:
     """The type a tensor is stored in, by llama.cpp's rules.
 
-    Norms, 1-D tensors, the router and the conv kernel stay F32; a type whose block does not
+    Norms, 1-D tensors, the routers (experts and shared-expert gate) and the conv kernel stay F32; a type whose block does not
     divide the row falls back to Q8_0, then F16 (llama.cpp's own fallbacks, Q5_0/Q5_1, are
     not among the supported types).
     """
     if (len(shape) < 2 or not name.endswith("weight") or name.endswith("norm.weight")
-            or name.endswith("ffn_gate_inp.weight") or "ssm_conv1d" in name):
+            or name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")) or "ssm_conv1d" in name):
         return Q.F32
     qtype = expert_quant if expert_quant is not None and is_expert_tensor(name) else quant
     for candidate in (qtype, Q.Q8_0, Q.F16):
