@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from dashboard.context import REFRESH_ENV, STORAGE_ENV
+from dashboard.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = ROOT / "dashboard" / "app.py"
@@ -33,6 +34,11 @@ def dashboard(
     """Browse studies, trials, telemetry and profiles in a web dashboard (read-only)."""
     from dashboard.data import READ_ERRORS, Source, describe_error
 
+    if importlib.util.find_spec("streamlit") is None:
+        typer.echo("error: the dashboard needs Streamlit, pandas and plotly: "
+                   "pip install 'luce-tune[dashboard]'", err=True)
+        raise typer.Exit(2)
+
     try:
         source = Source.open(storage)
         source.studies()
@@ -48,9 +54,7 @@ def dashboard(
         typer.echo(f"error: cannot serve on {address}:{port}: {exc.strerror}; choose another --port "
                    "or --address", err=True)
         raise typer.Exit(2) from None
-    env = dict(os.environ)
-    env[STORAGE_ENV] = storage
-    env[REFRESH_ENV] = str(refresh)
+    env = dict(os.environ) | Settings(storage=storage, refresh_s=refresh).to_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     command = [sys.executable, "-m", "streamlit", "run", str(APP),
                "--server.address", address, "--server.port", str(port),

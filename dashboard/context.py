@@ -1,47 +1,16 @@
-"""What every page shares in a browser session: the database, the chosen study, the settings.
-
-``luce-tune dashboard`` passes its options to the Streamlit process through the environment.
-"""
+"""What every page shares in a browser session: the database, the chosen study, the settings."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Mapping
 
 import streamlit as st
 
 from dashboard.data import READ_ERRORS, Source, StudyView, describe_error
+from dashboard.settings import Settings
 
-STORAGE_ENV = "LUCE_TUNE_DASHBOARD_STORAGE"
-REFRESH_ENV = "LUCE_TUNE_DASHBOARD_REFRESH_S"
 STUDY_KEY = "study"
 LIVE_KEY = "live"
-
-
-@dataclass(frozen=True)
-class Settings:
-    storage: str
-    refresh_s: float = 5.0  # live refresh of the overview; 0 turns it off
-
-    def __post_init__(self) -> None:
-        if not self.storage.strip():
-            raise ValueError(f"storage: expected a database URL, found {self.storage!r}")
-        if self.refresh_s < 0:
-            raise ValueError(f"refresh_s: expected 0 or more seconds, found {self.refresh_s}")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> "Settings":
-        storage = env.get(STORAGE_ENV, "")
-        if not storage:
-            raise ValueError(f"no study database given ({STORAGE_ENV} is not set): start the "
-                             "dashboard with `luce-tune dashboard --storage URL`")
-        text = env.get(REFRESH_ENV, "5")
-        try:
-            refresh = float(text)
-        except ValueError:
-            raise ValueError(f"{REFRESH_ENV}: expected a number of seconds, found {text!r}") from None
-        return cls(storage=storage, refresh_s=refresh)
 
 
 @st.cache_resource(show_spinner=False)

@@ -19,7 +19,7 @@ def make_app(url: str, monkeypatch, *, study: str | None = None, page: str | Non
     """Run the dashboard on ``url``, optionally on one study (``?study=``) and page."""
     from streamlit.testing.v1 import AppTest
 
-    from dashboard.context import STORAGE_ENV
+    from dashboard.settings import STORAGE_ENV
 
     monkeypatch.setenv(STORAGE_ENV, url)
     at = AppTest.from_file(str(APP), default_timeout=60)

@@ -5,7 +5,7 @@ from datetime import datetime
 import pytest
 from sqlalchemy.engine import make_url
 
-from dashboard.context import REFRESH_ENV, STORAGE_ENV, Settings
+from dashboard.settings import REFRESH_ENV, STORAGE_ENV, Settings
 from dashboard.data import PG_READ_ONLY, read_only_url, trial_status
 from storage.records import TrialRecord
 
@@ -76,3 +76,5 @@ def test_settings_from_the_environment():
         Settings.from_env({STORAGE_ENV: "sqlite:///a.db", REFRESH_ENV: "soon"})
     with pytest.raises(ValueError, match="expected 0 or more seconds, found -1"):
         Settings("sqlite:///a.db", -1)
+    settings = Settings("postgresql+psycopg://h/db", 2.5)
+    assert Settings.from_env(settings.to_env()) == settings
