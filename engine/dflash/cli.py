@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -80,13 +81,18 @@ def train_draft(
 
 
 class _ProgressBar:
+    """A rich progress bar on a terminal; elsewhere (logs) one line every ``LOG_EVERY_S`` seconds."""
+
+    LOG_EVERY_S = 30.0
+
     def __init__(self, console: Console, *, enabled: bool) -> None:
         self.console, self.enabled = console, enabled
         self.progress = None
         self.task = None
+        self.last_line = float("-inf")
 
     def __enter__(self) -> "_ProgressBar":
-        if self.enabled:
+        if self.enabled and self.console.is_terminal:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                        TimeRemainingColumn)
 
@@ -97,9 +103,15 @@ class _ProgressBar:
         return self
 
     def update(self, step: int, total: int, metrics: dict[str, float]) -> None:
-        if self.progress is None:
+        if not self.enabled:
             return
         text = f"loss {metrics['loss']:.3f}  accept {metrics['tf_accept']:.2f}  lr {metrics['lr']:.2e}"
+        if self.progress is None:
+            now = time.monotonic()
+            if now - self.last_line >= self.LOG_EVERY_S or step == total:
+                self.console.print(f"train-draft step {step}/{total}  {text}", highlight=False)
+                self.last_line = now
+            return
         if self.task is None:
             self.task = self.progress.add_task("train", total=total, completed=step, metrics=text)
         self.progress.update(self.task, completed=step, metrics=text)
