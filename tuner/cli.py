@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import typer
 from rich.console import Console
 
+from dashboard import command as dashboard_command
 from engine import cli as engine_cli
+from engine.dflash import cli as dflash_cli
+from engine.train import cli as train_cli
+from tuner import commands
 from engine.errors import EngineError
 
 
@@ -16,13 +19,10 @@ def build_app() -> typer.Typer:
     app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                       help="Tune and run qwen35moe inference on this appliance.")
     engine_cli.register(app)
-    try:
-        commands = importlib.import_module("tuner.commands")
-    except ModuleNotFoundError as exc:
-        if exc.name != "tuner.commands":
-            raise
-    else:
-        commands.register(app)
+    train_cli.register(app)
+    dflash_cli.register(app)
+    commands.register(app)
+    dashboard_command.register(app)
     return app
 
 
