@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -28,8 +28,9 @@ from tuner.config import ApplianceConfig, ConfigError
 from tuner.hardware import Hardware, Nvml, cuda_available, detect_hardware
 from tuner.jobs import Workload, build_workload
 from tuner.metrics import TrialMetrics, aggregate, constraints
+from tuner.models import present_models, probe_models, record_model_files
 from tuner.observer import RunObserver
-from tuner.protocol import Load, LoadSpec, Measure, Measured
+from tuner.protocol import LoadSpec, Measure, Measured
 from tuner.space import SearchSpace, TrialParams
 from tuner.telemetry import TelemetrySampler, TelemetrySummary
 from tuner.worker import ENGINE_FACTORY, EngineWorker, WorkerError
@@ -90,7 +91,7 @@ class Tuner:
         self.drafter: Path | None = None
 
     def run(self) -> RunResult:
-        self.config = c = _present_models(self.config, self.observer)
+        self.config = c = present_models(self.config, self.observer.warn)
         t_end = time.monotonic() + c.study.timeout_s if c.study.timeout_s else math.inf
         self.nvml = Nvml.open()
         try:
@@ -138,9 +139,9 @@ class Tuner:
             if names is None:
                 self.study.set_metric_names(list(c.objectives.metrics))
             optuna.storages.fail_stale_trials(self.study)
-        self._check_model_files()
+        record_model_files(self.study, c)
         self.worker.start()
-        self._probe_models()
+        self.drafts, self.drafter = probe_models(self.worker, self.study, c, self.observer.warn)
         self._build_space()
         self.observer.study_opened(self.study.study_name, self.hardware, self.space,
                                    finished=self._finished())
@@ -153,34 +154,6 @@ class Tuner:
             raise ConfigError(f"{c.source}: workload: {exc}") from None
         self._ensure_baseline()
 
-    def _check_model_files(self) -> None:
-        """Hash the model files once per study (cached by size and mtime) and refuse a resume
-        whose files changed: its trials would not be comparable."""
-        from tuner.profile import file_sha256
-
-        c = self.config
-        known = dict(self.study.user_attrs.get("model_files", {}))
-        roles = {"target": c.models.target, "drafter": c.models.drafter,
-                 **{f"draft:{p.name}": p for p in c.models.drafts}}
-        changed = False
-        for role, path in roles.items():
-            if path is None:
-                continue
-            st = path.stat()
-            entry = known.get(role)
-            if entry and entry["size"] == st.st_size and entry["mtime_ns"] == st.st_mtime_ns:
-                continue
-            sha = file_sha256(path)
-            if entry and entry["sha256"] != sha:
-                raise ConfigError(f"{c.source}: models: {path} changed since study "
-                                  f"{c.study.name!r} began (sha256 {sha[:12]}... instead of "
-                                  f"{entry['sha256'][:12]}...); use another study.name")
-            known[role] = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                           "sha256": sha}
-            changed = True
-        if changed:
-            self.study.set_user_attr("model_files", known)
-
     def _load_spec(self, draft: str | None = None) -> LoadSpec:
         h = self.config.hardware
         return LoadSpec(target=str(self.config.models.target),
@@ -188,35 +161,6 @@ class Tuner:
                         drafter=str(self.drafter) if self.drafter else None,
                         pflash_threshold=self.config.search.pflash_threshold,
                         device=h.device, dtype=h.dtype, threads=h.threads)
-
-    def _probe_models(self) -> None:
-        """Which drafts and drafter the engine accepts with this target, asked once per study."""
-        c = self.config
-        verdicts = dict(self.study.user_attrs.get("compatibility", {}))
-        probes = [("drafter", c.models.drafter)] if c.models.drafter else []
-        probes += [(f"draft:{p.name}", p) for p in c.models.drafts]
-        probes = [(role, path) for role, path in probes if role not in verdicts]
-        for role, path in probes:
-            drafter = c.models.drafter if role != "drafter" and verdicts.get("drafter") == "" else None
-            spec = LoadSpec(target=str(c.models.target),
-                            draft=str(path) if role != "drafter" else None,
-                            drafter=str(path) if role == "drafter" else (str(drafter) if drafter else None),
-                            pflash_threshold=c.search.pflash_threshold,
-                            device=c.hardware.device, dtype=c.hardware.dtype,
-                            threads=c.hardware.threads)
-            try:
-                self.worker.request(Load(spec), timeout_s=c.study.load_timeout_s,
-                                    load_timeout_s=c.study.load_timeout_s)
-                verdicts[role] = ""
-            except WorkerError as exc:
-                verdicts[role] = exc.reason
-        if probes:
-            self.study.set_user_attr("compatibility", verdicts)
-        for role, reason in verdicts.items():
-            if reason:
-                self.observer.warn(f"{role.split(':')[-1] if ':' in role else role} is not used: {reason}")
-        self.drafter = c.models.drafter if verdicts.get("drafter") == "" else None
-        self.drafts = {p.name: p for p in c.models.drafts if verdicts.get(f"draft:{p.name}") == ""}
 
     def _build_space(self) -> None:
         c = self.config
@@ -432,25 +376,6 @@ def _params_dict(p: TrialParams) -> dict[str, Any]:
     return {k: v for k, v in (("expert_budget_mb", p.expert_budget_mb), ("draft", p.draft),
                               ("spec_len", p.spec_len), ("pflash_keep_ratio", p.pflash_keep_ratio))
             if v is not None}
-
-
-def _present_models(c: ApplianceConfig, observer: RunObserver) -> ApplianceConfig:
-    """The config with only the draft and drafter files that exist: a missing target is an
-    error, a missing optional model a warning (its dimension of the search goes away)."""
-    if not c.models.target.is_file():
-        raise ConfigError(f"{c.source}: models.target: model file {c.models.target} does not exist")
-    names = [p.name for p in c.models.drafts]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"{c.source}: models.drafts: candidates must have distinct file names, "
-                          f"found {names}")
-    drafts = tuple(p for p in c.models.drafts if p.is_file())
-    drafter = c.models.drafter if c.models.drafter is not None and c.models.drafter.is_file() else None
-    missing = [p for p in c.models.drafts if p not in drafts]
-    if c.models.drafter is not None and drafter is None:
-        missing.append(c.models.drafter)
-    for p in missing:
-        observer.warn(f"{p.name} is not used: model file {p} does not exist")
-    return replace(c, models=replace(c.models, drafts=drafts, drafter=drafter))
 
 
 def parse_hang(text: str | None) -> dict[int, float]:

@@ -1,6 +1,5 @@
 import json
 import shutil
-import textwrap
 
 import pytest
 
