@@ -8,7 +8,9 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from tuner.config import ApplianceConfig, ConfigError, load_config
 
@@ -56,14 +58,15 @@ def run(config: Optional[Path] = ConfigOption,
         console.print(outcome_table(result.outcomes, cfg.objectives.metrics,
                                     [result.winner.number] if result.winner else []))
     else:
-        console.print(f"study {result.study!r} already holds its trials: nothing to run")
+        console.print(f"study {result.study!r} already holds its trials: nothing to run", markup=False)
     if result.winner is not None:
         w = result.winner
         console.print(f"winner: trial #{w.number} ({w.params.label()}): "
                       f"{w.metrics.decode_tok_s.median:.2f} tok/s "
                       f"[{w.metrics.decode_tok_s.low:.2f}, {w.metrics.decode_tok_s.high:.2f}], "
-                      f"TTFT {w.metrics.ttft_s.median * 1000:.1f} ms", highlight=False, soft_wrap=True)
-        console.print(f"profile: {result.profile}", highlight=False, soft_wrap=True)
+                      f"TTFT {w.metrics.ttft_s.median * 1000:.1f} ms",
+                      highlight=False, soft_wrap=True, markup=False)
+        console.print(f"profile: {result.profile}", highlight=False, soft_wrap=True, markup=False)
     else:
         console.print("no feasible trial: no profile was published")
 
@@ -88,14 +91,15 @@ def status(config: Optional[Path] = ConfigOption, storage: Optional[str] = Stora
     counts = {}
     for t in trials:
         counts[t.state] = counts.get(t.state, 0) + 1
-    console.print(f"study [bold]{name}[/bold]: " + ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items())))
+    console.print(f"study [bold]{escape(name)}[/bold]: "
+                  + ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items())))
     names = record.objective_names or tuple(d.lower() for d in record.directions)
     front = Table(title="Pareto front (feasible)", title_justify="left")
     for col in ("#", "parameters", *names, "constraints"):
         front.add_column(col)
     for t in reader.pareto_front(name):
-        front.add_row(str(t.number), _params(t.params), *[f"{v:.4g}" for v in t.values],
-                      ", ".join(f"{k} {v:g}" for k, v in t.constraints.items()))
+        front.add_row(str(t.number), Text(_params(t.params)), *[f"{v:.4g}" for v in t.values],
+                      Text(", ".join(f"{k} {v:g}" for k, v in t.constraints.items())))
     console.print(front)
     failures = [t for t in trials if t.state == "FAIL" or (t.state == "COMPLETE" and not t.feasible)]
     if failures:
@@ -105,11 +109,11 @@ def status(config: Optional[Path] = ConfigOption, storage: Optional[str] = Stora
         for t in failures:
             why = t.user_attrs.get("failure") or ", ".join(
                 f"{k} +{v:g}" for k, v in t.constraints.items() if v > 0) or "run interrupted"
-            table.add_row(str(t.number), _params(t.params), why)
+            table.add_row(str(t.number), Text(_params(t.params)), Text(why))
         console.print(table)
     for p in reader.profiles(name):
         console.print(f"profile of trial #{p.trial_number}: {p.path} ({p.created:%Y-%m-%d %H:%M} UTC)",
-                      highlight=False, soft_wrap=True)
+                      highlight=False, soft_wrap=True, markup=False)
 
 
 def _params(params: dict) -> str:
@@ -127,7 +131,7 @@ def export(trial: int = typer.Option(..., "--trial", "-t", help="trial number to
     cfg = _config(config, storage)
     _quiet_optuna()
     path = export_trial(cfg, trial, out or cfg.publish.profile)
-    Console().print(f"profile of trial #{trial}: {path}", highlight=False, soft_wrap=True)
+    Console().print(f"profile of trial #{trial}: {path}", highlight=False, soft_wrap=True, markup=False)
 
 
 def boot(profile: Path = typer.Option(..., "--profile", "-p", help="profile written by run or export"),
@@ -140,13 +144,15 @@ def boot(profile: Path = typer.Option(..., "--profile", "-p", help="profile writ
     err = Console(stderr=True)
     result = boot_engine(profile, fallback_target=cfg.models.target, fallback_device=cfg.hardware.device)
     if result.fell_back:
-        err.print(f"[yellow]warning:[/yellow] profile {profile} not used, booted the safe default "
-                  f"({cfg.models.target.name}, engine defaults):", highlight=False, soft_wrap=True)
+        err.print(f"[yellow]warning:[/yellow] profile {escape(str(profile))} not used, booted the "
+                  f"safe default ({escape(cfg.models.target.name)}, engine defaults):",
+                  highlight=False, soft_wrap=True)
         for problem in result.problems:
-            err.print(f"  - {problem}", highlight=False, soft_wrap=True)
+            err.print(f"  - {problem}", highlight=False, soft_wrap=True, markup=False)
     else:
         settings = ", ".join(f"{k}={v}" for k, v in result.profile.engine.items())
         err.print(f"booted from {profile}: trial #{result.profile.trial} of study "
-                  f"{result.profile.study!r} ({settings})", highlight=False, soft_wrap=True)
+                  f"{result.profile.study!r} ({settings})",
+                  highlight=False, soft_wrap=True, markup=False)
     Console().print(f"smoke generation: {result.smoke_text!r} at {result.smoke_tok_s:.1f} tok/s",
-                    highlight=False, soft_wrap=True)
+                    highlight=False, soft_wrap=True, markup=False)

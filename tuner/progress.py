@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -45,8 +46,8 @@ class LiveProgress(RunObserver):
         with self._lock:
             self._header = Text.assemble(
                 ("study ", "dim"), (name, "bold"), ("  |  ", "dim"), gpu, ("  |  ", "dim"),
-                f"{hardware.cpu_count} CPUs, {hardware.ram_mb} MB RAM", ("  |  search: ", "dim"), dims or "nothing to choose",
-                ("  |  ", "dim"), f"{finished} trials already finished")
+                f"{hardware.cpu_count} CPUs, {hardware.ram_mb} MB RAM", ("  |  search: ", "dim"),
+                dims or "nothing to choose", ("  |  ", "dim"), f"{finished} trials already finished")
 
     def trial_started(self, number, params) -> None:
         with self._lock:
@@ -69,7 +70,7 @@ class LiveProgress(RunObserver):
                              time.monotonic())
 
     def warn(self, message: str) -> None:
-        self._live.console.print(f"[yellow]warning:[/yellow] {message}", highlight=False)
+        self._live.console.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False)
 
     def _render(self) -> Group:
         with self._lock:
@@ -109,5 +110,5 @@ def outcome_table(outcomes: Sequence[Any], objectives: Sequence[str], best: Sequ
         status = o.status + (f": {o.reason}" if o.reason else "")
         mark = " *" if o.number in best else ""
         style = "green" if o.number in best else ("red" if o.status == "failed" else None)
-        table.add_row(f"{o.number}{mark}", o.params.label(), *values, status, style=style)
+        table.add_row(f"{o.number}{mark}", Text(o.params.label()), *values, Text(status), style=style)
     return table
