@@ -23,6 +23,16 @@ CPU = torch.device("cpu")
 STEPS = 20
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """On one thread a CPU run is bit-reproducible (reductions do not depend on the thread
+    split), and these small models train faster than on contended cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def progressions(n_docs: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, vocab, (n_docs,), generator=g)
@@ -148,8 +158,6 @@ def test_top_quarter_share():
 
 
 def test_same_seed_same_run_and_a_resumed_run_matches_the_uninterrupted_one(data, tmp_path):
-    # CPU kernels reduce in thread-dependent order: runs agree to rounding, not bit for bit.
-    # A resume that lost the optimiser state or replayed other batches would be off by ~lr.
     cfg = micro_config(steps=4, ckpt_every=2)
     model_a, result_a = train(cfg, data, device=CPU)
     model_b, result_b = train(cfg, data, device=CPU)
@@ -166,14 +174,9 @@ def test_same_seed_same_run_and_a_resumed_run_matches_the_uninterrupted_one(data
     model_c, result_c = train(cfg, data, device=CPU, ckpt_dir=tmp_path, resume=True)
     assert result_c.resumed_from == 2 and result_c.steps == 4
     for other_model, other in ((model_b, result_b), (model_c, result_c)):
-        assert [s for s, _ in other.loss_history] == [1, 2, 3, 4]
-        assert [v for _, v in other.loss_history] == pytest.approx([v for _, v in result_a.loss_history], rel=1e-5)
+        assert other.loss_history == result_a.loss_history
         for (name, p), q in zip(model_a.state_dict().items(), other_model.state_dict().values()):
-            assert float((p - q).abs().max()) <= 1e-5, name
-    fresh, _ = train(micro_config(steps=2), data, device=CPU)
-    moved = max(float((p - q).abs().max()) for p, q in zip(model_a.state_dict().values(),
-                                                            fresh.state_dict().values()))
-    assert moved > 1e-3  # two more steps move the weights far beyond the tolerance above
+            assert torch.equal(p, q), name
     other = micro_config(steps=4, ckpt_every=2, seed=1)
     with pytest.raises(ConfigError, match="'seed'"):
         train(other, data, device=CPU, ckpt_dir=tmp_path, resume=True)
