@@ -92,6 +92,7 @@ class Engine:
         self.hybrid: "HybridExperts | None" = None
         self.drafter = drafter
         self.pflash = pflash
+        self.defaults: dict[str, Any] = {}  # generate() options a profile chose (spec_len, keep ratio)
 
     @property
     def config(self):
@@ -143,6 +144,34 @@ class Engine:
         eng.load_s = time.perf_counter() - t0
         return eng
 
+    @classmethod
+    def from_profile(cls, path: str | Path, *, fallback_target: str | Path | None = None,
+                     device: str = "auto") -> "Engine":
+        """Boot from a published profile: verify this machine's fingerprint and the model files'
+        hashes, load with the profile's settings and run a short smoke generation.
+
+        When anything does not hold, warn and load ``fallback_target`` (by default the
+        profile's own target file) with the engine's defaults. ``engine.defaults`` then holds
+        the generate() options the profile chose, which ``generate`` applies when not given.
+        """
+        import warnings
+
+        from engine.boot import boot
+        from engine.profile import ProfileError, load_profile
+
+        if fallback_target is None:
+            try:
+                fallback_target = load_profile(path).models["target"].path
+            except (ProfileError, KeyError) as exc:
+                raise ProfileError(f"{path}: cannot boot from this profile and no fallback target was given "
+                                   f"({exc})") from None
+        result = boot(path, fallback_target=fallback_target, fallback_device=device)
+        if result.fell_back:
+            warnings.warn(f"profile {path} not used ({'; '.join(result.problems)}); booted {fallback_target} "
+                          "with default settings", stacklevel=2)
+        result.engine.defaults = dict(result.generate_options)
+        return result.engine
+
     def set_expert_budget(self, budget_mb: float) -> "Placement":
         """Place the routed experts for ``budget_mb`` MB of device memory, in place.
 
@@ -193,6 +222,8 @@ class Engine:
         """
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if pflash_keep_ratio is None:
+            pflash_keep_ratio = self.defaults.get("pflash_keep_ratio")
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
         prompt = self._ids_tensor(ids)
         gen = make_generator(params, self.device)

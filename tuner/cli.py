@@ -6,6 +6,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from dashboard import command as dashboard_command
 from engine import cli as engine_cli
@@ -31,10 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, standalone_mode=False)
     except EngineError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
-        return 2
-    except _user_errors() as exc:
-        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except (typer.Abort, KeyboardInterrupt):
         Console(stderr=True).print("aborted")
@@ -49,14 +47,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     return 0
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    try:
-        from tuner.config import ConfigError as TunerConfigError
-    except ImportError:
-        return ()
-    return (TunerConfigError,)
 
 
 if __name__ == "__main__":

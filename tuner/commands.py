@@ -138,7 +138,7 @@ def boot(profile: Path = typer.Option(..., "--profile", "-p", help="profile writ
          config: Optional[Path] = ConfigOption) -> None:
     """Boot the engine from a profile (verified against this machine and the model files),
     falling back to the config's target with default settings when it does not hold."""
-    from tuner.boot import boot as boot_engine
+    from engine.boot import boot as boot_engine
 
     cfg = load_config(config)
     err = Console(stderr=True)

@@ -12,12 +12,14 @@ from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.errors import EngineError
+
 OBJECTIVES = {"decode_tok_s": "maximize", "ttft_s": "minimize", "peak_mem_mb": "minimize"}
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ConfigError(Exception):
+class ConfigError(EngineError):
     """A bad appliance config or command-line setting, said in one sentence."""
 
 

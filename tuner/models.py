@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tuner.config import ApplianceConfig, ConfigError
-from tuner.profile import file_sha256
+from engine.profile import file_sha256
 from tuner.protocol import Load, LoadSpec
 from tuner.worker import EngineWorker, WorkerError
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 from storage.records import TelemetrySample
 
 if TYPE_CHECKING:
-    from tuner.hardware import Hardware
+    from engine.hardware import Hardware
     from tuner.space import SearchSpace, TrialParams
     from tuner.study import Outcome
 

@@ -15,7 +15,7 @@ from storage.records import ProfileRecord
 from storage.repository import Repository
 from tuner.config import ApplianceConfig, ConfigError
 from tuner.metrics import TrialMetrics
-from tuner.profile import FINGERPRINT_KEYS, ModelEntry, Profile, write_profile
+from engine.profile import FINGERPRINT_KEYS, ModelEntry, Profile, write_profile
 from tuner.space import TrialParams
 
 if TYPE_CHECKING:

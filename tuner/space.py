@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tuner.config import ApplianceConfig
-from tuner.hardware import Hardware
+from engine.hardware import Hardware
 
 NO_DRAFT = "none"
 

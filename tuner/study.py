@@ -25,7 +25,7 @@ from storage.database import StorageError
 from storage.records import HardwareRecord, MeasurementRecord
 from storage.repository import Repository, hardware_key
 from tuner.config import ApplianceConfig, ConfigError
-from tuner.hardware import Hardware, Nvml, cuda_available, detect_hardware
+from engine.hardware import Hardware, Nvml, cuda_available, detect_hardware
 from tuner.jobs import Workload, build_workload
 from tuner.metrics import TrialMetrics, aggregate, constraints
 from tuner.models import present_models, probe_models, record_model_files

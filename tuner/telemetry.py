@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import psutil
 
 from storage.records import TelemetrySample
-from tuner.hardware import MB, Nvml, cgroup_memory_mb
+from engine.hardware import MB, Nvml, cgroup_memory_mb
 
 # NVML clocks-event reasons that mean the GPU slowed itself down (power cap, thermal, or a
 # hardware brake). Idle, application clocks, sync boost and display clocks do not count.

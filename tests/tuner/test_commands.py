@@ -10,7 +10,7 @@ import tomli_w
 
 from tuner.cli import main
 from tuner.config import default_config_path
-from tuner.profile import load_profile
+from engine.profile import load_profile
 
 pytestmark = pytest.mark.slow
 

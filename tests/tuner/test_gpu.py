@@ -6,7 +6,7 @@ import time
 import pytest
 
 from tuner.config import load_config
-from tuner.hardware import Nvml, cuda_available, detect_hardware
+from engine.hardware import Nvml, cuda_available, detect_hardware
 from tuner.space import SearchSpace
 from tuner.telemetry import TelemetrySampler, summarise
 

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tuner.profile import (
+from engine.profile import (
     Profile,
     ProfileError,
     load_profile,

@@ -5,7 +5,7 @@ import optuna
 import pytest
 
 from tuner.config import load_config
-from tuner.hardware import Gpu, Hardware
+from engine.hardware import Gpu, Hardware
 from tuner.space import NO_DRAFT, SearchSpace, TrialParams
 
 CPU_ONLY = Hardware(gpu=None, cpu="test cpu", cpu_count=2, ram_mb=24000, cgroup_max_mb=None)

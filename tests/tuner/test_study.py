@@ -6,9 +6,9 @@ from optuna.trial import TrialState
 
 from storage.repository import Reader
 from tuner.config import ConfigError, load_config
-from tuner.hardware import detect_hardware
+from engine.hardware import detect_hardware
 from tuner.observer import RunObserver
-from tuner.profile import load_profile, model_hashes, verify_profile
+from engine.profile import load_profile, model_hashes, verify_profile
 from tuner.study import Tuner
 from tuner.telemetry import SW_THERMAL, TelemetrySampler
 

@@ -6,7 +6,7 @@ import pytest
 
 from storage.records import TelemetrySample
 from tuner import telemetry
-from tuner.hardware import Nvml, cgroup_memory_mb, detect_hardware
+from engine.hardware import Nvml, cgroup_memory_mb, detect_hardware
 from tuner.telemetry import TelemetrySampler, summarise
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import EngineError
-from tuner.hardware import Nvml, cuda_available, detect_hardware
-from tuner.profile import Profile, ProfileError, load_profile, model_hashes, verify_profile
+from engine.hardware import Nvml, cuda_available, detect_hardware
+from engine.profile import Profile, ProfileError, load_profile, model_hashes, verify_profile
 
 SMOKE_PROMPT = "def fibonacci(n):"
 SMOKE_TOKENS = 8

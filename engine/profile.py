@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import tomli_w
 
-from tuner.config import ConfigError
+from engine.errors import ConfigError
 
 SCHEMA = 1
 ENGINE_KEYS = ("device", "dtype", "threads", "expert_budget_mb", "pflash_threshold", "spec_len",
