@@ -182,7 +182,7 @@ class _Generation:
         return self.new, self.stats
 
     def _spec_step(self, token: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
-        model, start = self.model, self.state.seq_len  # ``token`` sits at position ``start``, not yet run
+        model, start = self.model, self.state.next_position  # ``token`` goes at position ``start``, not yet run
         c0 = self.clock.mark()
         block = torch.full((n,), self.mask, dtype=torch.long, device=model.device)
         block[0] = token
