@@ -36,6 +36,8 @@ def generate(
         None, "--expert-budget", help="MB of device memory for routed experts; the rest run on CPU threads"),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="PFlash drafter GGUF (same vocabulary)"),
     keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="PFlash: share of prompt chunks kept"),
+    draft: Optional[Path] = typer.Option(None, "--draft", help="DFlash draft GGUF (checked against the target)"),
+    spec_len: Optional[int] = typer.Option(None, "--spec-len", help="DFlash: tokens verified per target forward"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
 ) -> None:
     """Generate a continuation of a prompt, streaming the text, then the timings."""
@@ -44,8 +46,12 @@ def generate(
     text = _read_prompt(prompt, prompt_file)
     if keep_ratio is not None and drafter is None:
         raise ConfigError("--keep-ratio needs --drafter")
+    if draft is not None and spec_len is None:
+        spec_len = 8
+    if spec_len is not None and draft is None:
+        raise ConfigError("--spec-len needs --draft")
     eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads,
-                           expert_budget_mb=expert_budget, drafter=drafter)
+                           expert_budget_mb=expert_budget, drafter=drafter, draft=draft)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:
@@ -57,7 +63,7 @@ def generate(
         sys.stdout.flush()
 
     result = eng.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                          pflash_keep_ratio=keep_ratio, on_token=None if as_json else stream)
+                          pflash_keep_ratio=keep_ratio, spec_len=spec_len, on_token=None if as_json else stream)
     if as_json:
         out = result.as_dict()
         out["load_s"] = eng.load_s
@@ -74,6 +80,11 @@ def generate(
         err.print(f"[dim]experts hot/cold {extra['hot_experts']}/{extra['cold_experts']} | cold-hit rate "
                   f"{extra['cold_hit_rate']:.1%} (expected {extra['expected_cold_hit_rate']:.1%}) | "
                   f"expert memory {extra['expert_vram_mb']:.0f} MB[/dim]")
+    if "acceptance_length" in extra:
+        err.print(f"[dim]dflash spec_len {extra['spec_len']} | acceptance length {extra['acceptance_length']:.2f} "
+                  f"tokens per target forward | draft {extra['draft_s'] * 1000:.1f} ms, verify "
+                  f"{extra['verify_s'] * 1000:.1f} ms, rollback {extra['rollback_s'] * 1000:.1f} ms"
+                  f"{' | fell back to plain decoding' if extra['fallback'] else ''}[/dim]")
     if "pflash_kept_tokens" in extra:
         err.print(f"[dim]pflash kept {extra['pflash_kept_tokens']}/{extra['pflash_total_tokens']} tokens | "
                   f"drafter {extra['pflash_drafter_s'] * 1000:.1f} ms | target prefill "

@@ -17,6 +17,7 @@ from engine.sampling import SamplingParams, make_generator, sample
 from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from engine.dflash.draft import DFlashDraft
     from engine.hybrid import HybridExperts
     from engine.pflash.drafter import Drafter
     from engine.pflash.select import PFlashConfig
@@ -92,6 +93,7 @@ class Engine:
         self.hybrid: "HybridExperts | None" = None
         self.drafter = drafter
         self.pflash = pflash
+        self.draft: "DFlashDraft | None" = None
         self.defaults: dict[str, Any] = {}  # generate() options a profile chose (spec_len, keep ratio)
 
     @property
@@ -103,12 +105,14 @@ class Engine:
                   dtype: str | torch.dtype | None = None, threads: int | None = None,
                   stall_timeout_s: float = 120.0, expert_budget_mb: float | None = None,
                   routing_stats: str | Path | None = None, drafter: str | Path | None = None,
-                  pflash_threshold: int | None = None, **options: Any) -> "Engine":
+                  pflash_threshold: int | None = None, draft: str | Path | None = None,
+                  **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
         budget, cold ones on CPU threads) using the routing statistics beside the model (or
-        ``routing_stats``); ``drafter`` loads a PFlash drafter sharing the target's vocabulary.
+        ``routing_stats``); ``drafter`` loads a PFlash drafter sharing the target's vocabulary;
+        ``draft`` attaches a DFlash draft, checked against the target before any tensor loads.
         """
         if options:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(options))}")
@@ -122,6 +126,13 @@ class Engine:
         path = Path(path)
         with GGUFFile(path) as f:
             tokenizer = Tokenizer.from_metadata(f.metadata, source=str(path))
+            draft_file = None
+            if draft is not None:
+                from engine.dflash.compat import open_compatible
+                from engine.model.config import ModelConfig
+
+                cfg = ModelConfig.from_metadata(f.metadata, source=str(path))
+                draft_file = open_compatible(draft, cfg, target_name=path.name)
             model = Qwen35MoE.from_gguf(f, device=dev, dtype=dt)
         if tokenizer.vocab_size > model.cfg.vocab:
             raise EngineError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the output "
@@ -138,6 +149,8 @@ class Engine:
                   stall_timeout_s=stall_timeout_s,
                   routing_stats_path=Path(routing_stats) if routing_stats is not None else None,
                   drafter=draft_model, pflash=pflash)
+        if draft_file is not None:
+            eng.draft = draft_file.load(device=dev, dtype=dt)
         if expert_budget_mb is not None:
             eng.set_expert_budget(expert_budget_mb)
         _sync(dev)
@@ -210,7 +223,7 @@ class Engine:
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[str] | None = None, ignore_eos: bool = False,
-                 pflash_keep_ratio: float | None = None,
+                 pflash_keep_ratio: float | None = None, spec_len: int | None = None,
                  on_token: Callable[[int, str], None] | None = None) -> Generation:
         """Prefill ``ids`` and decode up to ``max_new_tokens`` new tokens.
 
@@ -219,11 +232,17 @@ class Engine:
         ``on_token(id, text_piece)`` streams each new token as it is produced.
         ``pflash_keep_ratio`` prefills only the prompt chunks the drafter scores highest
         (prompts longer than the drafter's threshold; needs ``drafter=`` at load).
+        ``spec_len`` decodes speculatively with the attached DFlash draft, verifying that many
+        tokens per target forward (needs ``draft=`` at load); greedy output is unchanged.
         """
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if pflash_keep_ratio is None:
             pflash_keep_ratio = self.defaults.get("pflash_keep_ratio")
+        if spec_len is None and self.draft is not None:
+            spec_len = self.defaults.get("spec_len")
+        if spec_len is not None and self.draft is None:
+            raise ConfigError("spec_len needs a DFlash draft: load the engine with draft=PATH")
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
         prompt = self._ids_tensor(ids)
         gen = make_generator(params, self.device)
@@ -240,10 +259,17 @@ class Engine:
         if pflash_keep_ratio is not None:
             from engine.pflash.prefill import compressed_prefill
 
+            capture = tuple(self.draft.cfg.target_layer_ids) if spec_len is not None else ()
             res = compressed_prefill(self.model, prompt, drafter=self.drafter, keep_ratio=pflash_keep_ratio,
-                                     config=self.pflash, reserve=max_new_tokens)
+                                     config=self.pflash, reserve=max_new_tokens + (spec_len or 0),
+                                     capture_layers=capture)
             state, last_logits = res.state, res.logits
             extra.update(res.timings())
+            if spec_len is not None:
+                return self._speculative(ids, max_new_tokens, params, eos, stop, spec_len, on_token, extra,
+                                         t0, prefilled=res)
+        elif spec_len is not None:
+            return self._speculative(ids, max_new_tokens, params, eos, stop, spec_len, on_token, extra, t0)
         else:
             state = self.model.new_state(len(ids) + max_new_tokens)
             last_logits = self.model.forward(prompt, state, logits="last").logits[-1]
@@ -279,6 +305,35 @@ class Engine:
         if self.hybrid is not None:
             timings.extra.update(self.hybrid.stats_snapshot().as_dict())
         return Generation(ids=new, text=text, timings=timings, stop_reason=reason or "length")
+
+    def _speculative(self, ids: Sequence[int], max_new_tokens: int, params: SamplingParams, eos: set[int],
+                     stop: list[str], spec_len: int, on_token: Callable[[int, str], None] | None,
+                     extra: dict[str, Any], t0: float, prefilled: Any = None) -> Generation:
+        from engine.dflash.speculative import speculative_generate
+
+        stream = _TextStream(self.tokenizer, on_token)
+
+        def stopped(new: list[int]) -> bool:
+            stream.push(new[-1])
+            return bool(stop) and any(s in stream.text for s in stop)
+
+        new, stats = speculative_generate(
+            self.model, self.draft, ids, max_new_tokens, spec_len=spec_len, temperature=params.temperature,
+            top_p=params.top_p, seed=params.seed, eos_ids=eos, stop=stopped,
+            stall_timeout_s=self.stall_timeout_s, prefilled=prefilled)
+        text = self.tokenizer.decode(new)
+        if stats.stop_reason == "stop":
+            text = _cut_at_stop(text, stop)
+        prefill_s = (time.perf_counter() - t0) - stats.decode_s  # PFlash's selection included
+        extra.update({f"dflash_{k}" if k in ("prefill_s", "decode_s", "new_tokens", "prompt_tokens", "stop_reason")
+                      else k: v for k, v in stats.as_dict().items() if k != "accept_lengths"})
+        timings = Timings(
+            prompt_tokens=len(ids), new_tokens=len(new), prefill_s=prefill_s, decode_s=stats.decode_s,
+            decode_tok_s=(len(new) - 1) / stats.decode_s if len(new) > 1 and stats.decode_s > 0 else 0.0,
+            peak_mem_mb=_peak_mb(self.device), extra=extra)
+        if self.hybrid is not None:
+            timings.extra.update(self.hybrid.stats_snapshot().as_dict())
+        return Generation(ids=new, text=text, timings=timings, stop_reason=stats.stop_reason)
 
     @staticmethod
     def _stop_reason(new: list[int], text: str, eos: set[int], stop: list[str]) -> str | None:

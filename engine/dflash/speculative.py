@@ -117,7 +117,8 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
                          spec_len: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                          eos_ids: Collection[int] = (), stop: Callable[[list[int]], bool] | None = None,
                          rollback: str = DEFAULT_ROLLBACK, fallback_threshold: float = 1.2,
-                         fallback_window: int = 8, stall_timeout_s: float = 120.0) -> tuple[list[int], SpecStats]:
+                         fallback_window: int = 8, stall_timeout_s: float = 120.0,
+                         prefilled: Any = None) -> tuple[list[int], SpecStats]:
     """Generate up to ``max_new_tokens`` after ``ids`` with ``draft`` proposing blocks.
 
     ``stop(new_ids)`` is called after every committed token, in order (streaming can live
@@ -125,6 +126,11 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     new ids and the statistics. ``spec_len`` (2 .. the draft's block size) tokens are verified
     per step. When the acceptance length over the last ``fallback_window`` verify steps falls
     under ``fallback_threshold``, the rest is decoded plainly (``stats.fallback``).
+
+    ``prefilled`` continues from a prompt already prefilled elsewhere (PFlash's
+    ``CompressedPrefill``, made with ``capture_layers`` = the draft's target layers and
+    ``reserve`` >= ``max_new_tokens + spec_len``): its state, last logits, captured hidden
+    states and kept positions replace the loop's own prefill.
     """
     try:
         opts = SpecOptions(spec_len=spec_len, rollback=rollback, fallback_threshold=fallback_threshold,
@@ -137,20 +143,29 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
         raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if len(ids) == 0:
         raise ConfigError("the prompt is empty: at least one token id is needed")
-    return _Generation(model, draft, list(ids), max_new_tokens, opts, params, set(eos_ids), stop).run()
+    return _Generation(model, draft, list(ids), max_new_tokens, opts, params, set(eos_ids), stop, prefilled).run()
 
 
 class _Generation:
     def __init__(self, model: Qwen35MoE, draft: DFlashDraft, ids: list[int], max_new: int, opts: SpecOptions,
-                 params: SamplingParams, eos: set[int], stop: Callable[[list[int]], bool] | None) -> None:
+                 params: SamplingParams, eos: set[int], stop: Callable[[list[int]], bool] | None,
+                 prefilled: Any = None) -> None:
         self.model, self.draft, self.opts, self.params = model, draft, opts, params
         self.prompt = torch.tensor(ids, dtype=torch.long, device=model.device)
         self.max_new = max_new
         self.eos, self.stop = eos, stop
         self.layer_ids = tuple(draft.cfg.target_layer_ids)
         self.mask = draft.cfg.mask_token_id
-        total = len(ids) + max_new
-        self.state = model.new_state(total + opts.spec_len)
+        self.prefilled = prefilled
+        if prefilled is not None:
+            missing = set(self.layer_ids) - set(prefilled.output.hidden)
+            if missing:
+                raise ConfigError(f"the prefill did not capture target layers {sorted(missing)} the draft reads")
+            self.state = prefilled.state
+            total = len(prefilled.kept_positions) + max_new
+        else:
+            total = len(ids) + max_new
+            self.state = model.new_state(total + opts.spec_len)
         self.cache = DraftCache.empty(draft, total)
         self.rollback = make_rollback(opts.rollback, model, self.state)
         self.gen = make_generator(params, model.device)
@@ -161,9 +176,15 @@ class _Generation:
 
     def run(self) -> tuple[list[int], SpecStats]:
         t0 = time.perf_counter()
-        out = self.model.forward(self.prompt, self.state, capture_layers=self.layer_ids, logits="last")
-        self._extend_context(out.hidden, self.prompt.shape[0], 0)
-        token = sample(out.logits[-1], self.params, self.gen)
+        if self.prefilled is not None:
+            positions = self.prefilled.kept_positions.to(self.model.device)
+            self._extend_context(self.prefilled.output.hidden, positions.shape[0], positions=positions)
+            logits = self.prefilled.logits
+        else:
+            out = self.model.forward(self.prompt, self.state, capture_layers=self.layer_ids, logits="last")
+            self._extend_context(out.hidden, self.prompt.shape[0], 0)
+            logits = out.logits[-1]
+        token = sample(logits, self.params, self.gen)
         done = self._commit([int(token)])  # host sync: the first token
         t1 = time.perf_counter()
         self.stats.prefill_s = t1 - t0
@@ -221,9 +242,12 @@ class _Generation:
         self.stats.plain_steps += 1
         return token, self._commit([int(token)])
 
-    def _extend_context(self, hidden: dict[int, torch.Tensor], rows: int, start: int) -> None:
+    def _extend_context(self, hidden: dict[int, torch.Tensor], rows: int, start: int = 0, *,
+                        positions: torch.Tensor | None = None) -> None:
         features = torch.cat([hidden[i][:rows] for i in self.layer_ids], dim=-1)
-        self.cache.extend(self.draft, features, torch.arange(start, start + rows, device=features.device))
+        if positions is None:
+            positions = torch.arange(start, start + rows, device=features.device)
+        self.cache.extend(self.draft, features, positions)
 
     def _commit(self, tokens: list[int]) -> bool:
         """Append tokens one by one; True when the generation must end at the last one appended."""
