@@ -74,7 +74,8 @@ def test_tiny_reads_back_with_expected_tensors(write, kw):
             assert extra == set()
         quant = {"f32": Q.F32, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "bf16": Q.BF16, "q4_0": Q.Q4_0}[kw["quant"]]
         for name, info in f.tensors.items():
-            if len(info.shape) == 1 or "norm" in name or name.endswith(("ffn_gate_inp.weight", "ssm_conv1d.weight")):
+            if len(info.shape) == 1 or "norm" in name or name.endswith(
+                    ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")):
                 assert info.qtype == Q.F32, name
             elif kw.get("expert_quant") and is_expert_tensor(name):
                 assert info.qtype == Q.F16, name
