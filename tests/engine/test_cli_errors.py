@@ -1,0 +1,74 @@
+"""Bad model files through the CLI: one clear line naming the problem, exit status 2, no
+traceback, within a second."""
+
+import time
+
+import numpy as np
+import pytest
+
+from engine.gguf.make_model import make_model
+from engine.gguf.reader import GGUFFile
+from engine.gguf.writer import TensorSpec, write_gguf
+from tuner.cli import main
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("cli") / "good.gguf", "tiny", seed=0)
+
+
+def rewrite(src, dst, *, metadata=None, drop=(), reshape=None):
+    with GGUFFile(src) as f:
+        md = {**f.metadata, **(metadata or {})}
+        specs = []
+        for name, info in f.tensors.items():
+            if name in drop:
+                continue
+            shape = info.shape
+            if reshape and name == reshape:
+                shape = (shape[0] + 1,) + tuple(shape[1:])
+            specs.append(TensorSpec(name, shape, info.qtype,
+                                    lambda shape=shape, qt=info.qtype: np.zeros(shape, np.float32)))
+        write_gguf(dst, md, specs)
+    return dst
+
+
+def truncated(good, path):
+    path.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    return path
+
+
+def wrong_magic(good, path):
+    path.write_bytes(b"GGML" + good.read_bytes()[4:])
+    return path
+
+
+CASES = {
+    "truncated": (truncated, ["bad.gguf"]),
+    "wrong magic": (wrong_magic, ["bad.gguf", "magic"]),
+    "other architecture": (lambda g, p: rewrite(g, p, metadata={"general.architecture": "llama"}),
+                           ["bad.gguf", "llama", "qwen35moe"]),
+    "wrong shape": (lambda g, p: rewrite(g, p, reshape="blk.0.attn_qkv.weight"),
+                    ["bad.gguf", "blk.0.attn_qkv.weight", "expected"]),
+    "missing tensor": (lambda g, p: rewrite(g, p, drop={"blk.2.ssm_out.weight"}),
+                       ["bad.gguf", "blk.2.ssm_out.weight"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_file_is_one_clear_error_with_exit_status_2(case, good, tmp_path, capsys):
+    make, words = CASES[case]
+    bad = make(good, tmp_path / "bad.gguf")
+    main(["inspect", str(good)])  # imports warm, so the timing below is the error path
+    capsys.readouterr()
+    t0 = time.perf_counter()
+    status = main(["generate", "--model", str(bad), "--prompt", "hi", "--device", "cpu"])
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "Traceback" not in err
+    message = " ".join(err.split())
+    assert message.startswith("error:")
+    for word in words:
+        assert word in message, (word, message)
+    assert elapsed < 1.0, f"{case}: {elapsed:.2f} s"
