@@ -1,7 +1,8 @@
 """A study database made by the tuner itself, for the dashboard tests.
 
-Two studies land in one SQLite file: ``cpu-real`` is the real engine on a tiny random model
-(this machine's CPU, so no budget/draft/PFlash dimension yet), ``search`` is the tuner's
+Two studies land in one SQLite file: ``cpu-real`` is the real engine on the shipped model
+family (target and PFlash drafter from models/, on this machine's CPU: no budget dimension,
+the PFlash keep ratio searched), ``search`` is the tuner's
 search over drafts, spec_len and PFlash driven by the tuner's test engine (the fake engine
 of tests/tuner), with a lossy draft (infeasible trials) and a hung trial (a failure).
 """
@@ -70,17 +71,20 @@ def _config(root: Path, raw: dict):
     return parse_config(raw, root / "appliance.toml")
 
 
+SHIPPED = Path(__file__).resolve().parents[2] / "models"
+
+
 def run_real_study(root: Path, url: str) -> None:
-    from engine.gguf.make_model import make_model
     from tuner.study import Tuner
 
-    make_model(root / "target.gguf", "tiny", seed=3)
     Tuner(_config(root, {
-        "models": {"target": "target.gguf"},
+        "models": {"target": str(SHIPPED / "luce-target.gguf"), "drafter": str(SHIPPED / "luce-drafter.gguf")},
         "hardware": {"device": "cpu", "threads": 1},
-        "workload": {"code_prompts": 1, "long_form_prompts": 0, "niah_cases": 0,
+        "search": {"pflash_threshold": 96},
+        "workload": {"code_prompts": 1, "long_form_prompts": 1, "niah_cases": 1, "long_prompt_tokens": 160,
                      "max_new_tokens": 4, "warmup": 0, "repeats": 2},
-        "study": {"storage": url, "name": "cpu-real", "trials": 2, "trial_timeout_s": 120,
+        "constraints": {"niah_min_accuracy": 0.0},  # the shipped target retrieves no needle yet
+        "study": {"storage": url, "name": "cpu-real", "trials": 3, "trial_timeout_s": 120,
                   "load_timeout_s": 120, "remeasure_repeats": 2},
         "publish": {"profile": "cpu-real.toml"},
     })).run()
