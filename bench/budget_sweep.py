@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine_bench import commit, machine, spread
+from common import commit, machine, spread
 from engine.engine import Engine
 from engine.placement import min_nonzero_budget_mb
 

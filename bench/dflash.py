@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from common import commit, machine
 
 from engine.dflash.compat import open_compatible
 from engine.dflash.draft import DFlashDraft
@@ -37,20 +37,6 @@ from engine.dflash.speculative import speculative_generate
 from engine.dflash.train import new_draft_config
 from engine.engine import Engine
 from tuner.workloads import code_prompts, long_form_prompts
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"{platform.processor() or platform.machine()} CPU"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def expert_mb(eng: Engine) -> float:

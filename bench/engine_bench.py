@@ -11,34 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from common import commit, machine, spread
+
 from engine.engine import Engine
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"{platform.processor() or platform.machine()} CPU"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

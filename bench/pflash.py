@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -30,27 +28,11 @@ from pathlib import Path
 
 import torch
 
+from common import commit, machine, spread
+
 from engine.engine import Engine
 from engine.pflash import Drafter, PFlashConfig, compressed_prefill
 from tuner.workloads import NiahCase, haystack_text, niah_grid, score_niah
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"{platform.processor() or platform.machine()} CPU"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def sync(device: torch.device) -> None:
