@@ -14,6 +14,7 @@ from typing import Any
 from engine.train.family import SHIPPED_BUDGET_BYTES, TARGET_BUDGET_BYTES, shape as shape_named
 
 REPORT_SUFFIX = ".report.json"
+DRAFT_REPORT_SUFFIX = ".acceptance.json"  # written beside a draft by train-draft
 CARD_NAME = "README.md"
 VOCAB_NOMINAL = 4096  # the BPE's size, for the size estimates of members not built yet
 REBUILD = (
@@ -71,7 +72,33 @@ def render(directory: Path) -> str:
     for member, report in reports.items():
         if member not in ROLES:
             lines += _other_section(member, report)
+    for path in sorted(directory.glob(f"*{DRAFT_REPORT_SUFFIX}")):
+        lines += _draft_section(json.loads(path.read_text(encoding="utf-8")), directory)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _draft_section(report: dict[str, Any], directory: Path) -> list[str]:
+    """A DFlash draft made by ``luce-tune train-draft`` (its ``.acceptance.json`` report)."""
+    name = report.get("draft", "draft")
+    held = report.get("held_out", {})
+    out = [f"## {name}", "",
+           f"Role: the DFlash draft matched to {report.get('target', '?')} (`luce-tune train-draft`).", "",
+           "| measured | value |", "|---|---|"]
+    path = directory / name
+    if path.exists():
+        out.append(f"| file | {_mb(path.stat().st_size)} ({path.stat().st_size:,} bytes) |")
+    if report.get("device"):
+        out.append(f"| trained on | {report['device']} |")
+    out.append(f"| training | {report.get('steps', '?')} steps in {report.get('train_s', 0):.0f} s, "
+               f"final loss {report.get('final_loss', float('nan')):.3f} |")
+    if held:
+        out.append(f"| held-out acceptance length | {held.get('acceptance_length', float('nan')):.2f} tokens per "
+                   f"target forward at spec_len {held.get('spec_len', '?')} over {held.get('prompts', '?')} prompts |")
+    if report.get("command"):
+        out.append(f"| command | `{report['command']}` |")
+    if report.get("note"):
+        out += ["", report["note"]]
+    return out + [""]
 
 
 def _member_section(member: str, report: dict[str, Any] | None) -> list[str]:
