@@ -153,6 +153,26 @@ class SearchSpace:
                 points.append(TrialParams(expert_budget_mb=half))
         return points
 
+    def coarse_grid(self, budget_points: int = 4) -> list[TrialParams]:
+        """Every combination of a few values per knob: the budget at ``budget_points`` even steps
+        from 0 to the maximum, no draft or each draft at the lowest, middle and highest
+        spec_len, PFlash off or at the lowest, geometric-middle and highest keep ratio. The
+        exhaustive reference a study's best is compared against."""
+        budgets: list[int | None] = [None]
+        if self.budget_max_mb:
+            step = self.budget_step_mb
+            budgets = sorted({round(self.budget_max_mb * i / (budget_points - 1) / step) * step
+                              for i in range(budget_points)})
+        lo, hi = self.spec_len
+        drafts: list[tuple[str | None, int | None]] = [(None, None)]
+        drafts += [(d, n) for d in self.drafts for n in sorted({lo, (lo + hi) // 2, hi})]
+        keeps: list[float | None] = [None]
+        if self.keep_ratio is not None:
+            k_lo, k_hi = self.keep_ratio
+            keeps += [k_lo, math.sqrt(k_lo * k_hi), k_hi]
+        return [TrialParams(expert_budget_mb=b, draft=d, spec_len=n, pflash_keep_ratio=k)
+                for b in budgets for d, n in drafts for k in keeps]
+
     def describe(self) -> dict[str, Any]:
         """A JSON form stored with the study: resuming with another space is refused."""
         return {"budget_max_mb": self.budget_max_mb, "budget_step_mb": self.budget_step_mb,

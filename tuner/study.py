@@ -16,16 +16,16 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import optuna
 from optuna.trial import TrialState
 
+from engine.hardware import Hardware, Nvml, cuda_available, detect_hardware
 from storage.database import StorageError
 from storage.records import HardwareRecord, MeasurementRecord
 from storage.repository import Repository, hardware_key
 from tuner.config import ApplianceConfig, ConfigError
-from engine.hardware import Hardware, Nvml, cuda_available, detect_hardware
 from tuner.jobs import Workload, build_workload
 from tuner.metrics import TrialMetrics, aggregate, constraints
 from tuner.models import present_models, probe_models, record_model_files
@@ -71,8 +71,13 @@ class Tuner:
     worker calls; ``hang`` maps trial numbers to seconds the worker sleeps (a test hook)."""
 
     def __init__(self, config: ApplianceConfig, *, observer: RunObserver | None = None,
-                 factory: str = ENGINE_FACTORY, hang: Mapping[int, float] | None = None) -> None:
+                 factory: str = ENGINE_FACTORY, hang: Mapping[int, float] | None = None,
+                 points: Callable[[SearchSpace], Sequence[TrialParams]] | None = None) -> None:
+        """``points``, given the search space, names the trials to run in place of the warm
+        start and the sampler (an exhaustive grid, say): the study then measures exactly those."""
         self.config = config
+        self.points = points
+        self.n_points: int | None = None
         self.observer = observer or RunObserver()
         self.factory = factory
         self.hang = dict(hang or {})
@@ -170,7 +175,10 @@ class Tuner:
         stored = self.study.user_attrs.get("space")
         if stored is None:
             self.study.set_user_attr("space", self.space.describe())
-            for point in self.space.warm_start():
+            first = self.points(self.space) if self.points is not None else self.space.warm_start()
+            if self.points is not None:
+                self.n_points = len(first)
+            for point in first:
                 self.study.enqueue_trial(self.space.to_params(point), skip_if_exists=True)
         elif stored != self.space.describe():
             raise ConfigError(
@@ -211,6 +219,8 @@ class Tuner:
         re-measurement would no longer fit in the time limit (judged by the slowest trial)."""
         c = self.config
         target = 1 if self.space.is_empty else c.study.trials
+        if self.n_points is not None:
+            target = self.n_points
         outcomes = []
         slowest = 0.0
         finals = 2 * c.study.remeasure_repeats / c.workload.repeats

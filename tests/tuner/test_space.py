@@ -121,3 +121,23 @@ def test_trial_params_refuse_inconsistent_points():
         TrialParams(spec_len=4)
     with pytest.raises(ValueError, match="has no spec_len"):
         TrialParams(draft="d.gguf")
+
+
+def test_coarse_grid_covers_every_combination_the_space_allows(tmp_path):
+    cfg = _config(tmp_path, "[hardware]\nvram_cap_mb = 10000\nvram_reserve_mb = 1000\n"
+                            "[search]\nexpert_budget_step_mb = 512\n")
+    space = SearchSpace.build(cfg, H200, drafts=(DRAFT,), drafter_ok=True, target_mb=20000)
+    grid = space.coarse_grid(budget_points=4)
+    budgets = sorted({p.expert_budget_mb for p in grid})
+    assert budgets[0] == 0 and budgets[-1] == space.budget_max_mb and len(budgets) == 4
+    assert all(b % 512 == 0 for b in budgets)
+    lo, hi = space.spec_len
+    assert {p.spec_len for p in grid if p.draft} == {lo, (lo + hi) // 2, hi}
+    assert all(p.spec_len is None for p in grid if p.draft is None)
+    keeps = {p.pflash_keep_ratio for p in grid}
+    assert None in keeps and len(keeps) == 4
+    assert len(grid) == len(set(grid)) == 4 * (1 + 3) * 4
+    for p in grid:  # every point round-trips through Optuna's parameters
+        assert space.params_of(space.to_params(p)) == p
+    cpu = SearchSpace.build(_config(tmp_path), CPU_ONLY, drafts=(), drafter_ok=False, target_mb=100)
+    assert cpu.coarse_grid() == [TrialParams()]
