@@ -345,21 +345,26 @@ class Engine:
 
 
 class _TextStream:
-    """Turns token ids into text pieces without splitting multi-byte characters."""
+    """Turns token ids into text pieces without splitting multi-byte characters.
+
+    Only the ids since the last complete piece are decoded each time, so streaming stays
+    linear in the number of tokens (byte-level BPE: the text is the concatenated bytes).
+    """
 
     def __init__(self, tokenizer: Tokenizer, on_token: Callable[[int, str], None] | None) -> None:
         self.tokenizer = tokenizer
         self.on_token = on_token
-        self.ids: list[int] = []
+        self.pending: list[int] = []
         self.text = ""
 
     def push(self, token: int) -> None:
-        self.ids.append(token)
-        full = self.tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        self.pending.append(token)
+        piece = self.tokenizer.decode(self.pending)
+        if piece.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             piece = ""
         else:
-            piece, self.text = full[len(self.text):], full
+            self.pending.clear()
+            self.text += piece
         if self.on_token is not None:
             self.on_token(token, piece)
 
