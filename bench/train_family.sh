@@ -11,18 +11,19 @@
 #              python -m engine.train.model_card models/
 set -euo pipefail
 OUT=${OUT:-out/family}
-MINUTES=${MINUTES:-8.5}   # the whole training command; the machine's limit is 10 minutes a call
+MINUTES=${MINUTES:-7}   # the whole training command (data, both members, measures, export)
 SEED=${SEED:-0}
 DEVICE=${DEVICE:-cuda}
 WORK=${WORK:-/tmp/luce-family}
 mkdir -p "$OUT" "$WORK/models"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # a site of its own, so that bench/gpu scripts may run beside it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-train .whl/*.whl
   # fla 0.6 refuses its gated chunk backward on Hopper with Triton < 3.7.1 (wrong results);
   # training then takes transformers' torch path for Gated DeltaNet.
-  rm -rf /tmp/site/fla /tmp/site/fla_core-*
-  export PYTHONPATH=/tmp/site:$PWD
+  rm -rf /tmp/site-train/fla /tmp/site-train/fla_core-*
+  export PYTHONPATH=/tmp/site-train:$PWD
 else
   export PYTHONPATH=$PWD
 fi

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # A matched DFlash draft for the shipped target, trained on the GPU, then its speed-ups at two
-# expert budgets on long-form and code prompts (issue 4's acceptance figures).
+# expert budgets on long-form and code prompts (issue 4's acceptance figures). With PFLASH=1
+# the PFlash benchmark (04_pflash.sh) follows in the same call.
 source "$(dirname "$0")/env.sh"
 python3 -c "from engine.train.corpus import build_corpus; build_corpus('/tmp/corpus', n_retrieval=0)"
 luce train-draft --target models/luce-target.gguf --corpus /tmp/corpus/train.txt --out "$OUT/luce-draft.gguf" \
-  --layers 3 --features 3 --block-size 16 --steps 20000 --time-budget 5m --device cuda 2>&1 | tee "$OUT/train_draft.log"
-python3 bench/dflash.py --target models/luce-target.gguf --draft "$OUT/luce-draft.gguf" \
+  --layers 3 --features 3 --block-size 16 --batch 4 --steps ${DRAFT_STEPS:-3000} \
+  --time-budget ${DRAFT_MINUTES:-2.5}m --device cuda 2>&1 | tee "$OUT/train_draft.log"
+rm -rf "$OUT"/luce-draft.gguf.ckpt*
+timeout ${DFLASH_S:-200} python3 bench/dflash.py --target models/luce-target.gguf --draft "$OUT/luce-draft.gguf" \
   --corpus /tmp/corpus/held_out.txt --spec-lens 4,8,16 --budgets all,50% --long-form 3 --code 3 \
-  --new-tokens 400 --json "$OUT/dflash.json" 2>&1 | tee "$OUT/dflash.log"
+  --new-tokens 400 --json "$OUT/dflash.json" 2>&1 | tee "$OUT/dflash.log" || true
+if [ "${PFLASH:-0}" = 1 ]; then
+  bash "$(dirname "$0")/04_pflash.sh"
+fi

@@ -51,7 +51,13 @@ def train(
     lr: Optional[float] = typer.Option(None, "--lr", help="peak learning rate (preset default)"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="sequence length of the first phase"),
     long_seq_len: Optional[int] = typer.Option(None, "--long-seq-len", help="sequence length of the last phase"),
-    n_retrieval: int = typer.Option(2000, "--retrieval-examples", help="synthetic retrieval examples to train on"),
+    long_fraction: Optional[float] = typer.Option(None, "--long-fraction",
+                                                  help="share of the steps at the long sequence length"),
+    n_retrieval: int = typer.Option(4000, "--retrieval-examples", help="synthetic retrieval examples to train on"),
+    example_share: Optional[float] = typer.Option(None, "--example-share",
+                                                  help="share of training rows that start at a retrieval example"),
+    niah_cases: int = typer.Option(24, "--niah-cases",
+                                   help="2K-token needle-in-a-haystack cases run on the exported target (0: none)"),
     max_corpus_mb: Optional[float] = typer.Option(None, "--max-corpus-mb", help="cap on library text used"),
     experts_impl: Optional[str] = typer.Option(
         None, "--experts-impl", help="transformers experts implementation: eager, grouped_mm "
@@ -68,18 +74,20 @@ def train(
         raise ConfigError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}")
     dev = resolve_device(device)
     curriculum = None
-    if seq_len is not None or long_seq_len is not None:
+    if seq_len is not None or long_seq_len is not None or long_fraction is not None:
         base = Curriculum()
-        short = seq_len if seq_len is not None else min(base.short_len, long_seq_len)
+        short = seq_len if seq_len is not None else min(base.short_len, long_seq_len or base.short_len)
         try:
             curriculum = Curriculum(short_len=short, long_len=long_seq_len if long_seq_len is not None
-                                    else max(short, base.long_len), long_fraction=base.long_fraction)
+                                    else max(short, base.long_len),
+                                    long_fraction=base.long_fraction if long_fraction is None else long_fraction)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     try:
         settings = RunSettings(members=PRESETS[preset], out_dir=out_dir, seed=seed, steps=steps, minutes=minutes,
                                ckpt_dir=ckpt_dir, resume=resume, batch_tokens=batch_tokens, curriculum=curriculum,
                                ckpt_every=ckpt_every, experts_implementation=experts_impl, lr=lr,
+                               example_share=example_share, niah_cases=niah_cases,
                                command=command_line())
         for name in settings.members:
             settings.member_config(name)
@@ -109,6 +117,10 @@ def train(
                   f"(unigram {h['unigram_loss']:.3f}), top-quarter routing share "
                   f"{min(x['top_quarter_share'] for x in h['routing']):.2f}-"
                   f"{max(x['top_quarter_share'] for x in h['routing']):.2f}")
+        if r.get("retrieval"):
+            err.print(f"  retrieval exact match {r['retrieval']['exact_match']:.0%} of {r['retrieval']['cases']}")
+        for row in (r.get("niah") or {}).get("rows", ()):
+            err.print(f"  needle in a haystack at {row['context']} tokens: {row['accuracy']:.0%} of {row['cases']}")
     err.print(f"done in {time.monotonic() - started:.0f} s; card: {out_dir / 'README.md'}")
 
 

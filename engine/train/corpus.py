@@ -1,7 +1,8 @@
 """An offline training corpus from text every machine has: the Python standard library.
 
-Documents are the library's ``.py`` sources plus synthetic retrieval examples (a few facts
-placed early in a long stretch of real code, asked for at the end). Each split is one plain
+Documents are the library's ``.py`` sources plus synthetic retrieval examples (facts placed
+anywhere in a long stretch of real code, asked for at the end: every fact in a training
+example, one in a held-out example). Each split is one plain
 text file with every document followed by ``SEPARATOR``.
 """
 
@@ -21,6 +22,8 @@ RESERVED = (SEPARATOR, "<|im_start|>", "<|im_end|>")  # never inside a document
 # averages 4 to 4.6 characters per token on library sources, a 4K-token BPE fewer.
 CHARS_PER_TOKEN = 4
 RETRIEVAL_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
+TRAIN_FACTS = (1, 6)  # facts per training example, every one of them asked at the end
+HELD_OUT_FACTS = (1, 3)  # facts per held-out example, one of them asked (a NIAH-like case)
 
 FIRST_NAMES = ("Ada", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas",
                "Kamala", "Lars", "Mei", "Nadia", "Oscar", "Priya", "Quentin", "Rosa", "Sven", "Tariq",
@@ -108,32 +111,42 @@ def split_sources(sources: Iterable[SourceFile], held_out_fraction: float,
 
 
 def retrieval_example(rng: random.Random, sources: Sequence[SourceFile], *, context_chars: int,
-                      n_facts: int = 1) -> RetrievalExample:
-    """Facts "The secret code of <name> is <5 digits>." in the first quarter of real code, then a question."""
+                      n_facts: int = 1, n_questions: int = 1) -> RetrievalExample:
+    """Facts "The secret code of <name> is <5 digits>." at random lines of real code, then questions.
+
+    Facts go anywhere in the text, as a needle does at any depth. ``n_questions`` distinct
+    names are asked in turn at the end, each question followed by its answer; the last
+    answer is the example's ``answer`` and the earlier questions and answers belong to its
+    context, so a training row teaches several retrievals and a held-out case scores one.
+    """
     if not sources:
         raise ValueError("retrieval examples need at least one source file")
     if not 1 <= n_facts <= 8:
         raise ValueError(f"n_facts must be 1..8, got {n_facts}")
+    if not 1 <= n_questions <= n_facts:
+        raise ValueError(f"n_questions must be 1..n_facts ({n_facts}), got {n_questions}")
     names: list[str] = []
     while len(names) < n_facts:
         name = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
         if name not in names:
             names.append(name)
     facts = tuple((name, str(rng.randint(10000, 99999))) for name in names)
-    asked = rng.choice(names)
     lines = distractor_lines(rng, sources, context_chars)
-    # The first fact opens the text; the others go after random lines of the first quarter.
-    quarter = max(1, len(lines) // 4)
-    after: dict[int, list[str]] = {}
-    for slot, (name, code) in zip(sorted(rng.randint(1, quarter) for _ in facts[1:]), facts[1:]):
-        after.setdefault(slot, []).append(f"The secret code of {name} is {code}.\n")
-    body = [f"The secret code of {facts[0][0]} is {facts[0][1]}.\n"]
-    for i, line in enumerate(lines, start=1):
+    before: dict[int, list[str]] = {}  # line index -> facts placed before that line
+    for slot, (name, code) in zip(sorted(rng.randint(0, len(lines)) for _ in facts), facts):
+        before.setdefault(slot, []).append(f"The secret code of {name} is {code}.\n")
+    body: list[str] = []
+    for i, line in enumerate(lines):
+        body.extend(before.get(i, ()))
         body.append(line)
-        body.extend(after.get(i, ()))
-    question = f"\n\nWhat is the secret code of {asked}?"
-    return RetrievalExample(facts=facts, asked=asked, context="".join(body).rstrip() + question,
-                            answer=f" It is {dict(facts)[asked]}.")
+    body.extend(before.get(len(lines), ()))
+    codes = dict(facts)
+    asked = rng.sample(names, n_questions)
+    context = "".join(body).rstrip()
+    for name in asked[:-1]:
+        context += f"\n\nWhat is the secret code of {name}? It is {codes[name]}."
+    context += f"\n\nWhat is the secret code of {asked[-1]}?"
+    return RetrievalExample(facts=facts, asked=asked[-1], context=context, answer=f" It is {codes[asked[-1]]}.")
 
 
 def distractor_lines(rng: random.Random, sources: Sequence[SourceFile], n_chars: int) -> list[str]:
@@ -214,7 +227,13 @@ def build_corpus(out_dir: str | os.PathLike[str], *, seed: int = 0, held_out_fra
     for path, sources, count, label in ((files.retrieval_train, train, n_retrieval, "train"),
                                         (files.retrieval_held_out, held_out, n_held, "held_out")):
         rng = random.Random(f"retrieval:{label}:{seed}")
-        write_documents(path, (retrieval_example(rng, sources, n_facts=rng.randint(1, 3),
-                                                 context_chars=rng.choice(retrieval_tokens) * CHARS_PER_TOKEN).text
+        write_documents(path, (_example(rng, sources, label == "train", retrieval_tokens).text
                                for _ in range(count)))
     return files
+
+
+def _example(rng: random.Random, sources: Sequence[SourceFile], train: bool,
+             retrieval_tokens: Sequence[int]) -> RetrievalExample:
+    n_facts = rng.randint(*(TRAIN_FACTS if train else HELD_OUT_FACTS))
+    return retrieval_example(rng, sources, n_facts=n_facts, n_questions=n_facts if train else 1,
+                             context_chars=rng.choice(retrieval_tokens) * CHARS_PER_TOKEN)

@@ -22,13 +22,14 @@ ANSWER_MARK = " It is"  # engine.train.corpus.retrieval_example ends every examp
 class CorpusSettings:
     seed: int = 0
     vocab_size: int = 4096
-    n_retrieval: int = 2000
+    n_retrieval: int = 4000
     held_out_fraction: float = 0.05
     max_bytes: int | None = None  # library bytes, both splits together
     bpe_max_bytes: int | None = 8_000_000
-    # nominal lengths (engine.train.corpus); with this BPE the longest come to about 3.7K tokens,
-    # inside the 4096-token rows of the last training phase
-    retrieval_tokens: tuple[int, ...] = (256, 512, 1024, 2048, 3000)
+    # nominal lengths (engine.train.corpus); with this BPE about 1.23 tokens per nominal one:
+    # the three shortest fit the 512-token rows of the first training phase, the longest
+    # (about 3.7K tokens) the 4096-token rows of the last
+    retrieval_tokens: tuple[int, ...] = (128, 256, 384, 1024, 2048, 3000)
 
     def __post_init__(self) -> None:
         if self.vocab_size <= 0 or self.n_retrieval < 0:
@@ -54,6 +55,7 @@ class FamilyData:
     retrieval_cases: tuple[RetrievalCase, ...]
     tokenizer_metadata: dict[str, Any]
     stats: dict[str, Any]
+    heldout_text: Path | None = None  # the held-out library text (NIAH haystacks)
 
 
 def prepare_data(data_dir: Path, settings: CorpusSettings) -> FamilyData:
@@ -94,7 +96,8 @@ def prepare_data(data_dir: Path, settings: CorpusSettings) -> FamilyData:
              "retrieval_heldout_examples": len(cases), "vocab": tok.vocab_size,
              "train_bytes": files.train.stat().st_size, "heldout_bytes": files.held_out.stat().st_size,
              "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()}}
-    return FamilyData(streams=data, retrieval_cases=cases, tokenizer_metadata=metadata, stats=stats)
+    return FamilyData(streams=data, retrieval_cases=cases, tokenizer_metadata=metadata, stats=stats,
+                      heldout_text=files.held_out)
 
 
 def _retrieval_case(tok, text: str) -> RetrievalCase:

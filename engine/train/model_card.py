@@ -21,7 +21,7 @@ REBUILD = (
     "# on a CUDA machine, from the repository root (one call of under 10 minutes):\n"
     "bash bench/train_family.sh        # leaves the files, reports and this card in $OUT\n"
     "# the same with the installed CLI:\n"
-    "luce-tune train --out-dir models/ --preset both --minutes 8.5 --seed 0 --device cuda\n"
+    "luce-tune train --out-dir models/ --preset both --minutes 7 --seed 0 --device cuda\n"
     "# after copying reports here, re-render this card:\n"
     "python -m engine.train.model_card models/"
 )
@@ -49,8 +49,8 @@ def render(directory: Path) -> str:
         "# Shipped models",
         "",
         "The family luce-tune runs out of the box: trained on the Python standard library's sources",
-        "plus synthetic retrieval examples (a fact early in a long stretch of code, asked for at the",
-        "end), with the project's 4096-token byte-level BPE (qwen35 pre-tokenizer). Training uses",
+        "plus synthetic retrieval examples (facts at any depth of a long stretch of code, asked for at",
+        "the end), with the project's 4096-token byte-level BPE (qwen35 pre-tokenizer). Training uses",
         "transformers' `Qwen3_5MoeForCausalLM`, the oracle the engine is tested against; export goes",
         "through `engine.gguf.convert_hf` (Q8_0 matrices, F32 norms, llama.cpp's conventions).",
         "",
@@ -154,6 +154,9 @@ def _member_section(member: str, report: dict[str, Any] | None) -> list[str]:
         buckets = ", ".join(f"<= {b['up_to_tokens']}: {b['exact_match']:.0%} of {b['cases']}" for b in r["by_length"])
         out.append(f"| retrieval | exact match {r['exact_match']:.0%} of {r['cases']} held-out examples "
                    f"({buckets}); answer loss {r['answer_loss']:.3f} nats/token |")
+    for row in (report.get("niah") or {}).get("rows", ()):
+        out.append(f"| needle in a haystack | {row['accuracy']:.0%} of {row['cases']} cases at {row['context']} "
+                   f"tokens (needle depths 0 to 1, held-out haystack, full prefill, greedy, through the engine) |")
     out += ["", "Routing over the held-out tokens: share of routed assignments taken by the busiest quarter "
                 "of the experts (0.25 would be uniform).", "",
             "| layer | top-quarter share | unused experts |", "|---|---|---|"]

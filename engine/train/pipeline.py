@@ -29,6 +29,8 @@ MEMBERS = ("target", "drafter")
 TIME_SHARES = {"target": 0.75, "drafter": 0.25, "micro": 1.0}
 REPORT_SUFFIX = ".report.json"
 HISTORY_POINTS = 100
+NIAH_CONTEXTS = (2048,)  # the target's acceptance: needles found in 2K-token prompts
+NIAH_CASES = 24  # per context length, needle depths evenly spread from 0 to 1
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,13 @@ class RunSettings:
     ckpt_every: int = 100
     experts_implementation: str | None = None
     lr: float | None = None
+    example_share: float | None = None
     batch_tokens: int | None = None
     curriculum: Curriculum | None = None
     eval_tokens: int = 1 << 20
     eval_batch_tokens: int = 65536
     reserve_s: float = 30.0  # per member, for measures and export
+    niah_cases: int = NIAH_CASES  # NIAH cases per context for the target (0: none)
     quant: str = "q8_0"
     command: str = ""
 
@@ -68,6 +72,8 @@ class RunSettings:
             overrides["batch_tokens"] = self.batch_tokens
         if self.lr is not None:
             overrides["lr"] = self.lr
+        if self.example_share is not None:
+            overrides["example_share"] = self.example_share
         if self.curriculum is not None:
             overrides["curriculum"] = self.curriculum
         if name == "micro":
@@ -112,6 +118,11 @@ def run_family(settings: RunSettings, data: FamilyData, *, device: torch.device,
         exported = export_gguf(model, settings.out_dir / gguf_name(name), cfg.model_shape,
                                tokenizer_metadata=data.tokenizer_metadata, quant=settings.quant)
         report = _report(name, cfg, settings, data, result, heldout, retrieval, exported, eval_len)
+        if name == "target" and settings.niah_cases and data.heldout_text is not None:
+            if on_status:
+                on_status("needle in a haystack on the exported target")
+            report["niah"] = measure_niah(exported.path, data.heldout_text, device=device,
+                                          cases=settings.niah_cases, seed=settings.seed)
         path = settings.out_dir / f"luce-{name}{REPORT_SUFFIX}"
         path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         reports.append(report)
@@ -133,6 +144,29 @@ def _measure(model, cfg: TrainConfig, data: FamilyData, settings: RunSettings, u
     retrieval = evaluate_retrieval(model, data.retrieval_cases, device=device, autocast=autocast,
                                    max_len=cfg.curriculum.long_len)
     return heldout, retrieval, eval_len
+
+
+def measure_niah(gguf_path, haystack_file: Path, *, device: torch.device, cases: int, seed: int,
+                 contexts: tuple[int, ...] = NIAH_CONTEXTS, max_new: int = 8) -> dict[str, Any]:
+    """Greedy needle retrieval of the exported file through the engine, on held-out text.
+
+    The same cases and scorer the PFlash benchmark uses (``tuner.workloads``), full prefill.
+    """
+    from engine.engine import Engine
+    from tuner.workloads import haystack_text, niah_grid, score_niah
+
+    eng = Engine.from_gguf(gguf_path, device=device)
+    text = haystack_text(6 * max(contexts) + 4096, haystack_file)
+    depths = [i / (cases - 1) for i in range(cases)] if cases > 1 else [0.5]
+    rows = []
+    for context in contexts:
+        grid = niah_grid(eng.tokenizer, text, context_lengths=[context], depths=depths, seed=seed)
+        hits = [score_niah(c, eng.generate(eng.tokenizer.encode(c.prompt), max_new, ignore_eos=True).text)
+                for c in grid]
+        rows.append({"context": context, "cases": len(hits), "accuracy": sum(hits) / len(hits),
+                     "missed_depths": [round(c.depth, 3) for c, h in zip(grid, hits) if not h]})
+    del eng
+    return {"rows": rows, "haystack": "held-out library text", "max_new_tokens": max_new}
 
 
 def _report(name, cfg: TrainConfig, settings: RunSettings, data: FamilyData, result, heldout, retrieval,

@@ -10,7 +10,7 @@ from engine.train.corpus import (RETRIEVAL_TOKENS, SEPARATOR, build_corpus, is_h
 
 VOCAB = Path(__file__).resolve().parents[4] / "shared" / "data" / "ggml-vocab-qwen35.gguf"
 FACT = re.compile(r"The secret code of (\w+ \w+) is (\d{5})\.\n")
-QUESTION = re.compile(r"\n\nWhat is the secret code of (\w+ \w+)\? It is (\d{5})\.\Z")
+ANSWERED = re.compile(r"\n\nWhat is the secret code of (\w+ \w+)\? It is (\d{5})\.")
 SMALL = dict(held_out_fraction=0.1, n_retrieval=6, max_bytes=400_000, retrieval_tokens=(256, 4096))
 
 
@@ -56,15 +56,31 @@ def test_build_is_deterministic_and_seed_only_moves_retrieval(corpus, tmp_path: 
     assert other.retrieval_train.read_bytes() != corpus.retrieval_train.read_bytes()
 
 
-def test_retrieval_examples_ask_for_an_early_fact(corpus):
+def test_training_examples_ask_every_fact_held_out_ones_ask_one(corpus):
     docs = list(iter_documents(corpus.retrieval_train))
-    assert len(docs) == 6 and len(list(iter_documents(corpus.retrieval_held_out))) == 1
+    held = list(iter_documents(corpus.retrieval_held_out))
+    assert len(docs) == 6 and len(held) == 1
     for doc in docs:
-        asked, code = QUESTION.search(doc).groups()
-        facts = list(FACT.finditer(doc))
-        assert 1 <= len(facts) <= 3 and facts[0].start() == 0
-        assert dict(f.groups() for f in facts)[asked] == code
-        assert all(f.start() < 0.3 * len(doc) for f in facts)
+        facts = dict(m.groups() for m in FACT.finditer(doc))
+        asked = ANSWERED.findall(doc)
+        assert 1 <= len(facts) <= 6
+        assert sorted(name for name, _ in asked) == sorted(facts)  # every fact asked once
+        assert all(facts[name] == code for name, code in asked)
+    for doc in held:
+        facts = dict(m.groups() for m in FACT.finditer(doc))
+        (name, code), = ANSWERED.findall(doc)
+        assert 1 <= len(facts) <= 3 and facts[name] == code
+
+
+def test_facts_land_at_every_depth():
+    srcs = [s for _, s in zip(range(20), stdlib_sources())]
+    rng = random.Random(0)
+    depths = []
+    for _ in range(200):
+        ex = retrieval_example(rng, srcs, context_chars=3000, n_facts=1)
+        depths.append(ex.context.index("The secret code of") / len(ex.context))
+    assert min(depths) < 0.1 and max(depths) > 0.85
+    assert 0.35 < sum(depths) / len(depths) < 0.65
 
 
 def test_longest_retrieval_examples_exceed_4k_tokens(tmp_path: Path):
@@ -77,10 +93,13 @@ def test_longest_retrieval_examples_exceed_4k_tokens(tmp_path: Path):
 
 def test_retrieval_example_places_every_fact():
     srcs = [s for _, s in zip(range(5), stdlib_sources())]
-    ex = retrieval_example(random.Random(1), srcs, context_chars=2000, n_facts=5)
+    ex = retrieval_example(random.Random(1), srcs, context_chars=2000, n_facts=5, n_questions=3)
     assert [m.groups() for m in FACT.finditer(ex.context)] == list(ex.facts)
     assert ex.text.endswith(f"What is the secret code of {ex.asked}? It is {dict(ex.facts)[ex.asked]}.")
-    assert 2000 <= len(ex.context) < 2000 + max(len(s.text) for s in srcs)
+    assert len(ANSWERED.findall(ex.text)) == 3
+    assert 2000 <= len(ex.context) < 2000 + max(len(s.text) for s in srcs) + 300
+    with pytest.raises(ValueError, match="n_questions"):
+        retrieval_example(random.Random(1), srcs, context_chars=200, n_facts=2, n_questions=3)
 
 
 def test_documents_round_trip_across_chunk_edges(tmp_path: Path):
