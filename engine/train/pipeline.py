@@ -26,7 +26,7 @@ from engine.train.train_target import StepInfo, TrainConfig, preset_config, trai
 
 MEMBERS = ("target", "drafter")
 # Shares of the training time when members are trained together.
-TIME_SHARES = {"target": 0.75, "drafter": 0.25, "micro": 1.0}
+TIME_SHARES = {"target": 0.85, "drafter": 0.15, "micro": 1.0}
 REPORT_SUFFIX = ".report.json"
 HISTORY_POINTS = 100
 NIAH_CONTEXTS = (2048,)  # the target's acceptance: needles found in 2K-token prompts

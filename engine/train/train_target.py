@@ -216,11 +216,10 @@ def hf_model_class(use_fla: bool) -> tuple[type, str]:
 def experts_implementation_for(device: torch.device) -> str | None:
     """transformers' experts implementation for training on ``device`` (None: its own default).
 
-    On CUDA torch's grouped GEMM is fast for bf16 weights only; with fp32 master weights it
-    falls back to a host-synchronised loop of fp32 matmuls, while the per-expert loop runs its
-    matmuls in bf16 under autocast.
+    On the H200, torch's grouped GEMM trained the target at 255K tokens/s where the
+    per-expert loop managed 72K (the drafter: 827K against 405K), so CUDA takes the grouped GEMM.
     """
-    return "eager" if device.type == "cuda" else None
+    return "grouped_mm" if device.type == "cuda" else None
 
 
 def build_model(cfg: TrainConfig, data: TrainData, device: torch.device):
