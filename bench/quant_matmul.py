@@ -1,0 +1,182 @@
+"""Quantized-weight matmul kernels against dequantized-bf16 torch matmuls, at the real shapes.
+
+    python bench/quant_matmul.py [--qtypes Q4_0,Q8_0,Q4_K,Q5_K,Q6_K] [--m 1,512] [--repeats 50] [--json out.json]
+
+Shapes (N x K): attention-sized 2048x2048, expert gate/up 512x2048, expert down 2048x512 and
+the LM head 248320x2048 (Q6_K and Q8_0 only), plus the routed-expert kernel at decode: 8 pairs
+over 256 stacked experts, gate/up and down shapes. For each case the kernel is first checked
+against the float32 reference, then timed with CUDA events: ``--warmup`` calls, then
+``--repeats`` timed calls, median and 20th/80th percentiles reported. Weight bytes read per
+call over the median time gives GB/s, shown as a percentage of the HBM bandwidth measured
+here (a large device-to-device copy, read + write bytes over time). Small weights are
+rotated through enough copies to exceed the L2 cache, so every call reads from HBM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine.gguf.quants import random_quantized
+from engine.kernels.quant import QTYPES, QuantExperts, QuantMatrix, qmatmul_experts_reference, qmatmul_reference
+from engine.kernels.quant.triton import qmatmul, qmatmul_experts
+
+SHAPES = {"attn": (2048, 2048), "gate_up": (512, 2048), "down": (2048, 512), "lm_head": (248320, 2048)}
+LM_HEAD_QTYPES = (Q.Q6_K, Q.Q8_0)
+EXPERTS, PAIRS = 256, 8
+ROTATE_BYTES = 512 * 2**20  # well above the L2 of current GPUs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--qtypes", default=",".join(q.name for q in QTYPES))
+    ap.add_argument("--m", default="1,512", help="rows of x (tokens) per call")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"subset of {', '.join(SHAPES)}")
+    ap.add_argument("--no-experts", action="store_true", help="skip the routed-expert kernel")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    try:
+        args.qtypes = [Q[name.strip()] for name in args.qtypes.split(",")]
+    except KeyError as exc:
+        ap.error(f"--qtypes: unknown quant type {exc.args[0]!r}")
+    if bad := [q.name for q in args.qtypes if q not in QTYPES]:
+        ap.error(f"--qtypes: {', '.join(bad)} not supported (supported: {', '.join(q.name for q in QTYPES)})")
+    args.m = [int(m) for m in args.m.split(",")]
+    if any(m < 1 for m in args.m):
+        ap.error(f"--m: every row count must be positive, got {args.m}")
+    args.shapes = [s.strip() for s in args.shapes.split(",")]
+    if bad := [s for s in args.shapes if s not in SHAPES]:
+        ap.error(f"--shapes: unknown {bad} (known: {', '.join(SHAPES)})")
+    if args.warmup < 0 or args.repeats < 1:
+        ap.error(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
+    return args
+
+
+def time_ms(fn, warmup: int, repeats: int) -> dict[str, float]:
+    """Median and 20th/80th percentiles of ``repeats`` calls, each timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    q = statistics.quantiles(times, n=5) if len(times) > 1 else times * 4
+    return {"ms": statistics.median(times), "p20_ms": q[0], "p80_ms": q[3]}
+
+
+def copy_bandwidth(dev: torch.device, warmup: int, repeats: int, gib: int = 4) -> float:
+    """Bytes per second of a device copy of ``gib`` GiB, counting the read and the write."""
+    src = torch.empty(gib * 2**30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup, repeats)["ms"]
+    return 2 * gib * 2**30 / (ms * 1e-3)
+
+
+def rotating(items: list):
+    """A function returning the next item on each call (cycles through the L2-defeating copies)."""
+    state = {"i": -1}
+
+    def nxt():
+        state["i"] = (state["i"] + 1) % len(items)
+        return items[state["i"]]
+
+    return nxt
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def bench_matrix(qtype: Q, n: int, k: int, ms: list[int], args, rng) -> list[dict]:
+    dev = torch.device(args.device)
+    qm = QuantMatrix.from_gguf_bytes(random_quantized((n, k), qtype, rng, 0.02), qtype, n, k).to(dev)
+    copies = max(1, -(-ROTATE_BYTES // (n * k * 2)))  # sized by the bf16 weight, the larger one
+    quant = rotating([qm] + [QuantMatrix(qm.raw.clone(), qtype, n, k) for _ in range(copies - 1)])
+    w = qm.dequantize(torch.bfloat16)
+    dense = rotating([w] + [w.clone() for _ in range(copies - 1)])
+    rows = []
+    for M in ms:
+        x = torch.randn(M, k, device=dev).bfloat16()
+        err = rel_err(qmatmul(x, qm), qmatmul_reference(x, qm.raw, qtype, n, k))
+        if not err < 2e-2:
+            raise SystemExit(f"{qtype.name} {n}x{k} M={M}: kernel differs from the reference by {err:.2e}")
+        t_q = time_ms(lambda: qmatmul(x, quant()), args.warmup, args.repeats)
+        t_d = time_ms(lambda: x @ dense().T, args.warmup, args.repeats)
+        rows.append({"qtype": qtype.name, "n": n, "k": k, "m": M, "bytes": qm.nbytes, "rel_err": err,
+                     "quant": t_q, "bf16": t_d, "bf16_bytes": w.numel() * 2})
+    del w
+    return rows
+
+
+def bench_experts(qtype: Q, n: int, k: int, args, rng) -> dict:
+    dev = torch.device(args.device)
+    raw = random_quantized((EXPERTS, n, k), qtype, rng, 0.02)
+    qe = QuantExperts.from_gguf_bytes(raw, qtype, EXPERTS, n, k).to(dev)
+    x = torch.randn(PAIRS, k, device=dev).bfloat16()
+    ids = torch.randperm(EXPERTS, device=dev)[:PAIRS]
+    err = rel_err(qmatmul_experts(x, qe, ids), qmatmul_experts_reference(x, qe.raw, ids, qtype, n, k))
+    if not err < 2e-2:
+        raise SystemExit(f"{qtype.name} experts {n}x{k}: kernel differs from the reference by {err:.2e}")
+    draws = rotating([torch.randperm(EXPERTS, device=dev)[:PAIRS] for _ in range(64)])  # cold experts
+    t = time_ms(lambda: qmatmul_experts(x, qe, draws()), args.warmup, args.repeats)
+    return {"qtype": qtype.name, "n": n, "k": k, "pairs": PAIRS, "bytes": PAIRS * qe.nbytes // EXPERTS,
+            "rel_err": err, "quant": t}
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise SystemExit(f"bench/quant_matmul.py needs a CUDA device, got {args.device!r}")
+    rng = np.random.default_rng(0)
+    bandwidth = copy_bandwidth(dev, args.warmup, args.repeats)
+    print(f"{torch.cuda.get_device_name(dev)}: device copy {bandwidth / 1e12:.2f} TB/s (read + write)")
+    print(f"{'qtype':>5} {'shape':>12} {'M':>4} {'MB':>7} {'quant us':>9} {'GB/s':>7} {'% HBM':>6} "
+          f"{'bf16 us':>9} {'GB/s':>7} {'speedup':>7} {'rel err':>8}")
+    rows, expert_rows = [], []
+    for qtype in args.qtypes:
+        for name in args.shapes:
+            if name == "lm_head" and qtype not in LM_HEAD_QTYPES:
+                continue
+            n, k = SHAPES[name]
+            for r in bench_matrix(qtype, n, k, args.m, args, rng):
+                rows.append(r)
+                q, d = r["quant"]["ms"], r["bf16"]["ms"]
+                print(f"{qtype.name:>5} {f'{n}x{k}':>12} {r['m']:4d} {r['bytes'] / 1e6:7.2f} {q * 1e3:9.1f} "
+                      f"{gbps(r['bytes'], q):7.0f} {100 * gbps(r['bytes'], q) * 1e9 / bandwidth:5.1f}% "
+                      f"{d * 1e3:9.1f} {gbps(r['bf16_bytes'], d):7.0f} {d / q:6.2f}x {r['rel_err']:8.1e}")
+            torch.cuda.empty_cache()
+        if not args.no_experts:
+            for n, k in (SHAPES["gate_up"], SHAPES["down"]):
+                r = bench_experts(qtype, n, k, args, rng)
+                expert_rows.append(r)
+                q = r["quant"]["ms"]
+                print(f"{qtype.name:>5} {f'E{n}x{k}':>12} {PAIRS:4d} {r['bytes'] / 1e6:7.2f} {q * 1e3:9.1f} "
+                      f"{gbps(r['bytes'], q):7.0f} {100 * gbps(r['bytes'], q) * 1e9 / bandwidth:5.1f}% "
+                      f"{'-':>9} {'-':>7} {'-':>7} {r['rel_err']:8.1e}")
+            torch.cuda.empty_cache()
+    if args.json is not None:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(dev), "copy_bandwidth_Bps": bandwidth,
+                                         "torch": torch.__version__, "rows": rows, "experts": expert_rows},
+                                        indent=2))
+
+
+if __name__ == "__main__":
+    main()

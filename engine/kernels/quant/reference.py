@@ -1,0 +1,202 @@
+"""Matmuls against GGUF-quantized weights that stay in their ggml block layout.
+
+``QuantMatrix`` holds one [N, K] weight as raw bytes, one row of blocks per output row;
+``QuantExperts`` holds the [E, N, K] experts of one layer the same way. The references
+dequantize with ``engine.gguf.quants`` and multiply in float32; the Triton kernels beside
+this file read the same bytes and must agree with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from engine.gguf.quants import dequantize
+
+QTYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+IMPLS = ("auto", "triton", "torch")
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """``auto`` means the Triton kernels on CUDA and torch elsewhere."""
+    if impl not in IMPLS:
+        raise ValueError(f"quantized matmul implementation must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return impl
+
+
+def check_qtype(qtype: Q | int) -> Q:
+    try:
+        qtype = Q(qtype)
+    except ValueError:
+        qtype = None
+    if qtype not in QTYPES:
+        raise ValueError(f"quantized matmul supports {', '.join(t.name for t in QTYPES)}, got {qtype!r}")
+    return qtype
+
+
+def row_bytes(qtype: Q, k: int) -> int:
+    """Bytes of one row of ``k`` values; ``k`` must be a whole number of blocks."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    if k <= 0 or k % block:
+        raise ValueError(f"row length {k} must be a positive multiple of the {qtype.name} block size {block}")
+    return k // block * size
+
+
+def _as_bytes(raw: torch.Tensor | np.ndarray) -> torch.Tensor:
+    if isinstance(raw, np.ndarray):
+        raw = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).view(np.uint8).copy())
+    if raw.dtype != torch.uint8:
+        raise ValueError(f"raw weight bytes must be a uint8 tensor, got {raw.dtype}")
+    return raw
+
+
+def _check_x(x: torch.Tensor, k: int) -> None:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor, got {x.dtype}")
+
+
+def _shaped(raw: torch.Tensor | np.ndarray, qtype: Q, lead: tuple[int, ...], k: int) -> torch.Tensor:
+    """Raw bytes -> uint8 [*lead, row_bytes], checking the byte count."""
+    raw = _as_bytes(raw)
+    rb = row_bytes(qtype, k)
+    want = int(np.prod(lead)) * rb
+    if raw.numel() != want:
+        raise ValueError(f"{qtype.name} weight {(*lead, k)} needs {want} bytes, got {raw.numel()}")
+    return raw.reshape(*lead, rb)
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """A [n, k] weight as raw ggml blocks: ``raw`` uint8 [n, row_bytes]."""
+
+    raw: torch.Tensor
+    qtype: Q
+    n: int
+    k: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "qtype", check_qtype(self.qtype))
+        if self.n <= 0:
+            raise ValueError(f"row count n must be positive, got {self.n}")
+        rb = row_bytes(self.qtype, self.k)
+        if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != (self.n, rb):
+            raise ValueError(f"{self.qtype.name} weight [{self.n}, {self.k}] needs uint8 raw [{self.n}, {rb}], "
+                             f"got {self.raw.dtype} {tuple(self.raw.shape)}")
+        if not self.raw.is_contiguous():
+            raise ValueError("raw weight bytes must be contiguous")
+
+    @classmethod
+    def from_gguf_bytes(cls, raw: torch.Tensor | np.ndarray, qtype: Q | int, n: int, k: int) -> "QuantMatrix":
+        """From the bytes of a GGUF tensor of torch shape [n, k] (flat or already [n, row_bytes])."""
+        qtype = check_qtype(qtype)
+        return cls(_shaped(raw, qtype, (n,), k).contiguous(), qtype, n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    def to(self, device: torch.device | str) -> "QuantMatrix":
+        return replace(self, raw=self.raw.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.raw, self.qtype, (self.n, self.k)).to(dtype)
+
+    def matmul(self, x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+        """``x @ W.T`` [M, n] in x.dtype: Triton on CUDA (or with ``impl="triton"``), torch otherwise."""
+        if resolve_impl(impl, x.device) == "triton":
+            from engine.kernels.quant.triton import qmatmul
+
+            return qmatmul(x, self)
+        return qmatmul_reference(x, self.raw, self.qtype, self.n, self.k)
+
+
+@dataclass(frozen=True)
+class QuantExperts:
+    """The [e, n, k] experts of one layer as raw ggml blocks: ``raw`` uint8 [e, n, row_bytes]."""
+
+    raw: torch.Tensor
+    qtype: Q
+    e: int
+    n: int
+    k: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "qtype", check_qtype(self.qtype))
+        if self.e <= 0 or self.n <= 0:
+            raise ValueError(f"expert count e and row count n must be positive, got {self.e} and {self.n}")
+        rb = row_bytes(self.qtype, self.k)
+        if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != (self.e, self.n, rb):
+            raise ValueError(f"{self.qtype.name} experts [{self.e}, {self.n}, {self.k}] need uint8 raw "
+                             f"[{self.e}, {self.n}, {rb}], got {self.raw.dtype} {tuple(self.raw.shape)}")
+        if not self.raw.is_contiguous():
+            raise ValueError("raw expert bytes must be contiguous")
+
+    @classmethod
+    def from_gguf_bytes(cls, raw: torch.Tensor | np.ndarray, qtype: Q | int, e: int, n: int, k: int
+                        ) -> "QuantExperts":
+        qtype = check_qtype(qtype)
+        return cls(_shaped(raw, qtype, (e, n), k).contiguous(), qtype, e, n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def to(self, device: torch.device | str) -> "QuantExperts":
+        return replace(self, raw=self.raw.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.raw, self.qtype, (self.e, self.n, self.k)).to(dtype)
+
+    def matmul(self, x: torch.Tensor, ids: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+        """Row t of the [T, n] result is ``W[ids[t]] @ x[t]`` (zero where ``ids[t] < 0``), in x.dtype."""
+        if resolve_impl(impl, x.device) == "triton":
+            from engine.kernels.quant.triton import qmatmul_experts
+
+            return qmatmul_experts(x, self, ids)
+        return qmatmul_experts_reference(x, self.raw, ids, self.qtype, self.n, self.k)
+
+
+def qmatmul_reference(x: torch.Tensor, raw: torch.Tensor | np.ndarray, qtype: Q | int, n: int, k: int
+                      ) -> torch.Tensor:
+    """``x @ dequantize(raw).T`` [M, n] in x.dtype, computed in float32.
+
+    x [M, k] float; raw the GGUF bytes of an [n, k] weight (flat or [n, row_bytes]).
+    """
+    qtype = check_qtype(qtype)
+    _check_x(x, k)
+    w = dequantize(_shaped(raw, qtype, (n,), k).to(x.device), qtype, (n, k))  # [n, k] float32
+    return (x.float() @ w.T).to(x.dtype)
+
+
+def qmatmul_experts_reference(x: torch.Tensor, raw: torch.Tensor | np.ndarray, ids: torch.Tensor,
+                              qtype: Q | int, n: int, k: int) -> torch.Tensor:
+    """Row t is ``dequantize(raw)[ids[t]] @ x[t]`` [T, n] in x.dtype (zero where ``ids[t] < 0``).
+
+    x [T, k] float; raw the bytes of [E, n, k] experts (flat or [E, n, row_bytes]); ids [T] int.
+    """
+    qtype = check_qtype(qtype)
+    _check_x(x, k)
+    raw = _as_bytes(raw)
+    e = raw.numel() // max(n * row_bytes(qtype, k), 1)
+    raw = _shaped(raw, qtype, (e, n), k).to(x.device)
+    if ids.shape != (x.shape[0],) or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be an int tensor [{x.shape[0]}], got {ids.dtype} {tuple(ids.shape)}")
+    out = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
+    for expert in torch.unique(ids[ids >= 0]).tolist():
+        if expert >= e:
+            raise ValueError(f"expert id {expert} is out of range for {e} experts")
+        rows = (ids == expert).nonzero(as_tuple=True)[0]
+        w = dequantize(raw[expert], qtype, (n, k))  # [n, k]
+        out[rows] = x[rows].float() @ w.T
+    return out.to(x.dtype)

@@ -1,0 +1,297 @@
+"""Matmuls that read ggml blocks and dequantize in registers: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K.
+
+Every kernel maps each weight element (row n, column k) to its bytes: the block
+``k // QK`` of row n, the fp16 scale(s) at the block's start, and the code's byte and bit
+position inside the block (the layouts of ggml's ``block_q4_0`` ... ``block_q6_K``, decoded
+in ``_dequant``). Values are formed in float32 exactly as ``engine.gguf.quants`` forms them.
+Every element loads its own code and scale bytes; lanes of a warp that share a block hit the
+same cache lines, so HBM traffic stays at the weight bytes, but the load count per element
+is several, which may bound the decode kernels by instructions rather than bandwidth.
+
+- GEMV (``M <= gemv_max_m``, decode): one program per ``BLOCK_N`` rows of W and one slice
+  of K; it dequantizes each weight tile once and multiplies it with all M rows of x in fp32.
+  When the N tiles alone cannot fill the GPU, K is split too: each split writes fp32 partial
+  sums and one torch ``sum`` adds them (deterministic, unlike atomics, at the cost of one
+  small extra launch).
+- GEMM (prefill): output tiles of ``BLOCK_M x BLOCK_N``; the dequantized [BLOCK_K, BLOCK_N]
+  tile is cast to x's dtype (bf16/fp16) and fed to ``tl.dot`` with fp32 accumulation.
+- Experts (decode of the routed FFN): one program per routed pair and ``BLOCK_N`` rows of
+  that pair's expert; negative expert ids write zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType as Q
+
+from engine.kernels.quant.reference import QuantExperts, QuantMatrix
+
+# Kernel-side codes for the quant types (constexpr branches in ``_dequant``).
+_CODE = {Q.Q4_0: 0, Q.Q8_0: 1, Q.Q4_K: 2, Q.Q5_K: 3, Q.Q6_K: 4}
+
+
+@dataclass(frozen=True)
+class QuantKernelConfig:
+    """Tile sizes; ``gemv_max_m`` picks the GEMV kernel up to that many rows of x (at most 16).
+
+    ``gemv_split_k`` 0 splits K only as far as needed to give every SM two programs.
+    """
+
+    gemv_max_m: int = 16
+    gemv_block_n: int = 16
+    gemv_block_k: int = 128
+    gemv_split_k: int = 0
+    gemv_num_warps: int = 4
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        tiles = {"gemv_block_n": 1, "gemv_block_k": 16, "block_m": 16, "block_n": 16, "block_k": 16}
+        for name, least in tiles.items():
+            value = getattr(self, name)
+            if value < least or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
+        for name in ("gemv_num_warps", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if not 0 <= self.gemv_max_m <= 16:
+            raise ValueError(f"gemv_max_m must be in [0, 16], got {self.gemv_max_m}")
+        if self.gemv_split_k < 0 or self.num_stages < 1:
+            raise ValueError(f"gemv_split_k must be >= 0 and num_stages >= 1, got {self.gemv_split_k} "
+                             f"and {self.num_stages}")
+
+
+@triton.jit
+def _f16(p):
+    """The fp16 stored at byte pointer(s) ``p``, as float32."""
+    return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _u8(p):
+    return tl.load(p).to(tl.int32)
+
+
+@triton.jit
+def _dequant(p_row, o_k, mask, QTYPE: tl.constexpr):
+    """Weights at byte row starts ``p_row`` and columns ``o_k`` (broadcast together) as float32.
+
+    The loads are unmasked: callers clamp rows into the tensor, and masked-off columns read
+    block 0 of their row; those elements are then forced to zero.
+    """
+    o_k = tl.where(mask, o_k, 0)
+    if QTYPE == 0:  # Q4_0: d, qs[16]; element i < 16 is qs[i] & 15, element i + 16 is qs[i] >> 4
+        p_b = p_row + (o_k // 32) * 18
+        i = o_k % 32
+        q = (_u8(p_b + 2 + i % 16) >> ((i // 16) * 4)) & 15
+        w = _f16(p_b) * (q - 8).to(tl.float32)
+    elif QTYPE == 1:  # Q8_0: d, qs[32] int8
+        p_b = p_row + (o_k // 32) * 34
+        q = tl.load((p_b + 2 + o_k % 32).to(tl.pointer_type(tl.int8)))
+        w = _f16(p_b) * q.to(tl.float32)
+    elif QTYPE < 4:  # Q4_K (2) / Q5_K (3): d, dmin, scales[12], (qh[32],) qs[128]
+        SIZE: tl.constexpr = 144 + (QTYPE - 2) * 32
+        QS: tl.constexpr = 16 + (QTYPE - 2) * 32
+        p_b = p_row + (o_k // 256) * SIZE
+        i = o_k % 256
+        j = i // 32  # sub-block: qs bytes 32 * (j // 2) .., low nibble for even j
+        l = i % 32
+        s_a = _u8(p_b + 4 + j)
+        s_b = _u8(p_b + 8 + j)
+        s_c = _u8(p_b + 4 + j % 4)
+        low = j < 4  # 6-bit scale and min packed as ggml's get_scale_min_k4
+        sc = tl.where(low, s_a & 63, (s_b & 15) | ((s_c >> 6) << 4))
+        mn = tl.where(low, s_b & 63, (s_b >> 4) | ((s_a >> 6) << 4))
+        q = (_u8(p_b + QS + (j // 2) * 32 + l) >> ((j % 2) * 4)) & 15
+        if QTYPE == 3:
+            q = q | (((_u8(p_b + 16 + l) >> j) & 1) << 4)
+        w = q.to(tl.float32) * (_f16(p_b) * sc.to(tl.float32)) - _f16(p_b + 2) * mn.to(tl.float32)
+    else:  # Q6_K: ql[128], qh[64], scales[16] int8, d; halves of 128 in groups g of 32
+        p_b = p_row + (o_k // 256) * 210
+        i = o_k % 256
+        h = i // 128
+        g = (i % 128) // 32
+        l = i % 32
+        q = (_u8(p_b + h * 64 + (g % 2) * 32 + l) >> ((g // 2) * 4)) & 15
+        q = q | (((_u8(p_b + 128 + h * 32 + l) >> (g * 2)) & 3) << 4)
+        sc = tl.load((p_b + 192 + i // 16).to(tl.pointer_type(tl.int8))).to(tl.float32)
+        w = (q - 32).to(tl.float32) * (_f16(p_b + 208) * sc)
+    return tl.where(mask, w, 0.0)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr,
+    stride_xm, stride_wn, stride_os, stride_om,
+    QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    p_row = w_ptr + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1], in bounds
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = pid_s * K_SPLIT
+    for k0 in range(0, K_SPLIT, BLOCK_K):  # the last slice may end past K: masked
+        o_k = k_lo + k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE)  # [BN, BK]
+        for m in tl.static_range(BLOCK_M):
+            b_x = tl.load(x_ptr + m * stride_xm + o_k, mask=m_k & (m < M), other=0.0).to(tl.float32)  # [BK]
+            b_y = tl.sum(b_w * b_x[None, :], axis=1)  # [BN]
+            acc += tl.where(o_m[:, None] == m, b_y[None, :], 0.0)
+    p_o = out_ptr + pid_s * stride_os + o_m[:, None] * stride_om + o_n[None, :]
+    tl.store(p_o, acc.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr,
+    stride_xm, stride_wn, stride_om,
+    QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    p_row = w_ptr + tl.minimum(o_n, N - 1).to(tl.int64)[None, :] * stride_wn  # [1, BN], in bounds
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        b_x = tl.load(x_ptr + o_m[:, None] * stride_xm + o_k[None, :],
+                      mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+        b_w = _dequant(p_row, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE)  # [BK, BN] float32
+        acc = tl.dot(b_x, b_w.to(b_x.dtype), acc, input_precision=DOT_PRECISION)
+    tl.store(out_ptr + o_m[:, None] * stride_om + o_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _experts_kernel(
+    x_ptr, w_ptr, ids_ptr, out_ptr, N, K: tl.constexpr,
+    stride_xt, stride_we, stride_wn, stride_ot,
+    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + t)
+    routed = e >= 0
+    e = tl.maximum(e, 0).to(tl.int64)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    p_row = w_ptr + e * stride_we + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = (o_k < K) & routed
+        b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE)  # [BN, BK]
+        b_x = tl.load(x_ptr + t * stride_xt + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        acc += tl.sum(b_w * b_x[None, :], axis=1)
+    tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=m_n)
+
+
+def _check_x(x: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"x is on {x.device} but the weights are on {device}")
+    return x.contiguous()
+
+
+def _split_k(n_tiles: int, k: int, block_k: int, config: QuantKernelConfig, device: torch.device) -> int:
+    """Number of K slices: the configured one, or enough for two programs per SM."""
+    k_tiles = triton.cdiv(k, block_k)
+    if config.gemv_split_k:
+        return min(config.gemv_split_k, k_tiles)
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(k_tiles, triton.cdiv(2 * sms, n_tiles)))
+
+
+def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | None = None) -> torch.Tensor:
+    """``x @ W.T`` for at most 16 rows of x, [M, n] in x.dtype."""
+    config = config or QuantKernelConfig()
+    x = _check_x(x, qm.k, qm.device)
+    M = x.shape[0]
+    if not 1 <= M <= 16:
+        raise ValueError(f"the GEMV kernel takes 1 to 16 rows of x, got {M}")
+    bn, bk = config.gemv_block_n, config.gemv_block_k
+    n_tiles = triton.cdiv(qm.n, bn)
+    splits = _split_k(n_tiles, qm.k, bk, config, x.device)
+    k_split = triton.cdiv(triton.cdiv(qm.k, bk), splits) * bk  # whole K tiles per slice
+    splits = triton.cdiv(qm.k, k_split)
+    out_dtype = x.dtype if splits == 1 else torch.float32
+    out = torch.empty(splits, M, qm.n, dtype=out_dtype, device=x.device)
+    _gemv_kernel[(n_tiles, splits)](
+        x, qm.raw, out, M, qm.n, qm.k, k_split,
+        x.stride(0), qm.raw.stride(0), out.stride(0), out.stride(1),
+        QTYPE=_CODE[qm.qtype], BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=config.gemv_num_warps)
+    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+
+
+def qmatmul_gemm(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | None = None) -> torch.Tensor:
+    """``x @ W.T`` with tensor-core dots on dequantized tiles, [M, n] in x.dtype."""
+    config = config or QuantKernelConfig()
+    x = _check_x(x, qm.k, qm.device)
+    M = x.shape[0]
+    out = torch.empty(M, qm.n, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    bm, bn = config.block_m, config.block_n
+    _gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(qm.n, bn))](
+        x, qm.raw, out, M, qm.n, qm.k,
+        x.stride(0), qm.raw.stride(0), out.stride(0),
+        QTYPE=_CODE[qm.qtype], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def qmatmul(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | None = None) -> torch.Tensor:
+    """``x @ W.T`` [M, n] in x.dtype: GEMV up to ``gemv_max_m`` rows of x, GEMM beyond."""
+    config = config or QuantKernelConfig()
+    if x.dim() == 2 and 1 <= x.shape[0] <= config.gemv_max_m:
+        return qmatmul_gemv(x, qm, config)
+    return qmatmul_gemm(x, qm, config)
+
+
+def qmatmul_experts(x: torch.Tensor, qe: QuantExperts, ids: torch.Tensor,
+                    config: QuantKernelConfig | None = None) -> torch.Tensor:
+    """Row t of the [T, n] result is ``W[ids[t]] @ x[t]`` (zero where ``ids[t] < 0``), in x.dtype.
+
+    Expert ids past ``qe.e`` are not checked here (that would synchronise the host).
+    """
+    config = config or QuantKernelConfig()
+    x = _check_x(x, qe.k, qe.raw.device)
+    T = x.shape[0]
+    if ids.shape != (T,) or ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device:
+        raise ValueError(f"ids must be an int tensor [{T}] on {x.device}, got {ids.dtype} {tuple(ids.shape)} "
+                         f"on {ids.device}")
+    out = torch.empty(T, qe.n, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    bn = config.gemv_block_n
+    _experts_kernel[(T, triton.cdiv(qe.n, bn))](
+        x, qe.raw, ids.contiguous(), out, qe.n, qe.k,
+        x.stride(0), qe.raw.stride(0), qe.raw.stride(1), out.stride(0),
+        QTYPE=_CODE[qe.qtype], BLOCK_N=bn, BLOCK_K=config.gemv_block_k, num_warps=config.gemv_num_warps)
+    return out
+

@@ -1,0 +1,256 @@
+"""Quantized matmul kernels against their torch references: odd shapes on the CPU (Triton
+interpreter), the real Qwen3.6-35B-A3B shapes on CUDA.
+
+Weights come from two generators: ``quantize`` of random floats whose magnitude varies per
+group of 16 (so block scales and mins differ everywhere), and random bytes with random fp16
+scales and random 6-bit scale bytes (every bit pattern of the packed scales). The reference
+itself is checked against gguf-py's numpy dequantizer, which anchors the byte layouts.
+
+Errors are the largest absolute difference over the reference's largest output. fp32 x must
+agree to 1e-5 (the dequantized values are formed the same way; only summation order differs);
+fp16/bf16 x get 5e-3/2e-2 for the GEMM path (tiles rounded to x's dtype for the dot) and the
+rounding of the output to x's dtype. The interpreter's bf16 dot is broken (it multiplies raw
+bit patterns), so the bf16 GEMM runs on CUDA only.
+"""
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+
+from engine.gguf.quants import quantize, random_quantized  # noqa: E402
+from engine.kernels.quant import (  # noqa: E402
+    QTYPES, QuantExperts, QuantMatrix, qmatmul_experts_reference, qmatmul_reference, resolve_impl,
+)
+
+tq = pytest.importorskip("engine.kernels.quant.triton")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GEMV = tq.QuantKernelConfig(gemv_max_m=16)
+GEMM = tq.QuantKernelConfig(gemv_max_m=0, block_m=16, block_n=32, block_k=32)
+SPLIT = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=32, gemv_split_k=3)
+FP16_AT = {Q.Q4_0: (0,), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+SCALES_AT = {Q.Q4_K: slice(4, 16), Q.Q5_K: slice(4, 16), Q.Q6_K: slice(192, 208)}
+K_SMALL = {Q.Q4_0: (96, 256), Q.Q8_0: (96, 256), Q.Q4_K: (256, 512), Q.Q5_K: (256, 512), Q.Q6_K: (256, 512)}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def from_floats(shape, qtype, rng):
+    """``quantize`` of random floats whose scale changes every 16 values."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    x *= np.exp(rng.uniform(-2, 1, size=(*shape[:-1], shape[-1] // 16, 1))).repeat(16, -1).reshape(shape)
+    return quantize(x * 0.05, qtype)
+
+
+def random_bytes(shape, qtype, rng):
+    """Random codes, random fp16 scales of both signs, random packed 6-bit scale bytes."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    blocks = random_quantized(shape, qtype, rng, 0.05).reshape(-1, size)
+    if qtype in SCALES_AT:
+        at = SCALES_AT[qtype]
+        blocks[:, at] = rng.integers(0, 256, size=(len(blocks), at.stop - at.start), dtype=np.uint8)
+    for off in FP16_AT[qtype]:
+        d = (rng.uniform(0.2, 2, len(blocks)) * rng.choice([-1, 1], len(blocks)) * 2e-3).astype(np.float16)
+        blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(-1)
+
+
+MAKERS = {"floats": from_floats, "bytes": random_bytes}
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def make(qtype, n, k, seed, maker="floats", device="cpu"):
+    rng = np.random.default_rng(seed)
+    return QuantMatrix.from_gguf_bytes(MAKERS[maker]((n, k), qtype, rng), qtype, n, k).to(device)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("maker", MAKERS)
+def test_reference_matches_gguf_py(qtype, maker):
+    n, k = 7, K_SMALL[qtype][1]
+    qm = make(qtype, n, k, seed=1, maker=maker)
+    w = torch.from_numpy(gguf.quants.dequantize(qm.raw.numpy(), qtype)).double()  # [n, k]
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(qm.dequantize(), w.float())
+    assert rel_err(qmatmul_reference(x, qm.raw.reshape(-1), qtype, n, k), x.double() @ w.T) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("M,N", [(1, 7), (3, 45), (17, 130), (33, 45)])
+def test_triton_matches_reference_odd_shapes(qtype, M, N):
+    """The default dispatch: GEMV for M <= 16, GEMM above."""
+    for i, k in enumerate(K_SMALL[qtype]):
+        qm = make(qtype, N, k, seed=M * 100 + N + i, maker=list(MAKERS)[(M + i) % 2])
+        x = torch.randn(M, k, generator=torch.Generator().manual_seed(M + i))
+        out = qm.matmul(x, impl="triton")
+        assert out.shape == (M, N) and out.dtype == torch.float32
+        assert rel_err(out, qmatmul_reference(x, qm.raw, qtype, N, k)) < 1e-5, (k, tq.QuantKernelConfig())
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("path", ["gemm", "split"])
+def test_forced_paths_match_reference(qtype, path):
+    """The GEMM at a decode-sized M, and the GEMV with K split into partial sums."""
+    M, N, k = (3, 45, K_SMALL[qtype][0]) if path == "gemm" else (5, 19, K_SMALL[qtype][1])
+    qm = make(qtype, N, k, seed=7, maker="bytes")
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(3))
+    out = tq.qmatmul(x, qm, GEMM if path == "gemm" else SPLIT)
+    assert rel_err(out, qmatmul_reference(x, qm.raw, qtype, N, k)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,M", [(torch.float16, 2), (torch.bfloat16, 2), (torch.float16, 20)])
+def test_half_inputs_keep_their_dtype(dtype, M):
+    qm = make(Q.Q4_K, 45, 256, seed=5)
+    x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(dtype)
+    out = tq.qmatmul(x, qm, GEMV if M <= 16 else GEMM)
+    assert out.dtype == dtype
+    assert rel_err(out, qmatmul_reference(x.float(), qm.raw, Q.Q4_K, 45, 256)) < (5e-3 if dtype == torch.float16
+                                                                                    else 2e-2)
+
+
+def test_quant_matrix_cpu_path_and_accessors():
+    rng = np.random.default_rng(0)
+    raw = from_floats((9, 64), Q.Q8_0, rng)
+    qm = QuantMatrix.from_gguf_bytes(raw, Q.Q8_0, 9, 64)
+    assert qm.nbytes == raw.size == 9 * 2 * 34 and qm.raw.shape == (9, 68)
+    assert qm.to("cpu").raw.device.type == "cpu"
+    assert qm.dequantize(torch.bfloat16).dtype == torch.bfloat16
+    x = torch.randn(4, 64, dtype=torch.float64)
+    out = qm.matmul(x)
+    assert out.dtype == torch.float64
+    assert rel_err(out, x @ qm.dequantize().double().T) < 1e-6
+    assert resolve_impl("auto", torch.device("cpu")) == "torch"
+
+
+def test_bad_inputs_raise_one_clear_error():
+    rng = np.random.default_rng(0)
+    raw = from_floats((4, 256), Q.Q4_K, rng)
+    with pytest.raises(ValueError, match="supports"):
+        QuantMatrix.from_gguf_bytes(raw, Q.F16, 4, 256)
+    with pytest.raises(ValueError, match="supports"):
+        qmatmul_reference(torch.randn(1, 256), raw, Q.Q5_0, 4, 256)
+    with pytest.raises(ValueError, match="multiple of the Q4_K block size 256"):
+        QuantMatrix.from_gguf_bytes(raw, Q.Q4_K, 8, 128)
+    with pytest.raises(ValueError, match="needs 576 bytes, got 575"):
+        QuantMatrix.from_gguf_bytes(raw[:-1], Q.Q4_K, 4, 256)
+    with pytest.raises(ValueError, match="uint8"):
+        QuantMatrix.from_gguf_bytes(torch.zeros(144, dtype=torch.int8), Q.Q4_K, 1, 256)
+    qm = QuantMatrix.from_gguf_bytes(raw, Q.Q4_K, 4, 256)
+    with pytest.raises(ValueError, match="needs uint8 raw"):
+        QuantMatrix(qm.raw.reshape(-1), Q.Q4_K, 4, 256)
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
+        qm.matmul(torch.randn(2, 255))
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
+        tq.qmatmul(torch.randn(256), qm)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        tq.qmatmul(torch.ones(2, 256, dtype=torch.float64), qm)
+    with pytest.raises(ValueError, match="one of"):
+        qm.matmul(torch.randn(1, 256), impl="cuda")
+    with pytest.raises(ValueError, match="gemv_block_k"):
+        tq.QuantKernelConfig(gemv_block_k=48)
+    with pytest.raises(ValueError, match="gemv_max_m"):
+        tq.QuantKernelConfig(gemv_max_m=32)
+
+
+def make_experts(qtype, e, n, k, seed, device="cpu"):
+    rng = np.random.default_rng(seed)
+    makers = [MAKERS["floats"] if i % 2 else MAKERS["bytes"] for i in range(e)]
+    raw = np.concatenate([maker((n, k), qtype, rng) for maker in makers])
+    return QuantExperts.from_gguf_bytes(raw, qtype, e, n, k).to(device)
+
+
+def test_experts_reference_matches_per_pair_loop():
+    qe = make_experts(Q.Q6_K, 3, 10, 256, seed=0)
+    x = torch.randn(6, 256, dtype=torch.float64)
+    ids = torch.tensor([2, 0, -1, 2, 1, 0])
+    w = qe.dequantize().double()  # [E, n, k]
+    want = torch.stack([w[i] @ x[t] if i >= 0 else torch.zeros(10, dtype=torch.float64)
+                        for t, i in enumerate(ids.tolist())])
+    assert rel_err(qe.matmul(x, ids), want) < 1e-6
+    with pytest.raises(ValueError, match="out of range for 3 experts"):
+        qe.matmul(x, torch.tensor([0, 1, 2, 3, 0, 0]))
+    with pytest.raises(ValueError, match="ids must be an int tensor"):
+        qe.matmul(x, ids.float())
+    with pytest.raises(ValueError, match=r"needs uint8 raw|need uint8 raw"):
+        QuantExperts(qe.raw[:2], Q.Q6_K, 3, 10, 256)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("T", [1, 5])
+def test_experts_triton_matches_reference(qtype, T):
+    k = K_SMALL[qtype][0]
+    qe = make_experts(qtype, 4, 45, k, seed=T)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, k, generator=g)
+    ids = torch.randint(-1, 4, (T,), generator=g)
+    ids[0] = 3
+    out = qe.matmul(x, ids, impl="triton")
+    ref = qmatmul_experts_reference(x, qe.raw, ids, qtype, 45, k)
+    assert out.shape == (T, 45) and rel_err(out, ref) < 1e-5
+    assert not out[ids < 0].any()
+
+
+REAL_SHAPES = [(2048, 2048), (512, 2048), (2048, 512), (248320, 2048)]
+
+
+@pytest.fixture(scope="module")
+def real_weights():
+    """One cached weight per (qtype, shape) on the GPU."""
+    cache = {}
+
+    def get(qtype, n, k):
+        if (qtype, n, k) not in cache:
+            maker = "floats" if n * k <= 2**24 else "bytes"  # numpy quantizing of the LM head is slow
+            cache[(qtype, n, k)] = make(qtype, n, k, seed=n + k, maker=maker, device="cuda")
+        return cache[(qtype, n, k)]
+
+    yield get
+    cache.clear()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k", REAL_SHAPES, ids=lambda s: str(s))
+@pytest.mark.parametrize("M", [1, 2, 8, 16, 64, 512])
+def test_triton_matches_reference_real_shapes(real_weights, qtype, n, k, M):
+    if n == 248320 and qtype not in (Q.Q6_K, Q.Q8_0):
+        pytest.skip("the LM head ships in Q6_K or Q8_0")
+    qm = real_weights(qtype, n, k)
+    x = torch.randn(M, k, device="cuda", generator=torch.Generator("cuda").manual_seed(M))
+    ref = qmatmul_reference(x, qm.raw, qtype, n, k)
+    out = qm.matmul(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < 2e-2
+    assert rel_err(qm.matmul(x), ref) < 1e-4  # fp32 x: tf32-free dots and fp32 GEMV sums
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k", [(512, 2048), (2048, 512)], ids=["gate_up", "down"])
+@pytest.mark.parametrize("T", [1, 8, 16])
+def test_experts_triton_matches_reference_real_shapes(qtype, n, k, T):
+    qe = make_experts(qtype, 16, n, k, seed=T, device="cuda")
+    g = torch.Generator("cuda").manual_seed(T)
+    x = torch.randn(T, k, device="cuda", generator=g)
+    ids = torch.randint(-1, 16, (T,), device="cuda", generator=g)
+    ids[0] = 5
+    ref = qmatmul_experts_reference(x, qe.raw, ids, qtype, n, k)
+    out = qe.matmul(x.bfloat16(), ids)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 2e-2
