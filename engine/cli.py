@@ -34,6 +34,9 @@ def generate(
     threads: Optional[int] = typer.Option(None, "--threads"),
     expert_budget: Optional[float] = typer.Option(
         None, "--expert-budget", help="MB of device memory for routed experts; the rest run on CPU threads"),
+    cold_format: str = typer.Option(
+        "dense", "--cold-format", help="how CPU-side experts are held: dense or quantized (GGUF blocks, "
+        "torch's CPU weight-only kernels)"),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="PFlash drafter GGUF (same vocabulary)"),
     keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="PFlash: share of prompt chunks kept"),
     draft: Optional[Path] = typer.Option(None, "--draft", help="DFlash draft GGUF (checked against the target)"),
@@ -50,8 +53,12 @@ def generate(
         spec_len = 8
     if spec_len is not None and draft is None:
         raise ConfigError("--spec-len needs --draft")
+    if cold_format not in ("dense", "quantized"):
+        raise ConfigError(f"--cold-format must be dense or quantized, got {cold_format!r}")
+    if cold_format != "dense" and expert_budget is None:
+        raise ConfigError("--cold-format needs --expert-budget (without it every expert stays on the device)")
     eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads,
-                           expert_budget_mb=expert_budget, drafter=drafter, draft=draft)
+                           expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:
@@ -79,7 +86,7 @@ def generate(
     if "hot_experts" in extra:
         err.print(f"[dim]experts hot/cold {extra['hot_experts']}/{extra['cold_experts']} | cold-hit rate "
                   f"{extra['cold_hit_rate']:.1%} (expected {extra['expected_cold_hit_rate']:.1%}) | "
-                  f"expert memory {extra['expert_vram_mb']:.0f} MB[/dim]")
+                  f"expert memory {extra['expert_vram_mb']:.0f} MB (host {extra['expert_host_mb']:.0f} MB)[/dim]")
     if "acceptance_length" in extra:
         err.print(f"[dim]dflash spec_len {extra['spec_len']} | acceptance length {extra['acceptance_length']:.2f} "
                   f"tokens per target forward | draft {extra['draft_s'] * 1000:.1f} ms, verify "

@@ -81,7 +81,8 @@ class Engine:
     def __init__(self, *, path: Path, model: Qwen35MoE, tokenizer: Tokenizer,
                  device: torch.device, dtype: torch.dtype, load_s: float,
                  stall_timeout_s: float, routing_stats_path: Path | None = None,
-                 drafter: "Drafter | None" = None, pflash: "PFlashConfig | None" = None) -> None:
+                 drafter: "Drafter | None" = None, pflash: "PFlashConfig | None" = None,
+                 cold_format: str = "dense") -> None:
         self.path = path
         self.model = model
         self.tokenizer = tokenizer
@@ -90,6 +91,7 @@ class Engine:
         self.load_s = load_s
         self.stall_timeout_s = stall_timeout_s
         self.routing_stats_path = routing_stats_path
+        self.cold_format = cold_format  # how hybrid placement holds cold experts: "dense" or "quantized"
         self.hybrid: "HybridExperts | None" = None
         self.drafter = drafter
         self.pflash = pflash
@@ -106,16 +108,20 @@ class Engine:
                   stall_timeout_s: float = 120.0, expert_budget_mb: float | None = None,
                   routing_stats: str | Path | None = None, drafter: str | Path | None = None,
                   pflash_threshold: int | None = None, draft: str | Path | None = None,
-                  **options: Any) -> "Engine":
+                  cold_format: str = "dense", **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
         budget, cold ones on CPU threads) using the routing statistics beside the model (or
-        ``routing_stats``); ``drafter`` loads a PFlash drafter sharing the target's vocabulary;
+        ``routing_stats``); ``cold_format="quantized"`` keeps the cold experts in their GGUF
+        quantized form on the host, computed by torch's CPU weight-only kernels; ``drafter``
+        loads a PFlash drafter sharing the target's vocabulary;
         ``draft`` attaches a DFlash draft, checked against the target before any tensor loads.
         """
         if options:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(options))}")
+        if cold_format not in ("dense", "quantized"):
+            raise ConfigError(f"cold_format must be 'dense' or 'quantized', got {cold_format!r}")
         if threads is not None:
             if threads < 1:
                 raise ConfigError(f"threads must be at least 1, got {threads}")
@@ -148,7 +154,7 @@ class Engine:
         eng = cls(path=path, model=model, tokenizer=tokenizer, device=dev, dtype=dt, load_s=0.0,
                   stall_timeout_s=stall_timeout_s,
                   routing_stats_path=Path(routing_stats) if routing_stats is not None else None,
-                  drafter=draft_model, pflash=pflash)
+                  drafter=draft_model, pflash=pflash, cold_format=cold_format)
         if draft_file is not None:
             eng.draft = draft_file.load(device=dev, dtype=dt)
         if expert_budget_mb is not None:
@@ -199,7 +205,16 @@ class Engine:
             from engine.placement import load_routing_stats
 
             stats = load_routing_stats(self.path, self.model.cfg, self.routing_stats_path)
-            self.hybrid = attach_hybrid(self.model, budget_mb, stats)
+            if self.cold_format == "dense":
+                self.hybrid = attach_hybrid(self.model, budget_mb, stats)
+                return self.hybrid.placement
+            gguf_file = GGUFFile(self.path)  # owned by the executor from here: it views the raw blocks
+            try:
+                self.hybrid = attach_hybrid(self.model, budget_mb, stats, cold_format="quantized",
+                                            gguf_file=gguf_file)
+            except BaseException:
+                gguf_file.close()
+                raise
             return self.hybrid.placement
         return self.hybrid.set_budget(budget_mb)
 

@@ -1,8 +1,10 @@
 """Hybrid expert executor: hot experts on the GPU, cold experts on CPU threads.
 
-Every routed expert keeps a master copy in host memory (pinned when the device is CUDA).
-The hot experts of each layer are also copied into that layer's device slots, where the
-fused-MoE kernel runs them; pairs routed to cold experts are computed on a thread pool
+Every routed expert keeps a master copy in host memory: dense tensors (pinned when the device
+is CUDA), or with ``cold_format="quantized"`` the GGUF blocks packed for torch's CPU weight-only
+kernels (``engine.kernels.cpu_quant``; device slots are then filled by dequantizing the file's
+raw blocks). The hot experts of each layer are also copied into that layer's device slots, where
+the fused-MoE kernel runs them; pairs routed to cold experts are computed on a thread pool
 from host memory while the GPU works, and the two partial sums are added on the device.
 ``set_budget`` re-plans the placement and moves only the experts that change tier.
 
@@ -14,21 +16,29 @@ same code paths run.
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+import torch.nn.functional as F
 
+from engine.errors import ConfigError
+from engine.gguf import quants
+from engine.kernels.cpu_quant import CpuQuantMatrix
 from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
 from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fits, gpu_expert_capacity_mb,
                               plan_placement, state_bytes)
 
 if TYPE_CHECKING:
     from engine.kernels.moe.triton import MoEKernelConfig
+    from engine.model.weights import RawExpertMatrix, RawTensorSource
 
 RESERVED_CONTEXT_TOKENS = 32768  # state kept free for by default when placing experts
+COLD_FORMATS = ("dense", "quantized")
+_UPLOAD_EXPERTS = 16  # experts dequantized per step when filling device slots from raw blocks
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,7 @@ class HybridStats:
     cold_hits: int  # routed pairs served by CPU threads
     expected_cold_hit_rate: float  # from the routing statistics
     expert_vram_mb: float  # device memory held by hot experts
+    expert_host_mb: float = 0.0  # host memory held by the master copies of all experts
 
     @property
     def cold_hit_rate(self) -> float:
@@ -52,13 +63,81 @@ class HybridStats:
         return asdict(self) | {"cold_hit_rate": self.cold_hit_rate}
 
 
+class DenseExperts:
+    """One layer's master copies as dense stacks: gate, up [E, ffn, H], down [E, H, ffn]."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+        self.tensors = (gate, up, down)
+        self.n_expert = gate.shape[0]
+        self.dtype = gate.dtype  # of the device slots
+        self.expert_shapes = tuple(tuple(t.shape[1:]) for t in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def upload(self, slots: tuple[torch.Tensor, ...], dst: int, src: int, n: int) -> None:
+        """Copy experts ``src .. src+n-1`` into slots ``dst .. dst+n-1``."""
+        for new, host in zip(slots, self.tensors):
+            new[dst:dst + n].copy_(host[src:src + n], non_blocking=True)
+
+    def experts_sum(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: list[int]) -> torch.Tensor:
+        return experts_sum(x, *self.tensors, ids, w, experts)
+
+
+class QuantizedExperts:
+    """One layer's master copies in their GGUF quantized form.
+
+    The CPU tier multiplies ``CpuQuantMatrix`` packs; device slots are filled by dequantizing
+    the raw blocks (views of the mapped file, so they cost no private host memory) on the device.
+    """
+
+    def __init__(self, raw: "Sequence[RawExpertMatrix]", dtype: torch.dtype, *,
+                 cold_dtype: torch.dtype = torch.bfloat16):
+        """``raw``: (gate, up, down); ``dtype``: of the device slots; ``cold_dtype``: the CPU
+        kernels' compute dtype (bfloat16 is their fast path, float32 their exact one)."""
+        self.raw = tuple(raw)
+        self.n_expert = self.raw[0].data.shape[0]
+        self.dtype = dtype
+        self.expert_shapes = tuple((r.rows, r.cols) for r in self.raw)
+        self.matrices = [tuple(CpuQuantMatrix.from_raw(r.expert(e), r.qtype, r.rows, r.cols, dtype=cold_dtype)
+                               for r in self.raw) for e in range(self.n_expert)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for expert in self.matrices for m in expert)
+
+    def upload(self, slots: tuple[torch.Tensor, ...], dst: int, src: int, n: int) -> None:
+        """Dequantize experts ``src .. src+n-1`` into slots ``dst .. dst+n-1``."""
+        for slot, r in zip(slots, self.raw):
+            for a in range(0, n, _UPLOAD_EXPERTS):
+                b = min(n, a + _UPLOAD_EXPERTS)
+                data = torch.from_numpy(r.data[src + a:src + b].copy()).to(slot.device)
+                slot[dst + a:dst + b].copy_(quants.dequantize(data, r.qtype, (b - a, r.rows, r.cols)))
+
+    def experts_sum(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: list[int]) -> torch.Tensor:
+        """Float32 [T, H] contribution of ``experts`` (as ``engine.kernels.moe.experts_sum``)."""
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for e in experts:
+            tok, slot = (ids == e).nonzero(as_tuple=True)  # [n], [n]
+            xs = x[tok]  # [n, H]
+            gate, up, down = self.matrices[e]
+            act = F.silu(gate.matmul(xs)) * up.matmul(xs)  # [n, ffn]
+            y = down.matmul(act).float()  # [n, H]
+            out.index_add_(0, tok, y * w[tok, slot].float().unsqueeze(1))
+        return out
+
+
+HostExperts = DenseExperts | QuantizedExperts
+
+
 class _LayerTiers:
     """One layer's experts: all of them in host memory, the hot ones also in device slots."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, device: torch.device):
-        self.host = (gate, up, down)  # [E, ffn, H], [E, ffn, H], [E, H, ffn]
+    def __init__(self, host: HostExperts, device: torch.device):
+        self.host = host
         self.device = device
-        self.n_expert = gate.shape[0]
+        self.n_expert = host.n_expert
         self.hot: tuple[int, ...] = ()  # expert held in each slot
         self.slots: tuple[torch.Tensor, ...] | None = None  # (gate, up, down) [n_hot, ...] on device
         self.host_hot = torch.zeros(self.n_expert, dtype=torch.bool)
@@ -81,16 +160,15 @@ class _LayerTiers:
             return
         slots = None
         if order:
-            slots = tuple(torch.empty((len(order), *h.shape[1:]), dtype=h.dtype, device=self.device)
-                          for h in self.host)
+            slots = tuple(torch.empty((len(order), *shape), dtype=self.host.dtype, device=self.device)
+                          for shape in self.host.expert_shapes)
             kept = [(s, old[e]) for s, e in enumerate(order) if e in old]
             incoming = [(s, e) for s, e in enumerate(order) if e not in old]
             for dst, src, n in _runs(kept):
                 for new, prev in zip(slots, self.slots):
                     new[dst:dst + n].copy_(prev[src:src + n])
             for dst, src, n in _runs(incoming):
-                for new, host in zip(slots, self.host):
-                    new[dst:dst + n].copy_(host[src:src + n], non_blocking=True)
+                self.host.upload(slots, dst, src, n)
         self.slots = slots
         self.hot = tuple(order)
         slot_of = torch.full((self.n_expert,), -1, dtype=torch.int64)
@@ -103,13 +181,15 @@ class _LayerTiers:
 class HybridExperts:
     """The model's expert executor under a VRAM budget (``Qwen35MoE.set_expert_executor``)."""
 
-    def __init__(self, host_experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], budget_mb: float,
-                 *, device: torch.device | str, stats: RoutingStats, min_hot: int,
+    def __init__(self, host_experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | HostExperts],
+                 budget_mb: float, *, device: torch.device | str, stats: RoutingStats, min_hot: int,
                  reserve: GpuReserve | None = None, max_expert_mb: float | None = None,
-                 threads: int | None = None, impl: str = "auto", kernel_config: "MoEKernelConfig | None" = None):
-        """``host_experts``: per layer (gate, up, down) in host memory (pinned for CUDA), placed
-        for ``budget_mb``. ``max_expert_mb`` caps device memory for experts below what the live
-        GPU allows; ``threads`` sizes the CPU pool; ``impl`` picks the hot tier's kernel."""
+                 threads: int | None = None, impl: str = "auto", kernel_config: "MoEKernelConfig | None" = None,
+                 gguf_file: "RawTensorSource | None" = None):
+        """``host_experts``: per layer (gate, up, down) in host memory (pinned for CUDA) or a
+        ``QuantizedExperts``, placed for ``budget_mb``. ``max_expert_mb`` caps device memory for
+        experts below what the live GPU allows; ``threads`` sizes the CPU pool; ``impl`` picks the
+        hot tier's kernel; ``gguf_file`` is the file the quantized experts view, closed by ``close``."""
         self.device = torch.device(device)
         if len(host_experts) != stats.n_layers:
             raise ValueError(f"{len(host_experts)} layers of experts but routing statistics for {stats.n_layers}")
@@ -122,9 +202,12 @@ class HybridExperts:
         self.impl = resolve_impl(impl, self.device)
         self.kernel_config = kernel_config
         self.threads = threads or min(8, os.cpu_count() or 1)
-        self.expert_bytes = [sum(t[0].numel() for t in layer) * layer[0].element_size() for layer in host_experts]
+        hosts = [layer if isinstance(layer, (DenseExperts, QuantizedExperts)) else DenseExperts(*layer)
+                 for layer in host_experts]
+        self.expert_bytes = [sum(math.prod(shape) for shape in h.expert_shapes) * h.dtype.itemsize for h in hosts]
+        self._gguf_file = gguf_file
         with torch.inference_mode(False):
-            self._layers = [_LayerTiers(*layer, self.device) for layer in host_experts]
+            self._layers = [_LayerTiers(host, self.device) for host in hosts]
             self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
         self._pairs = [0] * len(self._layers)
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
@@ -133,12 +216,21 @@ class HybridExperts:
 
     @classmethod
     def from_model(cls, model: Any, budget_mb: float, stats: RoutingStats | None = None, *,
-                   reserve: GpuReserve | None = None, **options: Any) -> "HybridExperts":
+                   reserve: GpuReserve | None = None, cold_format: str = "dense",
+                   gguf_file: "RawTensorSource | None" = None, cold_dtype: torch.dtype = torch.bfloat16,
+                   **options: Any) -> "HybridExperts":
         """Take over the routed experts of ``model`` (a ``Qwen35MoE``) and place them for ``budget_mb``.
 
-        The budget is checked before anything moves. The model's expert tensors are then
-        replaced by their host copies, so device memory holds only the hot slots.
+        The budget is checked before anything moves. With ``cold_format="dense"`` the model's
+        expert tensors are replaced by their host copies, so device memory holds only the hot
+        slots; with ``"quantized"`` the master copies are built from ``gguf_file`` (the model's file,
+        kept open for the device slots) and the model's dense expert tensors are released
+        (left as meta tensors of the same shapes).
         """
+        if cold_format not in COLD_FORMATS:
+            raise ConfigError(f"cold format must be one of {', '.join(COLD_FORMATS)}, got {cold_format!r}")
+        if cold_format == "quantized" and gguf_file is None:
+            raise ConfigError("the quantized cold format needs the model's GGUF file (gguf_file=...)")
         cfg = model.cfg
         stats = stats or RoutingStats.uniform(cfg.n_layers, cfg.n_expert)
         if reserve is None:
@@ -152,14 +244,22 @@ class HybridExperts:
         _checked_placement(stats, expert_bytes, budget_mb, cfg.n_expert_used, torch.device(model.device),
                            on_gpu, reserve, options.get("max_expert_mb"))
         pin = torch.device(model.device).type == "cuda"
-        host = []
-        for ew in experts:
-            ew.gate, ew.up, ew.down = (_host_copy(t, pin) for t in (ew.gate, ew.up, ew.down))
-            host.append((ew.gate, ew.up, ew.down))
+        host: list[Any] = []
+        if cold_format == "quantized":
+            from engine.model.weights import raw_experts
+
+            for ew, raw in zip(experts, raw_experts(gguf_file, cfg)):
+                host.append(QuantizedExperts(raw, model.dtype, cold_dtype=cold_dtype))
+                ew.gate, ew.up, ew.down = (torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                           for t in (ew.gate, ew.up, ew.down))
+        else:
+            for ew in experts:
+                ew.gate, ew.up, ew.down = (_host_copy(t, pin) for t in (ew.gate, ew.up, ew.down))
+                host.append((ew.gate, ew.up, ew.down))
         if pin:
             torch.cuda.empty_cache()
         return cls(host, budget_mb, device=model.device, stats=stats, min_hot=cfg.n_expert_used, reserve=reserve,
-                   **options)
+                   gguf_file=gguf_file, **options)
 
     def set_budget(self, budget_mb: float) -> Placement:
         """Re-place the experts for ``budget_mb`` in place (only experts that change tier move)
@@ -181,6 +281,11 @@ class HybridExperts:
     @property
     def expert_vram_bytes(self) -> int:
         return sum(layer.slot_bytes for layer in self._layers)
+
+    @property
+    def expert_host_bytes(self) -> int:
+        """Host memory held by the master copies of every expert (the cold tier's store)."""
+        return sum(layer.host.nbytes for layer in self._layers)
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_w: torch.Tensor) -> torch.Tensor:
@@ -216,7 +321,7 @@ class HybridExperts:
         experts = routed_experts(cold_ids)
         out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=pin)
         chunks = [experts[i::self.threads] for i in range(min(self.threads, len(experts)))]
-        futures = [self._pool.submit(experts_sum, x, *layer.host, cold_ids, w, chunk) for chunk in chunks]
+        futures = [self._pool.submit(layer.host.experts_sum, x, cold_ids, w, chunk) for chunk in chunks]
         for f in futures:
             out += f.result()
         return out
@@ -228,15 +333,18 @@ class HybridExperts:
         return HybridStats(
             budget_mb=placement.budget_mb, hot_experts=placement.hot_count, cold_experts=placement.cold_count,
             hot_hits=hot_hits, cold_hits=sum(self._pairs) - hot_hits,
-            expected_cold_hit_rate=placement.expected_cold_hit_rate, expert_vram_mb=self.expert_vram_bytes / MB)
+            expected_cold_hit_rate=placement.expected_cold_hit_rate, expert_vram_mb=self.expert_vram_bytes / MB,
+            expert_host_mb=self.expert_host_bytes / MB)
 
     def reset_counters(self) -> None:
         self._hot_hits.zero_()
         self._pairs = [0] * len(self._layers)
 
     def close(self) -> None:
-        """Stop the CPU threads (the executor cannot run afterwards)."""
+        """Stop the CPU threads and close the GGUF file, if any (the executor cannot run afterwards)."""
         self._pool.shutdown(wait=True)
+        if self._gguf_file is not None:
+            self._gguf_file.close()
 
 
 def _checked_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: float, min_hot: int,

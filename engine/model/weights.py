@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
+import numpy as np
 import torch
 
 from engine.gguf import names
@@ -101,6 +102,49 @@ class ModelWeights:
     output_norm: torch.Tensor  # [hidden] float32
     output: torch.Tensor  # [vocab, hidden] (token_embd itself when the file ties them)
     layers: tuple[LayerWeights, ...]
+
+
+class RawTensorSource(TensorSource, Protocol):
+    """A tensor source that also hands out a tensor's stored bytes (``GGUFFile`` does)."""
+
+    def raw(self, name: str) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class RawExpertMatrix:
+    """One stacked expert tensor of a layer as the file stores it: expert ``e`` is ``data[e]``,
+    the GGUF blocks of its ``[rows, cols]`` matrix, row after row."""
+
+    data: np.ndarray  # uint8 [n_expert, rows * row_bytes], views of the source's bytes
+    qtype: Any  # gguf.GGMLQuantizationType
+    rows: int
+    cols: int
+
+    def expert(self, e: int) -> np.ndarray:
+        return self.data[e]
+
+
+def raw_experts(source: RawTensorSource, cfg: ModelConfig) -> list[tuple[RawExpertMatrix, ...]]:
+    """Per layer (gate, up, down) of the routed experts as stored, without copying or
+    dequantizing (a fused ``ffn_gate_up_exps`` is split by rows)."""
+    fused = has_fused_experts(source)
+    shapes = names.expected_tensors(cfg, fused_experts=fused)
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        parts = ("ffn_gate_up_exps", "ffn_down_exps") if fused else ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+        wanted = {p + part + ".weight": shapes[p + part + ".weight"] for part in parts}
+        source.check_tensors(wanted)
+        stacks = []
+        for name, (n_expert, rows, cols) in wanted.items():
+            data = source.raw(name).reshape(n_expert, -1)
+            stacks.append((data, source.tensors[name].qtype, rows, cols))
+        if fused:
+            (data, qtype, rows, cols), down = stacks
+            half = data.shape[1] // 2
+            stacks = [(data[:, :half], qtype, rows // 2, cols), (data[:, half:], qtype, rows // 2, cols), down]
+        layers.append(tuple(RawExpertMatrix(*stack) for stack in stacks))
+    return layers
 
 
 def has_fused_experts(source: TensorSource) -> bool:

@@ -1,0 +1,196 @@
+"""The hybrid executor with ``cold_format="quantized"`` on a tiny Q4_0 model: cold experts held
+as GGUF blocks and multiplied by torch's CPU weight-only kernels, hot ones dequantized into
+device slots.
+
+Bounds, relative to the largest dense-path value (per token for logits):
+- cold tier in float32 (the kernels' exact path): logits within 1e-5, as the dense hybrid
+  itself (the Q4_0 mapping is exact; only the order of sums differs).
+- cold tier in bfloat16 (the fast path): one layer's routed output within 2e-2 under the same
+  routing (activations, scales and outputs rounded to bfloat16, 2**-9 relative each; about 4e-3
+  measured). Logits: the median token within 1e-2 (about 4e-3 measured); a token whose router
+  has a near-tie may pick another expert downstream and differ by more (0-2 tokens in 11 seen).
+- every expert hot: identical to the dense path (slots hold the same dequantized values).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
+
+from engine.errors import ConfigError  # noqa: E402
+from engine.gguf import quants  # noqa: E402
+from engine.gguf.reader import GGUFFile  # noqa: E402
+from engine.hybrid import attach_hybrid  # noqa: E402
+from engine.model.qwen35moe import Qwen35MoE  # noqa: E402
+from engine.model.weights import raw_experts  # noqa: E402
+from engine.placement import MB, calibrate_routing  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def q4_model_file(tmp_path_factory):
+    from engine.gguf.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("hybrid_q") / "tiny_q4_0.gguf", "tiny", n_expert=16, quant="q4_0",
+                      router_skew=1.0, seed=5)
+
+
+def load_model(path, device="cpu", dtype=None):
+    with GGUFFile(path) as f:
+        return Qwen35MoE.from_gguf(f, device=device, dtype=dtype)
+
+
+def logits(model, ids):
+    return model.forward(ids, model.new_state(len(ids)), logits="all").logits
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def full_mb(model):
+    return sum(t.numel() * t.element_size() for layer in model.weights.layers
+               for t in (layer.moe.experts.gate, layer.moe.experts.up, layer.moe.experts.down)) / MB
+
+
+@pytest.fixture(scope="module")
+def prompt_and_stats(q4_model_file):
+    model = load_model(q4_model_file)
+    ids = torch.randint(0, model.cfg.vocab, (11,), generator=torch.Generator().manual_seed(1))
+    return ids, calibrate_routing(model, [ids.tolist()])
+
+
+def dense_run(path, fraction, ids, stats, device="cpu"):
+    model = load_model(path, device, torch.float32)
+    hybrid = attach_hybrid(model, fraction * full_mb(model), stats, threads=2)
+    out = logits(model, ids.to(device))
+    snap = hybrid.stats_snapshot()
+    hybrid.close()
+    return out, snap
+
+
+def quantized_run(path, fraction, ids, stats, cold_dtype, device="cpu"):
+    model = load_model(path, device, torch.float32)
+    hybrid = attach_hybrid(model, fraction * full_mb(model), stats, threads=2, cold_format="quantized",
+                           gguf_file=GGUFFile(path), cold_dtype=cold_dtype)
+    assert all(layer.moe.experts.gate.device.type == "meta" for layer in model.weights.layers)
+    out = logits(model, ids.to(device))
+    snap = hybrid.stats_snapshot()
+    hybrid.close()
+    return out, snap
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_quantized_cold_tier_matches_dense(q4_model_file, prompt_and_stats, fraction):
+    ids, stats = prompt_and_stats
+    ref, dense = dense_run(q4_model_file, fraction, ids, stats)
+    exact, snap = quantized_run(q4_model_file, fraction, ids, stats, torch.float32)
+    fast, fast_snap = quantized_run(q4_model_file, fraction, ids, stats, torch.bfloat16)
+    assert rel_err(exact, ref) < 1e-5
+    if fraction == 1.0:
+        assert torch.equal(fast, ref)
+    else:
+        per_token = (fast - ref).abs().amax(1) / ref.abs().amax(1)
+        assert 0 < per_token.median() < 1e-2 and (per_token < 1e-2).float().mean() >= 0.75
+        assert fast_snap.cold_hits > 0
+    assert (snap.hot_hits, snap.cold_hits) == (dense.hot_hits, dense.cold_hits)
+    assert snap.expert_vram_mb == dense.expert_vram_mb
+    # Q4_0 packed with bfloat16 (scale, zero) is 0.625 bytes per weight, against 4 for float32
+    assert fast_snap.expert_host_mb < dense.expert_host_mb / 6
+    assert dense.expert_host_mb == pytest.approx(full_mb(load_model(q4_model_file)))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_quantized_layer_output_under_the_same_routing(q4_model_file, fraction):
+    dense_model, quant_model = load_model(q4_model_file), load_model(q4_model_file)
+    cfg = dense_model.cfg
+    dense = attach_hybrid(dense_model, fraction * full_mb(dense_model), threads=2)
+    fast = attach_hybrid(quant_model, fraction * full_mb(quant_model), threads=2, cold_format="quantized",
+                         gguf_file=GGUFFile(q4_model_file))
+    g = torch.Generator().manual_seed(3)
+    for layer in range(cfg.n_layers):
+        for T in (1, 7):
+            x = torch.randn(T, cfg.hidden, generator=g)
+            ids = torch.stack([torch.randperm(cfg.n_expert, generator=g)[:cfg.n_expert_used] for _ in range(T)])
+            w = torch.softmax(torch.randn(T, cfg.n_expert_used, generator=g), -1)
+            ref = dense(layer, x, ids, w)
+            assert rel_err(fast(layer, x, ids, w), ref) < 2e-2
+    assert fast.stats_snapshot().cold_hits > 0
+    dense.close()
+    fast.close()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_raw_experts_are_the_loaded_experts(tmp_path, fused):
+    from engine.gguf.make_model import make_model
+
+    path = make_model(tmp_path / "m.gguf", "tiny", n_layers=2, quant="q8_0", seed=2, fused_experts=fused)
+    model = load_model(path)
+    with GGUFFile(path) as f:
+        layers = raw_experts(f, model.cfg)
+        for layer, raw in zip(model.weights.layers, layers):
+            ew = layer.moe.experts
+            for dense, r in zip((ew.gate, ew.up, ew.down), raw):
+                assert (r.rows, r.cols) == tuple(dense.shape[1:])
+                for e in (0, ew.n_expert - 1):
+                    assert torch.equal(quants.dequantize(r.expert(e), r.qtype, (r.rows, r.cols)), dense[e])
+        del layers, raw, r
+
+
+def test_engine_option(q4_model_file):
+    from engine.engine import Engine
+
+    with pytest.raises(ConfigError, match="cold_format must be 'dense' or 'quantized', got 'int4'"):
+        Engine.from_gguf(q4_model_file, device="cpu", cold_format="int4")
+    dense = Engine.from_gguf(q4_model_file, device="cpu", expert_budget_mb=0)
+    eng = Engine.from_gguf(q4_model_file, device="cpu", expert_budget_mb=0, cold_format="quantized")
+    ids = eng.tokenizer.encode("def add(a, b):")
+    out, ref = eng.generate(ids, 4), dense.generate(ids, 4)
+    assert len(out.ids) == 4 and out.timings.extra["cold_hits"] > 0
+    assert out.timings.extra["expert_host_mb"] < ref.timings.extra["expert_host_mb"] / 6
+    per_token = (eng.logits(ids) - dense.logits(ids)).abs().amax(1) / dense.logits(ids).abs().amax(1)
+    assert per_token.median() < 1e-2
+    eng.hybrid.close()
+    dense.hybrid.close()
+
+
+def test_cli_option_errors(q4_model_file, capsys):
+    from tuner.cli import main
+
+    status = main(["generate", "--model", str(q4_model_file), "--prompt", "hi", "--device", "cpu",
+                   "--cold-format", "quantized"])
+    assert status == 2 and "--cold-format needs --expert-budget" in capsys.readouterr().err
+    status = main(["generate", "--model", str(q4_model_file), "--prompt", "hi", "--device", "cpu",
+                   "--cold-format", "int4", "--expert-budget", "0"])
+    assert status == 2 and "--cold-format must be dense or quantized, got 'int4'" in capsys.readouterr().err
+
+
+def test_cli_generates_with_quantized_cold_tier(q4_model_file, capsys):
+    import json
+
+    from tuner.cli import main
+
+    status = main(["generate", "--model", str(q4_model_file), "--prompt", "hi", "--device", "cpu", "-n", "3",
+                   "--expert-budget", "0", "--cold-format", "quantized", "--json"])
+    assert status in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["ids"]) == 3 and out["timings"]["cold_hits"] > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_cuda_quantized_cold_tier_matches_dense(q4_model_file, prompt_and_stats, fraction):
+    ids, stats = prompt_and_stats
+    ref, dense = dense_run(q4_model_file, fraction, ids, stats, "cuda")
+    exact, _ = quantized_run(q4_model_file, fraction, ids, stats, torch.float32, "cuda")
+    fast, snap = quantized_run(q4_model_file, fraction, ids, stats, torch.bfloat16, "cuda")
+    assert exact.device.type == "cuda"
+    assert rel_err(exact.cpu(), ref.cpu()) < 1e-5
+    per_token = (fast - ref).abs().amax(1) / ref.abs().amax(1)
+    assert per_token.max() < 1e-5 if fraction == 1.0 else per_token.median() < 1e-2
+    assert snap.expert_vram_mb == dense.expert_vram_mb
