@@ -15,7 +15,8 @@ from typing import Callable, Optional
 import typer
 from rich.console import Console
 
-from engine.errors import ConfigError, EngineError
+from engine.errors import ConfigError
+from engine.run_cli import run_app
 
 PRESETS = {"target": ("target",), "drafter": ("drafter",), "both": ("target", "drafter"), "micro": ("micro",)}
 LOG_EVERY_S = 15.0
@@ -29,12 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
     app.callback()(lambda: None)  # a command group, so that "train" is named as in luce-tune
     register(app)
-    try:
-        app(args=argv, standalone_mode=False)
-    except EngineError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
-        return 2
-    return 0
+    return run_app(app, argv)
 
 
 def train(

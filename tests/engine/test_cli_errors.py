@@ -72,3 +72,18 @@ def test_bad_file_is_one_clear_error_with_exit_status_2(case, good, tmp_path, ca
     for word in words:
         assert word in message, (word, message)
     assert elapsed < 1.0, f"{case}: {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x"], ["generate", "--bogus"], ["nonsense"],
+                                  ["train", "--preset"], ["train-draft", "--steps", "many"]])
+def test_usage_errors_exit_2_without_traceback(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Error:" in err and "Traceback" not in err
+
+
+def test_train_module_usage_error_exits_2(capsys):
+    from engine.train.cli import main as train_main
+
+    assert train_main(["train", "--bogus"]) == 2
+    assert "No such option" in capsys.readouterr().err
