@@ -37,6 +37,9 @@ def generate(
     cold_format: str = typer.Option(
         "dense", "--cold-format", help="how CPU-side experts are held: dense or quantized (GGUF blocks, "
         "torch's CPU weight-only kernels)"),
+    weights: str = typer.Option(
+        "dense", "--weights", help="dense (dequantized at load) or quantized (projection matrices kept as GGUF "
+        "blocks, dequantized in the matmul kernels)"),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="PFlash drafter GGUF (same vocabulary)"),
     keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="PFlash: share of prompt chunks kept"),
     draft: Optional[Path] = typer.Option(None, "--draft", help="DFlash draft GGUF (checked against the target)"),
@@ -53,12 +56,15 @@ def generate(
         spec_len = 8
     if spec_len is not None and draft is None:
         raise ConfigError("--spec-len needs --draft")
+    if weights not in ("dense", "quantized"):
+        raise ConfigError(f"--weights must be dense or quantized, got {weights!r}")
     if cold_format not in ("dense", "quantized"):
         raise ConfigError(f"--cold-format must be dense or quantized, got {cold_format!r}")
     if cold_format != "dense" and expert_budget is None:
         raise ConfigError("--cold-format needs --expert-budget (without it every expert stays on the device)")
     eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads,
-                           expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format)
+                           expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format,
+                           weights=weights)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:

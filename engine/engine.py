@@ -108,7 +108,7 @@ class Engine:
                   stall_timeout_s: float = 120.0, expert_budget_mb: float | None = None,
                   routing_stats: str | Path | None = None, drafter: str | Path | None = None,
                   pflash_threshold: int | None = None, draft: str | Path | None = None,
-                  cold_format: str = "dense", **options: Any) -> "Engine":
+                  cold_format: str = "dense", weights: str = "dense", **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
@@ -117,9 +117,14 @@ class Engine:
         quantized form on the host, computed by torch's CPU weight-only kernels; ``drafter``
         loads a PFlash drafter sharing the target's vocabulary;
         ``draft`` attaches a DFlash draft, checked against the target before any tensor loads.
+        ``weights="quantized"`` keeps the block-quantized projection matrices (attention, Gated
+        DeltaNet, shared expert, output head) in their GGUF blocks on the device, multiplied by
+        the Triton dequantize-in-register kernels on CUDA (torch's reference on the CPU).
         """
         if options:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(options))}")
+        if weights not in ("dense", "quantized"):
+            raise ConfigError(f"weights must be 'dense' or 'quantized', got {weights!r}")
         if cold_format not in ("dense", "quantized"):
             raise ConfigError(f"cold_format must be 'dense' or 'quantized', got {cold_format!r}")
         if threads is not None:
@@ -139,7 +144,7 @@ class Engine:
 
                 cfg = ModelConfig.from_metadata(f.metadata, source=str(path))
                 draft_file = open_compatible(draft, cfg, target_name=path.name)
-            model = Qwen35MoE.from_gguf(f, device=dev, dtype=dt)
+            model = Qwen35MoE.from_gguf(f, device=dev, dtype=dt, quantized=weights == "quantized")
         if tokenizer.vocab_size > model.cfg.vocab:
             raise EngineError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the output "
                               f"layer only {model.cfg.vocab}")

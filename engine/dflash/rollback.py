@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from engine.model.norm import rms_norm
 from engine.model.qwen35moe import ForwardOutput, Qwen35MoE
 from engine.model.state import ModelState
+from engine.model.linear import linear
 
 ROLLBACK_MODES = ("capture", "recompute")
 
@@ -149,7 +150,7 @@ class CaptureRollback(_Base):
         for j, i in enumerate(self.gdn_layers):
             layer = w.layers[i]
             h = self.hidden[i - 1][rows] if i > 0 else F.embedding(self.ids[rows], w.embed)
-            qkv = F.linear(rms_norm(h, layer.attn_norm, cfg.rms_eps), layer.mixer.qkv)  # [r, conv_dim]
+            qkv = linear(rms_norm(h, layer.attn_norm, cfg.rms_eps), layer.mixer.qkv)  # [r, conv_dim]
             window = torch.cat([self.conv0[j], qkv.transpose(0, 1).to(self.conv0.dtype)], dim=1)
             self.state.conv[i].copy_(window[:, window.shape[1] - tail:])
 

@@ -23,6 +23,7 @@ from engine.dflash.rollback import ROLLBACK_MODES, make_rollback
 from engine.errors import ConfigError, GenerationStalled
 from engine.model.qwen35moe import Qwen35MoE
 from engine.sampling import SamplingParams, make_generator, sample
+from engine.model.linear import linear
 
 # bench/dflash.py, tiny target on the CPU, random draft, spec_len 4 and 8, both budgets: rollback
 # cost per verify step 0.9-1.9 ms with "capture" against 4.2-8.5 ms with "recompute" (which runs
@@ -208,7 +209,7 @@ class _Generation:
         block = torch.full((n,), self.mask, dtype=torch.long, device=model.device)
         block[0] = token
         hidden = block_hidden(self.draft, self.cache, F.embedding(block, model.weights.embed), start)
-        drafted = F.linear(hidden[1:], model.weights.output).argmax(-1)  # [n - 1]
+        drafted = linear(hidden[1:], model.weights.output).argmax(-1)  # [n - 1]
         c1 = self.clock.mark()
         out = self.rollback.verify(torch.cat([block[:1], drafted]), self.layer_ids)
         choice = sample(out.logits, self.params, self.gen)  # [n]: the target's token after each prefix

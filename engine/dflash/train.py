@@ -36,6 +36,7 @@ from engine.model.qwen35moe import Qwen35MoE
 from engine.train.batches import BatchSampler, TokenStream, eval_windows
 from engine.train.checkpoint import load_checkpoint, save_checkpoint
 from engine.train.corpus import iter_documents
+from engine.model.linear import linear
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".cpp", ".js", ".ts", ".rs", ".go", ".java",
                  ".json", ".jsonl", ".toml", ".yaml", ".yml", ".html", ".tex", ".sh")
@@ -162,7 +163,7 @@ def target_pass(model: Qwen35MoE, ids: torch.Tensor, layer_ids: tuple[int, ...],
     if labels == "corpus":
         return features, ids
     rows = 1024  # the logits of 1024 positions at a time: [1024, vocab] float32
-    choice = torch.cat([F.linear(out.final_hidden[r:r + rows], model.weights.output).argmax(-1)
+    choice = torch.cat([linear(out.final_hidden[r:r + rows], model.weights.output).argmax(-1)
                         for r in range(0, ids.shape[0], rows)])
     return features, torch.cat([ids[:1], choice[:-1]])
 

@@ -9,6 +9,7 @@ from engine.model.config import ModelConfig
 from engine.model.norm import rms_norm
 from engine.model.state import KVCache
 from engine.model.weights import AttentionWeights
+from engine.model.linear import linear
 
 
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,10 +37,10 @@ def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Ten
     """x [T, hidden] (already normed), positions [T] -> [T, hidden]; appends to ``cache``."""
     T = x.shape[0]
     D = cfg.head_dim
-    qg = F.linear(x, w.q).view(T, cfg.n_head, 2 * D)
+    qg = linear(x, w.q).view(T, cfg.n_head, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(T, cfg.n_head * D)
-    k = F.linear(x, w.k).view(T, cfg.n_head_kv, D)
-    v = F.linear(x, w.v).view(T, cfg.n_head_kv, D)
+    k = linear(x, w.k).view(T, cfg.n_head_kv, D)
+    v = linear(x, w.v).view(T, cfg.n_head_kv, D)
     q = rms_norm(q, w.q_norm, cfg.rms_eps)
     k = rms_norm(k, w.k_norm, cfg.rms_eps)
     cos, sin = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)
@@ -57,4 +58,4 @@ def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Ten
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                          is_causal=causal, enable_gqa=cfg.n_head != cfg.n_head_kv)
     out = out[0].transpose(0, 1).reshape(T, cfg.n_head * D)
-    return F.linear(out * torch.sigmoid(gate), w.o)
+    return linear(out * torch.sigmoid(gate), w.o)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from engine.model.config import ModelConfig
 from engine.model.weights import GDNWeights
+from engine.model.linear import linear
 
 CHUNK = 64
 # Up to this many tokens the token-by-token form is used: decode and short verify blocks.
@@ -141,7 +142,7 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     """x [T, hidden] (already normed) -> [T, hidden]; updates both states in place."""
     T = x.shape[0]
     hk, hv, dk, dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
-    mixed, new_conv = causal_conv(F.linear(x, w.qkv), conv_state, w.conv)
+    mixed, new_conv = causal_conv(linear(x, w.qkv), conv_state, w.conv)
     conv_state.copy_(new_conv)
     mixed = F.silu(mixed)
     q, k, v = mixed.split([cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
@@ -149,13 +150,13 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     q = l2norm(q.reshape(T, hk, dk)).repeat_interleave(hv // hk, dim=1)
     k = l2norm(k.reshape(T, hk, dk)).repeat_interleave(hv // hk, dim=1)
     v = v.reshape(T, hv, dv)
-    beta = torch.sigmoid(F.linear(x, w.beta).float())
-    g = w.a * F.softplus(F.linear(x, w.alpha).float() + w.dt_bias)
+    beta = torch.sigmoid(linear(x, w.beta).float())
+    g = w.a * F.softplus(linear(x, w.alpha).float() + w.dt_bias)
     o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5)
     recurrent_state.copy_(s)
 
-    z = F.linear(x, w.z).view(T, hv, dv)
+    z = linear(x, w.z).view(T, hv, dv)
     of = o.float()
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + cfg.rms_eps)
     o = (of * w.norm * F.silu(z.float())).to(x.dtype)
-    return F.linear(o.reshape(T, hv * dv), w.out)
+    return linear(o.reshape(T, hv * dv), w.out)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from engine.model.config import ModelConfig
 from engine.model.weights import ExpertWeights, MoEWeights
+from engine.model.linear import linear
 
 # Called with (layer index, top-k expert ids [T, k]) on every MoE layer: calibration statistics.
 RoutingObserver = Callable[[int, torch.Tensor], None]
@@ -26,7 +27,7 @@ class ExpertExecutor(Protocol):
 
 def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """SwiGLU: ``down(silu(gate x) * up x)``."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 class TorchExpertExecutor:

@@ -20,6 +20,7 @@ from engine.model.moe import ExpertExecutor, RoutingObserver, TorchExpertExecuto
 from engine.model.norm import rms_norm
 from engine.model.state import ModelState
 from engine.model.weights import AttentionWeights, ModelWeights, TensorSource, load_weights
+from engine.model.linear import linear
 
 LOGITS_MODES = ("all", "last", "none")
 
@@ -48,16 +49,18 @@ class Qwen35MoE:
 
     @classmethod
     def from_gguf(cls, gguf_file: TensorSource, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                  force_torch_gdn: bool = False) -> "Qwen35MoE":
+                  force_torch_gdn: bool = False, quantized: bool = False) -> "Qwen35MoE":
         """Load a qwen35moe GGUF file (an ``engine.gguf.reader.GGUFFile``).
 
         ``dtype`` defaults to float32 on the CPU and bfloat16 on CUDA; ``force_torch_gdn``
-        keeps the torch Gated DeltaNet path even where fla's kernels are available.
+        keeps the torch Gated DeltaNet path even where fla's kernels are available;
+        ``quantized`` keeps block-quantized projection matrices as their GGUF blocks
+        (``engine.model.weights.load_weights``).
         """
         device = torch.device(device)
         dtype = dtype or default_dtype(device)
         cfg = ModelConfig.from_metadata(gguf_file.metadata, source=str(gguf_file.path))
-        weights = load_weights(gguf_file, cfg, device=device, dtype=dtype)
+        weights = load_weights(gguf_file, cfg, device=device, dtype=dtype, quantized=quantized)
         return cls(cfg, weights, device=device, dtype=dtype,
                    delta_rule=DeltaRule.select(device, force_torch=force_torch_gdn))
 
@@ -122,5 +125,5 @@ class Qwen35MoE:
 
         out = None
         if logits != "none":
-            out = F.linear(final if logits == "all" else final[-1:], w.output).float()
+            out = linear(final if logits == "all" else final[-1:], w.output).float()
         return ForwardOutput(logits=out, final_hidden=final, hidden=hidden)

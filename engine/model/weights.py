@@ -18,7 +18,7 @@ import torch
 
 from engine.gguf import names
 from engine.model.config import ModelConfig
-from engine.model.value_heads import reorder_value_heads
+from engine.model.value_heads import is_value_head_tensor, reorder_value_heads, to_grouped
 
 
 class TensorSource(Protocol):
@@ -152,11 +152,14 @@ def has_fused_experts(source: TensorSource) -> bool:
 
 
 def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device | str,
-                 dtype: torch.dtype) -> ModelWeights:
+                 dtype: torch.dtype, quantized: bool = False) -> ModelWeights:
     """Check every tensor against ``cfg``, then load them one at a time onto ``device``.
 
     Matrices are cast to ``dtype`` as they arrive; an MTP block after ``cfg.n_layers`` is
-    left unread.
+    left unread. With ``quantized``, the projection matrices stored in a block-quantized
+    type (attention, Gated DeltaNet, shared expert, output head) stay as their GGUF blocks
+    (``QuantMatrix``), multiplied by the dequantize-in-register kernels; the embedding, the
+    routers and the routed experts are loaded dense as before.
     """
     fused = has_fused_experts(source)
     expected = names.expected_tensors(cfg, fused_experts=fused)
@@ -168,10 +171,18 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
     def matrix(name: str) -> torch.Tensor:
         return source.load(name, dtype=dtype, device=device)
 
+    def projection(name: str):
+        kept = quant_matrix(source, name, cfg, device) if quantized else None
+        return kept if kept is not None else matrix(name)
+
     def vector(name: str) -> torch.Tensor:
         return source.load(name, dtype=torch.float32, device=device).reshape(-1)
 
-    def gdn(name: str, *, keep_float32: bool = False) -> torch.Tensor:
+    def gdn(name: str, *, keep_float32: bool = False):
+        if quantized and not keep_float32:
+            kept = quant_matrix(source, name, cfg, device)
+            if kept is not None:
+                return kept
         t = reorder_value_heads(name, source.load(name, dtype=torch.float32, device=device), cfg, to="grouped")
         return t if keep_float32 else t.to(dtype)
 
@@ -180,8 +191,8 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
         p = f"blk.{i}."
         if cfg.is_attention(i):
             mixer: AttentionWeights | GDNWeights = AttentionWeights(
-                q=matrix(p + "attn_q.weight"), k=matrix(p + "attn_k.weight"), v=matrix(p + "attn_v.weight"),
-                o=matrix(p + "attn_output.weight"),
+                q=projection(p + "attn_q.weight"), k=projection(p + "attn_k.weight"),
+                v=projection(p + "attn_v.weight"), o=projection(p + "attn_output.weight"),
                 q_norm=vector(p + "attn_q_norm.weight"), k_norm=vector(p + "attn_k_norm.weight"))
         else:
             mixer = GDNWeights(
@@ -200,8 +211,8 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
         shared = None
         if cfg.shared_ffn:
             shared = SharedExpertWeights(
-                gate=matrix(p + "ffn_gate_shexp.weight"), up=matrix(p + "ffn_up_shexp.weight"),
-                down=matrix(p + "ffn_down_shexp.weight"), gate_inp=vector(p + "ffn_gate_inp_shexp.weight"))
+                gate=projection(p + "ffn_gate_shexp.weight"), up=projection(p + "ffn_up_shexp.weight"),
+                down=projection(p + "ffn_down_shexp.weight"), gate_inp=vector(p + "ffn_gate_inp_shexp.weight"))
         moe = MoEWeights(router=source.load(p + "ffn_gate_inp.weight", dtype=torch.float32, device=device),
                          experts=experts, shared=shared)
         layers.append(LayerWeights(attn_norm=vector(p + "attn_norm.weight"),
@@ -209,4 +220,28 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
 
     embed = matrix("token_embd.weight")
     return ModelWeights(embed=embed, output_norm=vector("output_norm.weight"),
-                        output=embed if tied else matrix("output.weight"), layers=tuple(layers))
+                        output=embed if tied else projection("output.weight"), layers=tuple(layers))
+
+
+def quant_matrix(source: TensorSource, name: str, cfg: ModelConfig, device: torch.device | str):
+    """``name`` as a ``QuantMatrix`` on ``device`` (GDN value heads in engine order), or None when
+    it is not stored block-quantized or its value heads cannot be reordered block-wise."""
+    from gguf import GGML_QUANT_SIZES
+
+    from engine.kernels.quant import QTYPES, QuantMatrix
+
+    info = source.tensors[name]
+    if info.qtype not in QTYPES or len(info.shape) != 2:
+        return None
+    n, k = (int(d) for d in info.shape)
+    raw = torch.from_numpy(np.array(source.raw(name))).view(n, -1)  # a private copy of the mapped bytes
+    if is_value_head_tensor(name) and cfg.gdn_k_heads != cfg.gdn_v_heads:
+        if name.endswith(".ssm_out.weight"):  # value heads along the row: whole blocks must move together
+            block, block_bytes = GGML_QUANT_SIZES[info.qtype]
+            if cfg.gdn_head_v % block:
+                return None
+            blocks = raw.view(n, k // block, block_bytes)
+            raw = to_grouped(blocks, 1, cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_head_v // block).reshape(n, -1)
+        else:  # value heads along the rows: the permutation moves whole rows of blocks
+            raw = reorder_value_heads(name, raw, cfg, to="grouped")
+    return QuantMatrix.from_gguf_bytes(raw.contiguous(), info.qtype, n, k).to(device)
