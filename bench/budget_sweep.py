@@ -31,10 +31,14 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--weights", default="dense", choices=("dense", "quantized"),
+                    help="projection matrices dequantized at load, or kept as GGUF blocks")
+    ap.add_argument("--cold-format", default="dense", choices=("dense", "quantized"),
+                    help="cold experts on the CPU held dense or as GGUF blocks")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    eng = Engine.from_gguf(args.model, device=args.device)
+    eng = Engine.from_gguf(args.model, device=args.device, weights=args.weights, cold_format=args.cold_format)
     cfg = eng.config
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab, (args.prefill,), generator=gen).tolist()
@@ -70,7 +74,8 @@ def main() -> None:
               f"peak {row['peak_mem_mb']:8.0f} MB  cold hits {row['cold_hit_rate']:.1%}  move {move_s:.1f} s",
               flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model),
+        args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model), "weights": args.weights,
+                                     "cold_format": args.cold_format,
                                          "rows": rows}, indent=1))
 
 

@@ -30,18 +30,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--weights", default="dense", choices=("dense", "quantized"),
+                    help="projection matrices dequantized at load, or kept as GGUF blocks")
+    ap.add_argument("--cold-format", default="dense", choices=("dense", "quantized"),
+                    help="cold experts on the CPU held dense or as GGUF blocks")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    eng = Engine.from_gguf(args.model, device=args.device, dtype=args.dtype)
+    eng = Engine.from_gguf(args.model, device=args.device, dtype=args.dtype, weights=args.weights,
+                           cold_format=args.cold_format)
     load_s = time.perf_counter() - t0
     load_mem = torch.cuda.memory_allocated() / 2**20 if eng.device.type == "cuda" else 0.0
     vocab = eng.config.vocab
     gen = torch.Generator().manual_seed(0)
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-        "commit": commit(), "model": str(args.model), "model_bytes": args.model.stat().st_size,
+        "commit": commit(), "model": str(args.model), "weights": args.weights, "model_bytes": args.model.stat().st_size,
         "device": str(eng.device), "dtype": str(eng.dtype), "load_s": load_s,
         "weights_mem_mb": load_mem, "prefill": {}, "decode": {},
     }
