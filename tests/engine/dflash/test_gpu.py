@@ -86,12 +86,22 @@ def test_rollback_on_cuda_equals_plain(cuda_target, prompt, mode, n, keep):
         for t in prompt + block[:keep]:
             cuda_target.forward(torch.tensor([t], device="cuda"), ref, logits="none")
     assert (state.seq_len, state.next_position) == (ref.seq_len, ref.next_position)
+    # fla's chunked kernels (the verify, the replay) and its token-by-token kernel (the reference)
+    # round differently: Triton's float32 dots run in TF32 (2^-11 relative per product). A wrong
+    # state (a head, a token or a layer out of place) is off by O(1) in this norm-wise measure.
     for i in state.conv:
-        torch.testing.assert_close(state.conv[i], ref.conv[i], atol=1e-4, rtol=1e-3)
-        torch.testing.assert_close(state.recurrent[i], ref.recurrent[i], atol=1e-3, rtol=1e-3)
+        assert _rel(state.conv[i], ref.conv[i]) < 1e-3, f"conv state of layer {i}: {_rel(state.conv[i], ref.conv[i]):.2e}"
+        assert _rel(state.recurrent[i], ref.recurrent[i]) < 1e-2, \
+            f"recurrent state of layer {i}: {_rel(state.recurrent[i], ref.recurrent[i]):.2e}"
     for i, c in state.kv.items():
         assert c.length == ref.kv[i].length
-        torch.testing.assert_close(c.k[:, :c.length], ref.kv[i].k[:, :c.length], atol=1e-4, rtol=1e-3)
+        k, k_ref = c.k[:, :c.length], ref.kv[i].k[:, :c.length]
+        assert _rel(k, k_ref) < 1e-3, f"keys of layer {i}: {_rel(k, k_ref):.2e}"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative difference of ``a`` from ``b``."""
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
 def test_bf16_end_to_end(target_path, prompt):
@@ -99,7 +109,7 @@ def test_bf16_end_to_end(target_path, prompt):
     draft = _right_draft(model, prompt, _plain_cuda, dtype=torch.bfloat16)
     ref = _plain_cuda(model, prompt, 48)
     new, stats = speculative_generate(model, draft, prompt, 48, spec_len=8, fallback_threshold=0)
-    assert len(new) == 48 and stats.acceptance_length > 1.3
+    assert len(new) == 48 and stats.acceptance_length > 1.3, f"acceptance {stats.acceptance_length:.2f}"
     # bf16 verify (one chunk) and plain decode (token by token) round differently; near-ties may
     # flip, so only the start is held to identity
-    assert new[:8] == ref[:8]
+    assert new[:8] == ref[:8], f"speculative {new[:8]} against plain {ref[:8]}"
