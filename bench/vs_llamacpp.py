@@ -1,0 +1,265 @@
+"""Our engine against llama.cpp's llama-bench on the same GGUF, side by side.
+
+    python bench/vs_llamacpp.py --model M.gguf (--llama-bench BIN | --llama-src SRC | --fetch-sdist DIR)
+        [--build-dir build/llama.cpp] [--cuda auto|on|off] [--cuda-arch 90] [--jobs N] [--cmake-arg -DX=Y]
+        [--prompts 512,8192] [--gen 128] [--depths 0,16384] [--repeats 3] [--ncmoe N]
+        [--weights dense|quantized] [--device auto] [--threads N] [--json out.json]
+
+llama.cpp comes from an existing llama-bench binary, or is built (llama-bench target only,
+CUDA when nvcc and a GPU are there) from a llama.cpp tree or the llama-cpp-python sdist, which
+vendors it; ``--fetch-sdist`` downloads that sdist first. Each measurement runs as its own
+llama-bench process (all layers on the GPU, flash attention on, ``-r`` repeats) so its GPU
+memory can be sampled alone; ours runs through ``Engine`` with one warm-up and the same repeats.
+Prompt processing is tokens/s over the prompt; generation is tokens/s over ``--gen`` tokens
+after ``depth`` tokens of context. ``--ncmoe N`` repeats everything with llama.cpp's experts of
+the first N layers on the CPU, and ours with an expert budget of the device bytes of the other
+layers' experts (the same share of experts on the GPU, placed by routing statistics).
+VRAM: ours is torch's peak allocated memory (no CUDA context or allocator slack); llama.cpp's
+is the GPU's memory in use above the level before it started (NVML or nvidia-smi, sampled every
+0.1 s), which includes its CUDA context. llama-bench sees only the GPU ours runs on.
+Decode rows without -ncmoe also show the bandwidth floor: active weight bytes per token (GGUF sizes) over
+the device's measured copy bandwidth; "x floor" is time per token over the floor's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import commit, machine
+from decode_floor import active_bytes, copy_bandwidth
+from llamacpp import (BenchTest, LlamaCppError, bench_command, build_llama_bench, cuda_visible_entry, fetch_sdist,
+                      llama_source, plan_build, probe_features, run_llama_bench)
+
+from engine.engine import Engine, resolve_device
+from engine.errors import ConfigError, EngineError
+from engine.placement import MB
+
+
+@dataclass(frozen=True)
+class Ours:
+    tok_s: list[float]
+    peak_mem_mb: float
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tok_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"samples_ts": self.tok_s, "median_ts": self.median,
+                "stddev_ts": statistics.stdev(self.tok_s) if len(self.tok_s) > 1 else 0.0,
+                "peak_mem_mb": self.peak_mem_mb}
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} needs at least one value, none negative")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, type=Path)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--llama-bench", type=Path, help="an existing llama-bench binary")
+    src.add_argument("--llama-src", type=Path, help="llama.cpp tree, or llama-cpp-python sdist (.tar.gz or unpacked)")
+    src.add_argument("--fetch-sdist", type=Path, metavar="DIR", help="pip download the llama-cpp-python sdist here")
+    ap.add_argument("--build-dir", type=Path, default=Path("build/llama.cpp"))
+    ap.add_argument("--cuda", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--cuda-arch", default=None, help="CMAKE_CUDA_ARCHITECTURES, read from the GPU when left out")
+    ap.add_argument("--jobs", type=int, default=None, help="build jobs (default: CPU count)")
+    ap.add_argument("--cmake-arg", action="append", default=[], metavar="-DNAME=VALUE",
+                    help="extra llama.cpp configure definition (repeatable), e.g. -DGGML_NATIVE=OFF")
+    ap.add_argument("--prompts", type=int_list, default=[512, 8192])
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--depths", type=int_list, default=[0, 16384])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ncmoe", type=int, default=None, help="also compare with the first N layers' experts on the CPU")
+    ap.add_argument("--weights", default="dense", choices=("dense", "quantized"))
+    ap.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (cpu: llama.cpp gets -ngl 0)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads for both")
+    ap.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth (default 1024 GPU, 256 CPU)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per llama-bench run")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    for name in ("gen", "repeats", "jobs", "threads", "bw_mib"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.ncmoe is not None and args.ncmoe < 1:
+        ap.error(f"--ncmoe must be at least 1, got {args.ncmoe}")
+    if not args.model.is_file():
+        ap.error(f"--model {args.model} is not a file")
+    return args
+
+
+def get_llama_bench(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    if args.llama_bench is not None:
+        return args.llama_bench, {"binary": str(args.llama_bench), "built": False}
+    source = args.llama_src if args.llama_src is not None else fetch_sdist(args.fetch_sdist)
+    root = llama_source(source, args.build_dir / "source")
+    plan = plan_build(root, args.build_dir, cuda=args.cuda, cuda_arch=args.cuda_arch, jobs=args.jobs,
+                      extra=tuple(args.cmake_arg))
+    binary = build_llama_bench(plan, say=lambda s: print(s, flush=True))
+    return binary, {"binary": str(binary), "built": True, "source": str(source), "cuda_arch": plan.cuda_arch,
+                    "configure": plan.configure_cmd()}
+
+
+def tests_for(args: argparse.Namespace, ncmoe: int) -> list[BenchTest]:
+    tail = f" ncmoe{ncmoe}" if ncmoe else ""
+    return ([BenchTest(f"pp{p}{tail}", p, 0, 0, ncmoe) for p in args.prompts if p > 0]
+            + [BenchTest(f"tg{args.gen}@d{d}{tail}", 0, args.gen, d, ncmoe) for d in args.depths])
+
+
+def time_ours(eng: Engine, test: BenchTest, repeats: int, gen: torch.Generator) -> Ours:
+    """Prefill: prompt tokens over time to first token. Decode: ``n_gen`` single-token steps
+    after a prompt of ``depth`` tokens (one token at depth 0), tokens over decode time."""
+    vocab = eng.config.vocab
+    if test.n_prompt:
+        ids = torch.randint(0, vocab, (test.n_prompt,), generator=gen).tolist()
+        eng.generate(ids, 1, ignore_eos=True)  # warm-up
+        runs = [eng.generate(ids, 1, ignore_eos=True).timings for _ in range(repeats)]
+        return Ours([test.n_prompt / t.prefill_s for t in runs], max(t.peak_mem_mb for t in runs))
+    ids = torch.randint(0, vocab, (max(test.depth, 1),), generator=gen).tolist()
+    eng.generate(ids, test.n_gen + 1, ignore_eos=True)
+    runs = [eng.generate(ids, test.n_gen + 1, ignore_eos=True).timings for _ in range(repeats)]
+    return Ours([t.decode_tok_s for t in runs], max(t.peak_mem_mb for t in runs))
+
+
+def ncmoe_budget_mb(eng: Engine, ncmoe: int) -> tuple[float, dict[str, Any]]:
+    """Device bytes of the routed experts of layers ``ncmoe``.. (all experts leave the GPU first)."""
+    placement = eng.set_expert_budget(0)
+    per_layer = [placement.n_expert * b for b in placement.expert_bytes]
+    budget = sum(per_layer[ncmoe:]) / MB
+    return budget, {"budget_mb": budget, "all_experts_mb": sum(per_layer) / MB}
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def print_table(rows: list[dict[str, Any]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("test", "ours tok/s", "llama.cpp tok/s", "ours/llama", "floor tok/s", "ours x floor",
+                "llama x floor", "VRAM ours MiB", "VRAM llama MiB"):
+        table.add_column(col, justify="left" if col == "test" else "right")
+    for r in rows:
+        ours, llama = r.get("ours"), r.get("llama")
+        o = ours["median_ts"] if ours else None
+        ll = llama["median_ts"] if llama else None
+        floor = r.get("floor_tok_s")
+        table.add_row(
+            r["name"],
+            "-" if o is None else f"{o:,.1f} ± {ours['stddev_ts']:,.1f}",
+            "-" if ll is None else f"{ll:,.1f} ± {llama['stddev_ts']:,.1f}",
+            fmt(o / ll if o and ll else None, 2), fmt(floor),
+            fmt(floor / o if floor and o else None, 2), fmt(floor / ll if floor and ll else None, 2),
+            fmt(ours.get("peak_vram_mib") if ours else None, 0), fmt(llama.get("peak_vram_mib") if llama else None, 0))
+    Console(width=None if sys.stdout.isatty() else 170).print(table)  # a log file keeps whole rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        dev = resolve_device(args.device)
+    except RuntimeError:
+        raise ConfigError(f"--device {args.device!r} is not a device (auto, cpu, cuda or cuda:N)") from None
+    on_gpu = dev.type == "cuda"
+    gpu = cuda_visible_entry(dev.index or 0) if on_gpu else None  # llama.cpp gets our GPU alone
+    notes: list[str] = []
+    binary, llama_info = get_llama_bench(args)
+    features = probe_features(binary)
+    llama_info["features"] = {"depth": features.depth, "ncmoe": features.ncmoe, "fa_on": features.fa_on}
+    if not features.depth and any(args.depths):
+        notes.append("this llama-bench has no -d/--n-depth option: llama.cpp's decode at depth > 0 is not measured")
+    if args.ncmoe is not None and not features.ncmoe:
+        notes.append("this llama-bench has no -ncmoe/--n-cpu-moe option: llama.cpp's -ncmoe rows are not measured")
+
+    bw = copy_bandwidth(dev, (args.bw_mib or (1024 if on_gpu else 256)) * MB)
+    if on_gpu:
+        torch.cuda.empty_cache()
+    active = active_bytes(args.model)
+    floor = active.floor_tok_s(bw)
+    print(f"{args.model.name}: {active.per_token / MB:.2f} MiB of weights per decoded token; copy bandwidth "
+          f"{bw / 1e9:.1f} GB/s on {dev}; floor {floor:,.1f} tok/s", flush=True)
+
+    passes = [0] + ([args.ncmoe] if args.ncmoe is not None else [])
+    rows: dict[str, dict[str, Any]] = {}
+    for ncmoe in passes:
+        for test in tests_for(args, ncmoe):
+            row = rows.setdefault(test.name, {"name": test.name, "n_prompt": test.n_prompt, "n_gen": test.n_gen,
+                                              "depth": test.depth, "ncmoe": ncmoe, "ours": None, "llama": None})
+            if test.n_gen and not ncmoe:  # with experts in host memory the device floor does not apply
+                row["floor_tok_s"] = floor
+            if (test.depth and not features.depth) or (ncmoe and not features.ncmoe):
+                continue
+            cmd = bench_command(binary, args.model, test, features, n_gpu_layers=99 if on_gpu else 0,
+                                repeats=args.repeats, threads=args.threads)
+            print(f"llama.cpp {test.name}: {' '.join(cmd)}", flush=True)
+            result = run_llama_bench(cmd, timeout_s=args.timeout, gpu=gpu)
+            row["llama"] = result.record.as_dict() | {"peak_vram_mib": result.peak_vram_mib,
+                                                      "command": result.command, "wall_s": result.wall_s}
+            llama_info.setdefault("build_commit", result.record.build_commit)
+            llama_info.setdefault("backends", result.record.backends)
+            print(f"  {result.record.median_ts:,.1f} tok/s", flush=True)
+
+    eng = Engine.from_gguf(args.model, device=dev, weights=args.weights, threads=args.threads)
+    gen = torch.Generator().manual_seed(0)
+    ours_info: dict[str, Any] = {"device": str(eng.device), "dtype": str(eng.dtype), "weights": args.weights,
+                                 "load_s": eng.load_s}
+    for ncmoe in passes:
+        if ncmoe:
+            budget, info = ncmoe_budget_mb(eng, ncmoe)
+            try:
+                placement = eng.set_expert_budget(budget)
+            except EngineError as exc:
+                notes.append(f"ours with the experts of layers {ncmoe}.. on the device ({budget:.0f} MB) "
+                             f"could not be placed: {exc}")
+                continue
+            ours_info["ncmoe"] = info | placement.summary()
+        for test in tests_for(args, ncmoe):
+            ours = time_ours(eng, test, args.repeats, gen)
+            rows[test.name]["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}
+            print(f"ours {test.name}: {ours.median:,.1f} tok/s", flush=True)
+
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), "commit": commit(),
+        "model": str(args.model), "model_bytes": args.model.stat().st_size,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "bandwidth_bytes_s": bw, "active_bytes": {"per_token": active.per_token, "non_expert": active.non_expert,
+                                                  "embedding_row": active.embedding_row,
+                                                  "experts_active": active.experts_active},
+        "llama_cpp": llama_info, "ours": ours_info, "rows": list(rows.values()), "notes": notes,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except (LlamaCppError, EngineError) as exc:
+        sys.exit(f"error: {exc}")
+    print_table(result["rows"], f"{args.model.name} on {result['machine']}: ours ({args.weights}) vs llama.cpp "
+                                f"{result['llama_cpp'].get('build_commit', '')}")
+    for note in result["notes"]:
+        print(f"note: {note}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
