@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.tiles import check_tiles
+
 
 @dataclass(frozen=True)
 class MoEKernelConfig:
@@ -37,16 +39,8 @@ class MoEKernelConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        tiles = {"gemv_block_n": 1, "gemv_block_k": 16, "block_m": 16, "block_m_small": 16, "block_n": 16,
-                 "block_k": 16}  # tensor-core dots need 16
-        for name, least in tiles.items():
-            value = getattr(self, name)
-            if value < least or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
-        for name in ("gemv_num_warps", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
+        check_tiles(self, {"gemv_block_n": 1, "gemv_block_k": 16, "block_m": 16, "block_m_small": 16,
+                           "block_n": 16, "block_k": 16}, ("gemv_num_warps", "num_warps"))
         if self.gemv_max_tokens < 0 or self.num_stages < 1:
             raise ValueError(f"gemv_max_tokens must be >= 0 and num_stages >= 1, got "
                              f"{self.gemv_max_tokens} and {self.num_stages}")

@@ -29,6 +29,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels.quant.reference import QuantExperts, QuantMatrix
+from engine.kernels.tiles import check_tiles
 
 # Kernel-side codes for the quant types (constexpr branches in ``_dequant``).
 _CODE = {Q.Q4_0: 0, Q.Q8_0: 1, Q.Q4_K: 2, Q.Q5_K: 3, Q.Q6_K: 4}
@@ -53,15 +54,8 @@ class QuantKernelConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        tiles = {"gemv_block_n": 1, "gemv_block_k": 16, "block_m": 16, "block_n": 16, "block_k": 16}
-        for name, least in tiles.items():
-            value = getattr(self, name)
-            if value < least or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
-        for name in ("gemv_num_warps", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
+        check_tiles(self, {"gemv_block_n": 1, "gemv_block_k": 16, "block_m": 16, "block_n": 16, "block_k": 16},
+                    ("gemv_num_warps", "num_warps"))
         if not 0 <= self.gemv_max_m <= 16:
             raise ValueError(f"gemv_max_m must be in [0, 16], got {self.gemv_max_m}")
         if self.gemv_split_k < 0 or self.num_stages < 1:
