@@ -16,9 +16,5 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """``x @ w.T`` over the last dimension of ``x``, for a dense or a quantized ``w``."""
     if isinstance(w, QuantMatrix):
         flat = x.reshape(-1, x.shape[-1])
-        return w.matmul(flat if flat.is_contiguous() else flat.contiguous()).view(*x.shape[:-1], w.n)
+        return w.matmul(flat.contiguous()).view(*x.shape[:-1], w.n)
     return F.linear(x, w)
-
-
-def weight_bytes(w: Weight) -> int:
-    return w.nbytes if isinstance(w, QuantMatrix) else w.numel() * w.element_size()

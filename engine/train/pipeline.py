@@ -148,7 +148,7 @@ def _measure(model, cfg: TrainConfig, data: FamilyData, settings: RunSettings, u
 
 def measure_niah(gguf_path, haystack_file: Path, *, device: torch.device, cases: int, seed: int,
                  contexts: tuple[int, ...] = NIAH_CONTEXTS, max_new: int = 8) -> dict[str, Any]:
-    """Greedy needle retrieval of the exported file through the engine, on held-out text.
+    """Greedy needle retrieval of the exported file through the engine, haystacks from ``haystack_file``.
 
     The same cases and scorer the PFlash benchmark uses (``tuner.workloads``), full prefill.
     """
@@ -166,7 +166,7 @@ def measure_niah(gguf_path, haystack_file: Path, *, device: torch.device, cases:
         rows.append({"context": context, "cases": len(hits), "accuracy": sum(hits) / len(hits),
                      "missed_depths": [round(c.depth, 3) for c, h in zip(grid, hits) if not h]})
     del eng
-    return {"rows": rows, "haystack": "held-out library text", "max_new_tokens": max_new}
+    return {"rows": rows, "haystack": Path(haystack_file).name, "max_new_tokens": max_new}
 
 
 def _report(name, cfg: TrainConfig, settings: RunSettings, data: FamilyData, result, heldout, retrieval,

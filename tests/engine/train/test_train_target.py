@@ -335,3 +335,23 @@ def test_train_command_trains_the_target_on_cuda(tmp_path):
     ids = eng.tokenizer.encode("def main():\n    ")
     assert torch.isfinite(eng.logits(ids)).all()
     assert len(eng.generate(ids, 16).ids) == 16
+
+
+def test_measure_niah_finds_the_needle_with_the_shipped_target(tmp_path):
+    """The report's NIAH measure runs the exported file through the engine and scores it."""
+    from pathlib import Path
+
+    from engine.train.corpus import SourceFile, write_documents
+    from engine.train.pipeline import measure_niah
+
+    target = Path(__file__).resolve().parents[3] / "models" / "luce-target.gguf"
+    if not target.exists():
+        pytest.skip("the shipped target is not in this checkout")
+    text = "import os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n        yield name\n" * 120
+    hay = tmp_path / "held_out.txt"
+    write_documents(hay, [SourceFile("a.py", text).text])
+    report = measure_niah(target, hay, device=torch.device("cpu"), cases=3, seed=0, contexts=(512,))
+    (row,) = report["rows"]
+    assert row["context"] == 512 and row["cases"] == 3
+    assert row["accuracy"] == 1.0 and row["missed_depths"] == []
+    assert report["haystack"] == "held_out.txt"
