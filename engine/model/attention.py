@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.model.config import ModelConfig
 from engine.model.norm import rms_norm
 from engine.model.state import KVCache
 from engine.model.weights import AttentionWeights
 from engine.model.linear import linear
+
+
+# cuDNN's attention builds a new execution plan for every key length it meets: ~17 ms of host
+# time per call in decode, where the key length grows by one each step (profiled on the H200)
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` restricted to the backends whose cost does not grow with
+    the number of distinct shapes seen (flash, memory-efficient, math)."""
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,9 +45,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rotated, x[..., 2 * half:]], dim=-1)
 
 
-def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                      cfg: ModelConfig) -> torch.Tensor:
-    """x [T, hidden] (already normed), positions [T] -> [T, hidden]; appends to ``cache``."""
+def _project(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor,
+             cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, n_head, D] and k [T, n_head_kv, D] normed and rotated, v [T, n_head_kv, D], gate [T, n_head * D]."""
     T = x.shape[0]
     D = cfg.head_dim
     qg = linear(x, w.q).view(T, cfg.n_head, 2 * D)
@@ -44,18 +57,54 @@ def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Ten
     q = rms_norm(q, w.q_norm, cfg.rms_eps)
     k = rms_norm(k, w.k_norm, cfg.rms_eps)
     cos, sin = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
+
+def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      cfg: ModelConfig) -> torch.Tensor:
+    """x [T, hidden] (already normed), positions [T] -> [T, hidden]; appends to ``cache``."""
+    T = x.shape[0]
+    q, k, v, gate = _project(w, x, positions, cfg)
     past = cache.length
     keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))  # [n_head_kv, past + T, D]
-    if past == 0:
-        mask, causal = None, True
+    if past == 0:  # a prompt from the start: causal attention, the backend's own choice
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], is_causal=True,
+                                             enable_gqa=cfg.n_head != cfg.n_head_kv)
+        out = out[0].transpose(0, 1).reshape(T, cfg.n_head * cfg.head_dim)
     else:
         # query i sits at cache index past + i and sees keys 0 ..= past + i
         idx = torch.arange(past + T, device=x.device)
         mask = idx[None, :] <= (past + torch.arange(T, device=x.device))[:, None]
-        causal = False
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                         is_causal=causal, enable_gqa=cfg.n_head != cfg.n_head_kv)
-    out = out[0].transpose(0, 1).reshape(T, cfg.n_head * D)
+        out = grouped_attention(q, keys, values, mask)
+    return linear(out * torch.sigmoid(gate), w.o)
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [T, n_head, D] against keys, values [n_head_kv, K, D] with ``visible`` [T, K] bool -> [T, n_head * D].
+
+    Query head h reads KV head h // group: the group's heads become group * T queries of their
+    KV head, so the cache is read as it is, never expanded to n_head heads.
+    """
+    T, n_head, D = q.shape
+    n_kv = keys.shape[0]
+    group = n_head // n_kv
+    qh = q.view(T, n_kv, group, D).permute(1, 2, 0, 3).reshape(n_kv, group * T, D)
+    mask = visible.repeat(group, 1)  # row g * T + t is query t's
+    out = sdpa(qh[None], keys[None], values[None], attn_mask=mask)
+    return out[0].view(n_kv, group, T, D).permute(2, 0, 1, 3).reshape(T, n_head * D)
+
+
+def attention_static(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     visible: torch.Tensor, cache: KVCache, cfg: ModelConfig) -> torch.Tensor:
+    """``attention_forward`` with every index on the device, for a decode step of fixed shapes.
+
+    x [T, hidden] (already normed), positions [T]; ``slots`` [T] int64 are the cache indices
+    the tokens' keys and values are written to, ``visible`` [T, max_len] bool the keys each
+    query sees. Attention runs over the whole preallocated cache; ``cache.length`` is left
+    to the caller.
+    """
+    q, k, v, gate = _project(w, x, positions, cfg)
+    cache.k.index_copy_(1, slots, k.transpose(0, 1).to(cache.k.dtype))
+    cache.v.index_copy_(1, slots, v.transpose(0, 1).to(cache.v.dtype))
+    out = grouped_attention(q, cache.k, cache.v, visible)
     return linear(out * torch.sigmoid(gate), w.o)
