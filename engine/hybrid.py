@@ -9,9 +9,10 @@ from host memory while the GPU works, and the two partial sums are added on the 
 ``set_budget`` re-plans the placement and moves only the experts that change tier.
 
 A layer with cold experts reads its routing back to the host once per call (the cold tier
-cannot start without it); a layer whose experts are all hot runs without host syncs. On a
-CPU-only machine both tiers live in host memory (hot experts are then held twice) and the
-same code paths run.
+cannot start without it); a layer whose experts are all hot runs without host syncs, and a
+placement with every expert hot is ``graph_safe``: the hit counters are device tensors, so
+they also count inside a replayed CUDA graph. On a CPU-only machine both tiers live in host
+memory (hot experts are then held twice) and the same code paths run.
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ class HybridExperts:
         with torch.inference_mode(False):
             self._layers = [_LayerTiers(host, self.device) for host in hosts]
             self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
-        self._pairs = [0] * len(self._layers)
+            self._pairs = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
+        self.placement_version = 0  # bumped by every set_budget: device slots may have been reallocated
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
         self.placement: Placement
         self.set_budget(budget_mb)
@@ -275,8 +277,14 @@ class HybridExperts:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         self.placement = placement
+        self.placement_version += 1
         self.reset_counters()
         return placement
+
+    @property
+    def graph_safe(self) -> bool:
+        """Every expert hot and the Triton kernel in use: calls never wait for the host."""
+        return self.impl == "triton" and all(layer.n_hot == layer.n_expert for layer in self._layers)
 
     @property
     def expert_vram_bytes(self) -> int:
@@ -293,7 +301,7 @@ class HybridExperts:
         layer = self._layers[layer_idx]
         slots = layer.slot_of[topk_ids]  # [T, k], -1 where the expert is cold
         self._hot_hits[layer_idx].add_((slots >= 0).sum())
-        self._pairs[layer_idx] += topk_ids.numel()
+        self._pairs[layer_idx].add_(topk_ids.numel())
         if layer.n_hot == layer.n_expert:
             return fused_moe(x, *layer.slots, slots, topk_w, impl=self.impl, config=self.kernel_config)
 
@@ -329,16 +337,16 @@ class HybridExperts:
     def stats_snapshot(self) -> HybridStats:
         """Counters since the last reset (reads the device counters: one host synchronisation)."""
         placement = self.placement
-        hot_hits = int(self._hot_hits.sum())
+        hot_hits, pairs = torch.stack([self._hot_hits.sum(), self._pairs.sum()]).tolist()
         return HybridStats(
             budget_mb=placement.budget_mb, hot_experts=placement.hot_count, cold_experts=placement.cold_count,
-            hot_hits=hot_hits, cold_hits=sum(self._pairs) - hot_hits,
+            hot_hits=hot_hits, cold_hits=pairs - hot_hits,
             expected_cold_hit_rate=placement.expected_cold_hit_rate, expert_vram_mb=self.expert_vram_bytes / MB,
             expert_host_mb=self.expert_host_bytes / MB)
 
     def reset_counters(self) -> None:
         self._hot_hits.zero_()
-        self._pairs = [0] * len(self._layers)
+        self._pairs.zero_()
 
     def close(self) -> None:
         """Stop the CPU threads and close the GGUF file, if any (the executor cannot run afterwards)."""

@@ -3,7 +3,8 @@
 Per value head, with state ``S`` [head_k, head_v] in float32 and per token ``t``:
 ``S = exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S = S + k_t u_t^T;  o_t = S^T q_t``.
 The torch reference has a token-by-token form (decode) and a chunked form (prefill); on
-CUDA fla's Triton kernels replace both when fla is importable.
+CUDA fla's Triton kernels replace both when fla is importable. The captured decode step
+uses ``decode_delta_rule`` instead (the repository's own Triton decode kernel on CUDA).
 """
 
 from __future__ import annotations
@@ -130,6 +131,27 @@ class DeltaRule:
         return fn(q, k, v, g, beta, state, scale)
 
 
+def decode_delta_rule(head_k: int, head_v: int, *, impl: str) -> tuple[DeltaRuleFn, str]:
+    """The delta rule of a fixed-shape decode step (1 to 16 tokens) and its backend name.
+
+    ``triton``: the Triton decode kernel (``engine.kernels.gdn_decode``), which writes the new
+    state over the old one, for head sizes it handles (on the CPU it needs TRITON_INTERPRET=1);
+    ``torch``, or head sizes beyond the kernel: the token-by-token torch definition. Neither
+    synchronises with the host.
+    """
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"delta rule implementation must be triton or torch, got {impl!r}")
+    if impl == "triton":
+        from engine.kernels.gdn_decode import MAX_HEAD_DIM, delta_rule_decode_triton
+
+        if max(head_k, head_v) <= MAX_HEAD_DIM:
+            def in_place(q, k, v, g, beta, state, scale):
+                return delta_rule_decode_triton(q, k, v, g, beta, state, scale, out_state=state)
+
+            return in_place, "triton"
+    return delta_rule_recurrent, "torch"
+
+
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of x [T, C] continuing from ``state`` [C, K-1]; returns (out [T, C], new state)."""
     padded = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
@@ -137,8 +159,14 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
     return out.transpose(0, 1), padded[:, padded.shape[1] - state.shape[1]:]
 
 
+def _per_value_head(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """[T, hk, d] -> [T, hv, d], key head p // (hv / hk) at value head p (a copy, no host sync)."""
+    T, hk, d = x.shape
+    return x[:, :, None].expand(T, hk, hv // hk, d).reshape(T, hv, d)
+
+
 def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
-                cfg: ModelConfig, delta_rule: DeltaRule) -> torch.Tensor:
+                cfg: ModelConfig, delta_rule: DeltaRuleFn) -> torch.Tensor:
     """x [T, hidden] (already normed) -> [T, hidden]; updates both states in place."""
     T = x.shape[0]
     hk, hv, dk, dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
@@ -147,8 +175,8 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     mixed = F.silu(mixed)
     q, k, v = mixed.split([cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
     # value head p reads key head p // (hv / hk): HF/fla order, undone from GGUF's tiling at load
-    q = l2norm(q.reshape(T, hk, dk)).repeat_interleave(hv // hk, dim=1)
-    k = l2norm(k.reshape(T, hk, dk)).repeat_interleave(hv // hk, dim=1)
+    q = _per_value_head(l2norm(q.reshape(T, hk, dk)), hv)
+    k = _per_value_head(l2norm(k.reshape(T, hk, dk)), hv)
     v = v.reshape(T, hv, dv)
     beta = torch.sigmoid(linear(x, w.beta).float())
     g = w.a * F.softplus(linear(x, w.alpha).float() + w.dt_bias)

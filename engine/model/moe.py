@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.moe import fused_moe, resolve_impl
 from engine.model.config import ModelConfig
 from engine.model.weights import ExpertWeights, MoEWeights
 from engine.model.linear import linear
@@ -17,7 +18,11 @@ RoutingObserver = Callable[[int, torch.Tensor], None]
 
 
 class ExpertExecutor(Protocol):
-    """Computes ``sum_i w[t, i] * expert_{ids[t, i]}(x[t])`` for one layer's routed experts."""
+    """Computes ``sum_i w[t, i] * expert_{ids[t, i]}(x[t])`` for one layer's routed experts.
+
+    An executor whose ``graph_safe`` attribute is true runs without host synchronisation and
+    Python-side state, so a decode step through it can be captured in a CUDA graph.
+    """
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_w: torch.Tensor) -> torch.Tensor:
@@ -33,9 +38,11 @@ def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
 class TorchExpertExecutor:
     """Reference executor: gathers the tokens of each routed expert and runs only those experts.
 
-    The per-expert token counts come to the host once per layer; a graph-friendly executor
-    for the decode loop replaces this one.
+    The per-expert token counts come to the host once per layer; the captured decode step
+    runs ``FusedExpertExecutor`` on the same weights instead.
     """
+
+    graph_safe = False
 
     def __init__(self, experts: Sequence[ExpertWeights] | Mapping[int, ExpertWeights]):
         self.experts = experts  # indexed by layer
@@ -59,6 +66,25 @@ class TorchExpertExecutor:
             y = expert_ffn(x[tokens], *ew.expert(e))
             out.index_add_(0, tokens, y.float() * weights[slots, None])
         return out.to(x.dtype)
+
+
+class FusedExpertExecutor:
+    """All experts of every layer through ``engine.kernels.moe.fused_moe`` on the stacked weights.
+
+    With the Triton kernels nothing reads the routing back to the host (graph safe); with
+    ``impl="torch"`` it is the reference, which does.
+    """
+
+    def __init__(self, experts: Sequence[ExpertWeights] | Mapping[int, ExpertWeights], *, impl: str = "auto",
+                 device: torch.device | str = "cpu"):
+        self.experts = experts  # indexed by layer
+        self.impl = resolve_impl(impl, torch.device(device))
+        self.graph_safe = self.impl == "triton"
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_w: torch.Tensor) -> torch.Tensor:
+        ew = self.experts[layer_idx]
+        return fused_moe(x, ew.gate, ew.up, ew.down, topk_ids, topk_w, impl=self.impl)
 
 
 def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ Layer ``i``: ``h = x + Mixer(norm(x))`` (gated attention or Gated DeltaNet), the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine.errors import ConfigError
 from engine.model.attention import attention_forward
 from engine.model.config import ModelConfig
-from engine.model.gated_deltanet import DeltaRule, gdn_forward
+from engine.model.gated_deltanet import DeltaRule, DeltaRuleFn, gdn_forward
 from engine.model.moe import ExpertExecutor, RoutingObserver, TorchExpertExecutor, moe_forward
 from engine.model.norm import rms_norm
 from engine.model.state import ModelState
@@ -23,6 +23,9 @@ from engine.model.weights import AttentionWeights, ModelWeights, TensorSource, l
 from engine.model.linear import linear
 
 LOGITS_MODES = ("all", "last", "none")
+
+# (layer index, its attention weights, normed input [T, hidden]) -> mixer output [T, hidden]
+AttendFn = Callable[[int, AttentionWeights, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -106,24 +109,39 @@ class Qwen35MoE:
                 raise ValueError(f"positions must have shape ({T},), got {tuple(pos.shape)}")
             next_position = int(pos[-1]) + 1
 
-        w = self.weights
-        h = F.embedding(ids.to(self.device), w.embed)
-        hidden: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(w.layers):
-            x = rms_norm(h, layer.attn_norm, cfg.rms_eps)
-            if isinstance(layer.mixer, AttentionWeights):
-                h = h + attention_forward(layer.mixer, x, pos, state.kv[i], cfg)
-            else:
-                h = h + gdn_forward(layer.mixer, x, state.conv[i], state.recurrent[i], cfg, self.delta_rule)
-            x = rms_norm(h, layer.post_norm, cfg.rms_eps)
-            h = h + moe_forward(layer.moe, x, i, cfg, self.executor, self.routing_observer)
-            if i in capture:
-                hidden[i] = h
-        final = rms_norm(h, w.output_norm, cfg.rms_eps)
+        def attend(i: int, mixer: AttentionWeights, x: torch.Tensor) -> torch.Tensor:
+            return attention_forward(mixer, x, pos, state.kv[i], cfg)
+
+        h = F.embedding(ids.to(self.device), self.weights.embed)
+        final, hidden = self.run_layers(h, state, attend, delta_rule=self.delta_rule, executor=self.executor,
+                                        observer=self.routing_observer, capture=capture)
         state.seq_len += T
         state.next_position = next_position
 
         out = None
         if logits != "none":
-            out = linear(final if logits == "all" else final[-1:], w.output).float()
+            out = linear(final if logits == "all" else final[-1:], self.weights.output).float()
         return ForwardOutput(logits=out, final_hidden=final, hidden=hidden)
+
+    def run_layers(self, h: torch.Tensor, state: ModelState, attend: AttendFn, *, delta_rule: DeltaRuleFn,
+                   executor: ExpertExecutor, observer: RoutingObserver | None = None,
+                   capture: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Every layer over the embedded tokens ``h`` [T, hidden], then the final norm.
+
+        ``attend`` runs the attention mixers (it owns their KV caches); the Gated DeltaNet
+        states of ``state`` are updated in place. Returns the final hidden [T, hidden] and the
+        residual stream after each layer in ``capture``. ``state``'s lengths are the caller's.
+        """
+        cfg = self.cfg
+        hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.weights.layers):
+            x = rms_norm(h, layer.attn_norm, cfg.rms_eps)
+            if isinstance(layer.mixer, AttentionWeights):
+                h = h + attend(i, layer.mixer, x)
+            else:
+                h = h + gdn_forward(layer.mixer, x, state.conv[i], state.recurrent[i], cfg, delta_rule)
+            x = rms_norm(h, layer.post_norm, cfg.rms_eps)
+            h = h + moe_forward(layer.moe, x, i, cfg, executor, observer)
+            if i in capture:
+                hidden[i] = h
+        return rms_norm(h, self.weights.output_norm, cfg.rms_eps), hidden

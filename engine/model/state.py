@@ -88,6 +88,18 @@ class ModelState:
             next_position=self.next_position,
         )
 
+    def reset(self) -> None:
+        """Empty the state in place (buffers are kept: a captured decode step still reads them).
+
+        KV caches only drop their length: entries past it are never attended to.
+        """
+        for c in self.kv.values():
+            c.length = 0
+        for t in (*self.conv.values(), *self.recurrent.values()):
+            t.zero_()
+        self.seq_len = 0
+        self.next_position = 0
+
     def copy_from(self, other: "ModelState") -> None:
         """Overwrite this state with ``other`` in place (buffers are reused, no allocation)."""
         if self.kv.keys() != other.kv.keys() or self.conv.keys() != other.conv.keys():

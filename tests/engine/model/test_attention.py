@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.model.attention import apply_rope, attention_forward, rope_cos_sin
+from engine.model.attention import apply_rope, attention_forward, attention_static, rope_cos_sin
 from engine.model.config import ModelConfig
 from engine.model.state import KVCache
 from engine.model.weights import AttentionWeights
@@ -94,3 +94,25 @@ def test_cropped_cache_recomputes_the_same_tokens():
     cache.crop(7)
     again = attention_forward(w, x[7:], pos[7:], cache, cfg)
     torch.testing.assert_close(again, first[7:], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_static_attention_writes_at_device_indices_and_masks_the_rest(T):
+    """attention_static over a cache of 15 slots holding 6 tokens, the slots past them filled with
+    garbage: same output and cache contents as attention_forward, cache.length untouched."""
+    cfg, w, x = _attention_setup(seed=2)
+    pos = torch.tensor([0, 1, 2, 3, 10, 11, 12, 13, 14])  # kept tokens keep their positions
+    eager = KVCache.empty(cfg.n_head_kv, 15, cfg.head_dim, device="cpu", dtype=torch.float32)
+    attention_forward(w, x[:6], pos[:6], eager, cfg)
+    static = KVCache(eager.k.clone(), eager.v.clone(), eager.length)
+    static.k[:, 6:] = 1e3
+    static.v[:, 6:] = -1e3
+    ref = attention_forward(w, x[6:6 + T], pos[6:6 + T], eager, cfg)
+
+    slots = torch.tensor(6) + torch.arange(T)
+    visible = torch.arange(15)[None, :] <= slots[:, None]
+    out = attention_static(w, x[6:6 + T], pos[6:6 + T], slots, visible, static, cfg)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(static.k[:, :6 + T], eager.k[:, :6 + T], rtol=0, atol=0)
+    torch.testing.assert_close(static.v[:, :6 + T], eager.v[:, :6 + T], rtol=0, atol=0)
+    assert static.length == 6 and bool((static.k[:, 6 + T:] == 1e3).all())

@@ -1,0 +1,215 @@
+"""A decode step of fixed shapes, captured in a CUDA graph and replayed once per token.
+
+``Qwen35MoE.forward`` sizes its work from Python ints (the KV cache length, the positions)
+and its default expert executor reads the routing back to the host in every layer, so each
+token costs thousands of launches driven from Python. The static step here runs ``T``
+tokens (1 for plain decoding, a verify block for speculative decoding) with everything that
+changes between steps in preallocated device buffers: token ids, positions and the KV
+caches' length. Keys and values are written at device-side indices, attention runs over the
+whole preallocated cache under a mask built from that length, the Gated DeltaNet layers use
+the Triton decode kernel and the routed experts the fused-MoE kernels. The step launches the
+same kernels on the same addresses every time, so it is captured once, after a warm-up that
+compiles the Triton kernels, and replayed with one launch.
+
+``DecodeGraph`` keeps the state's Python-side lengths and next position in step with what the
+device did, so eager ``forward`` calls continue from the same state. Where the step cannot
+be captured, ``graph_blocker`` says why (a hybrid placement with cold experts on the CPU
+needs the host; so does a routing observer, or any executor not marked ``graph_safe``) and
+the same object runs the static step eagerly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Collection
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ConfigError
+from engine.model.attention import attention_static
+from engine.model.gated_deltanet import decode_delta_rule
+from engine.model.linear import linear
+from engine.model.moe import ExpertExecutor, FusedExpertExecutor, TorchExpertExecutor
+from engine.model.qwen35moe import Qwen35MoE
+from engine.model.state import ModelState
+from engine.model.weights import AttentionWeights
+
+MAX_TOKENS = 16  # the Triton GDN decode kernel's limit; verify blocks are shorter
+KERNELS = ("auto", "triton", "torch")
+WARMUP_RUNS = 2  # the first compiles the Triton kernels, the second runs as the graph will
+
+
+def resolve_kernels(kernels: str, device: torch.device) -> str:
+    """``auto`` means the Triton kernels on CUDA when Triton is installed, torch otherwise."""
+    if kernels not in KERNELS:
+        raise ValueError(f"decode kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+    return kernels
+
+
+def static_executor(model: Qwen35MoE, kernels: str) -> ExpertExecutor:
+    """The expert executor the static step runs: the model's default one becomes the fused-MoE
+    executor over the same weights when the Triton kernels are in use; others are kept."""
+    executor = model.executor
+    if isinstance(executor, TorchExpertExecutor) and kernels == "triton":
+        return FusedExpertExecutor(executor.experts, impl="triton", device=model.device)
+    return executor
+
+
+def graph_blocker(model: Qwen35MoE, kernels: str = "auto") -> str | None:
+    """Why the model's decode step cannot be captured in a CUDA graph, or None when it can."""
+    if model.device.type != "cuda":
+        return f"the model is on {model.device.type}, not on a CUDA device"
+    if model.routing_observer is not None:
+        return "a routing observer is attached (it runs Python inside every layer)"
+    executor = static_executor(model, resolve_kernels(kernels, model.device))
+    if not getattr(executor, "graph_safe", False):
+        return (f"the expert executor {type(executor).__name__} needs the host on every layer "
+                "(cold experts on CPU threads, or a torch kernel path)")
+    return None
+
+
+class DecodeGraph:
+    """The static decode step of ``model`` over ``state``, captured when the configuration allows.
+
+    The graph is bound to ``state``'s buffers: keep using this state (``ModelState.reset`` and
+    ``copy_from`` work in place), not a clone. ``graph``: None captures where
+    ``graph_blocker`` allows, True insists (``ConfigError`` otherwise), False never captures.
+    ``kernels`` picks the Triton or torch implementations (``resolve_kernels``); on the CPU
+    ``triton`` needs TRITON_INTERPRET=1. The warm-up before a capture runs the step twice
+    (the state is restored afterwards; an executor's hit counters see those runs).
+    """
+
+    def __init__(self, model: Qwen35MoE, state: ModelState, *, tokens: int = 1,
+                 capture_layers: Collection[int] = (), kernels: str = "auto", graph: bool | None = None):
+        cfg = model.cfg
+        if not 1 <= tokens <= MAX_TOKENS:
+            raise ValueError(f"a static decode step takes 1 to {MAX_TOKENS} tokens, got {tokens}")
+        if state.kv and tokens > state.max_len:
+            raise ValueError(f"{tokens} tokens per step do not fit the state's KV caches of {state.max_len}")
+        bad = sorted(i for i in capture_layers if not 0 <= i < cfg.n_layers)
+        if bad:
+            raise ValueError(f"capture_layers {bad} outside 0..{cfg.n_layers - 1}")
+        self.model = model
+        self.state = state
+        self.tokens = tokens
+        self.kernels = resolve_kernels(kernels, model.device)
+        self.executor = static_executor(model, self.kernels)
+        self.delta_rule, self.gdn_backend = decode_delta_rule(cfg.gdn_head_k, cfg.gdn_head_v, impl=self.kernels)
+        self.blocker = graph_blocker(model, self.kernels)
+        if graph and self.blocker is not None:
+            raise ConfigError(f"the decode step cannot be captured in a CUDA graph: {self.blocker}")
+        # what the capture read: a later swap of the executor or of its device slots invalidates it
+        self._source = (model.executor, _placement_version(model.executor))
+
+        dev = model.device
+        with torch.inference_mode():
+            self.ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+            self.positions = torch.zeros(tokens, dtype=torch.long, device=dev)
+            self.cache_len = torch.zeros((), dtype=torch.long, device=dev)
+            self.logits = torch.zeros(tokens, cfg.vocab, dtype=torch.float32, device=dev)
+            self.hidden = {i: torch.zeros(tokens, cfg.hidden, dtype=model.dtype, device=dev)
+                           for i in sorted(capture_layers)}
+            self._offsets = torch.arange(tokens, device=dev)
+            self._keys = torch.arange(state.max_len, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if graph is not False and self.blocker is None:
+            self.graph = self._capture()
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    @property
+    def path(self) -> str:
+        """``cuda_graph`` when steps replay the captured graph, ``static`` when they run eagerly."""
+        return "cuda_graph" if self.captured else "static"
+
+    def current(self) -> bool:
+        """False once the model's expert executor or its placement changed since construction."""
+        executor, version = self._source
+        model = self.model
+        return (model.executor is executor and _placement_version(executor) == version
+                and (not self.captured or model.routing_observer is None))
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run ``ids`` [T] at the state's next positions and advance the state.
+
+        Returns the logits buffer [T, vocab] float32, overwritten by the next step; the
+        residual streams of ``capture_layers`` are in ``hidden`` likewise.
+        """
+        T = self.tokens
+        if ids.shape != (T,):
+            raise ValueError(f"ids must have shape ({T},), got {tuple(ids.shape)}")
+        state = self.state
+        length = self._cache_length()
+        if state.kv and length + T > state.max_len:
+            raise ConfigError(f"{T} more tokens do not fit the state's KV caches of {state.max_len} tokens "
+                              f"({length} held)")
+        self.ids.copy_(ids)
+        torch.add(self._offsets, state.next_position, out=self.positions)
+        self.cache_len.fill_(length)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._run()
+        for c in state.kv.values():
+            c.length += T
+        state.seq_len += T
+        state.next_position += T
+        return self.logits
+
+    def _cache_length(self) -> int:
+        lengths = {c.length for c in self.state.kv.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"the state's KV caches hold different lengths {sorted(lengths)}")
+        return lengths.pop() if lengths else 0
+
+    def _run(self) -> None:
+        """The step itself: reads only the device buffers, writes the state, logits and hidden."""
+        model, state = self.model, self.state
+        slots = self.cache_len + self._offsets  # [T] cache index of each token
+        visible = self._keys[None, :] <= slots[:, None]  # [T, max_len]: causal inside the block
+
+        def attend(i: int, mixer: AttentionWeights, x: torch.Tensor) -> torch.Tensor:
+            return attention_static(mixer, x, self.positions, slots, visible, state.kv[i], model.cfg)
+
+        h = F.embedding(self.ids, model.weights.embed)
+        observer = None if self.graph is not None else model.routing_observer
+        final, hidden = model.run_layers(h, state, attend, delta_rule=self.delta_rule, executor=self.executor,
+                                         observer=observer, capture=self.hidden.keys())
+        self.logits.copy_(linear(final, model.weights.output))
+        for i, out in hidden.items():
+            self.hidden[i].copy_(out)
+
+    @torch.inference_mode()
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        state, T = self.state, self.tokens
+        saved_kv = {i: (c.k[:, :T].clone(), c.v[:, :T].clone()) for i, c in state.kv.items()}
+        saved = [(t, t.clone()) for t in (*state.conv.values(), *state.recurrent.values())]
+        self.ids.zero_()
+        self.positions.copy_(self._offsets)
+        self.cache_len.zero_()
+        device = self.model.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self._run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._run()
+        for i, (k, v) in saved_kv.items():
+            state.kv[i].k[:, :T] = k
+            state.kv[i].v[:, :T] = v
+        for t, copy in saved:
+            t.copy_(copy)
+        return graph
+
+
+def _placement_version(executor: ExpertExecutor) -> int:
+    return getattr(executor, "placement_version", 0)

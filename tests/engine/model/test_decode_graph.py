@@ -1,0 +1,289 @@
+"""The static decode step (engine.model.decode_graph) against the eager forward.
+
+On the CPU the step runs eagerly: over several consecutive steps it must give the eager
+logits and leave the same KV, conv and recurrent states, with the torch kernels and with
+the Triton ones under the interpreter (the GDN decode kernel, the fused-MoE GEMV kernels),
+and eager forwards must continue from its state. On CUDA the step is captured and replayed.
+
+Bounds. Float32 on the CPU: logits within 1e-4 of the largest eager logit and states within
+1e-5 of their largest entry; the step computes the same maths in other summation orders
+(attention over the masked whole cache, the Triton kernels' own loops), measured at about
+1e-6. bf16 on CUDA: logits within 3e-2 of the largest eager logit, per step, teacher-forced;
+both paths round activations to bf16 in different kernels (SDPA backends, fused-MoE against
+torch experts, the GDN decode kernel against fla's), which stays within a few 1e-3 per layer.
+"""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
+
+from engine.errors import ConfigError  # noqa: E402
+from engine.gguf.reader import GGUFFile  # noqa: E402
+from engine.model.decode_graph import MAX_TOKENS, DecodeGraph, graph_blocker  # noqa: E402
+from engine.model.gated_deltanet import decode_delta_rule, delta_rule_recurrent, l2norm  # noqa: E402
+from engine.model.qwen35moe import Qwen35MoE  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+LOGITS_TOL = 1e-4
+STATE_TOL = 1e-5
+BF16_LOGITS_TOL = 3e-2
+
+
+def load(path, device="cpu", dtype=None):
+    with GGUFFile(path) as f:
+        return Qwen35MoE.from_gguf(f, device=device, dtype=dtype)
+
+
+def rel_err(out, ref) -> float:
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
+
+
+def assert_same_state(a, b, tol=STATE_TOL):
+    assert (a.seq_len, a.next_position) == (b.seq_len, b.next_position)
+    for i, c in a.kv.items():
+        n = c.length
+        assert b.kv[i].length == n
+        assert rel_err(b.kv[i].k[:, :n], c.k[:, :n]) <= tol, f"layer {i} keys"
+        assert rel_err(b.kv[i].v[:, :n], c.v[:, :n]) <= tol, f"layer {i} values"
+    for i in a.conv:
+        assert rel_err(b.conv[i], a.conv[i]) <= tol, f"layer {i} conv state"
+        assert rel_err(b.recurrent[i], a.recurrent[i]) <= tol, f"layer {i} recurrent state"
+
+
+def tokens(vocab, n, seed=0):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_static_steps_match_eager_forward_and_eager_continues(engine_model, kernels, T):
+    """A 23-slot state, a 5-token prompt, steps of T tokens, two eager tokens in between, one
+    more static step: logits, captured residual streams and the states agree throughout."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    model = engine_model
+    ids = tokens(model.cfg.vocab, 5 + 4 * T + 2, seed=T)
+    capture = (2, 7)  # a GDN layer and an attention layer
+    eager, static = model.new_state(23), model.new_state(23)
+    with torch.inference_mode():
+        model.forward(ids[:5], eager, logits="none")
+        model.forward(ids[:5], static, logits="none")
+    step = DecodeGraph(model, static, tokens=T, capture_layers=capture, kernels=kernels)
+    assert step.path == "static" and not step.captured
+    assert step.gdn_backend == kernels
+
+    def compare(block):
+        ref = model.forward(block, eager, capture_layers=capture, logits="all")
+        logits = step.step(block)
+        assert logits.shape == (T, model.cfg.vocab)
+        assert rel_err(logits, ref.logits) <= LOGITS_TOL
+        for i in capture:
+            assert rel_err(step.hidden[i], ref.hidden[i]) <= LOGITS_TOL
+        assert_same_state(eager, static)
+
+    pos = 5
+    for _ in range(3):
+        compare(ids[pos:pos + T])
+        pos += T
+    for _ in range(2):  # the eager forward picks up where the static step left the state
+        a = model.forward(ids[pos:pos + 1], eager, logits="last").logits
+        b = model.forward(ids[pos:pos + 1], static, logits="last").logits
+        assert rel_err(b, a) <= LOGITS_TOL
+        pos += 1
+    compare(ids[pos:pos + T])
+    assert static.seq_len == 5 + 4 * T + 2 and static.kv[3].length == static.seq_len
+
+
+def test_static_step_follows_positions_that_skip(engine_model):
+    """After a prefill of kept tokens at their original positions (as PFlash leaves a state),
+    the cache holds fewer tokens than the next position: both advance correctly."""
+    model = engine_model
+    ids = tokens(model.cfg.vocab, 9, seed=4)
+    kept = torch.tensor([0, 1, 2, 8, 9, 10])
+    eager, static = model.new_state(12), model.new_state(12)
+    for state in (eager, static):
+        model.forward(ids[:6], state, positions=kept, logits="none")
+    step = DecodeGraph(model, static)
+    for t in range(6, 9):
+        ref = model.forward(ids[t:t + 1], eager, logits="last").logits
+        assert rel_err(step.step(ids[t:t + 1]), ref) <= LOGITS_TOL
+    assert_same_state(eager, static)
+    assert static.next_position == 14 and static.kv[3].length == 9
+
+
+def test_full_state_is_refused_and_left_as_it_was(engine_model):
+    model = engine_model
+    state = model.new_state(6)
+    model.forward(tokens(model.cfg.vocab, 5), state, logits="none")
+    step = DecodeGraph(model, state)
+    step.step(torch.tensor([7]))
+    before = state.clone()
+    with pytest.raises(ConfigError, match="do not fit"):
+        step.step(torch.tensor([8]))
+    assert_same_state(before, state, tol=0.0)
+
+
+def test_reset_state_decodes_like_a_new_one(engine_model):
+    """The engine reuses one state per captured step: after reset it must act as a new state."""
+    model = engine_model
+    ids = tokens(model.cfg.vocab, 8, seed=6)
+    state = model.new_state(16)
+    step = DecodeGraph(model, state)
+    model.forward(tokens(model.cfg.vocab, 10, seed=7), state, logits="none")
+    step.step(torch.tensor([3]))
+    state.reset()
+    fresh = model.new_state(16)
+    model.forward(ids[:5], state, logits="none")
+    model.forward(ids[:5], fresh, logits="none")
+    for t in range(5, 8):
+        ref = model.forward(ids[t:t + 1], fresh, logits="last").logits
+        assert rel_err(step.step(ids[t:t + 1]), ref) <= LOGITS_TOL
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"tokens": 0}, ValueError, "1 to"),
+    ({"tokens": MAX_TOKENS + 1}, ValueError, "1 to"),
+    ({"capture_layers": (8,)}, ValueError, "capture_layers"),
+    ({"kernels": "cuda"}, ValueError, "kernels"),
+    ({"graph": True}, ConfigError, "not on a CUDA device"),
+])
+def test_bad_arguments_get_one_clear_error(engine_model, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DecodeGraph(engine_model, engine_model.new_state(20), **kwargs)
+
+
+def test_ids_of_the_wrong_shape_are_refused(engine_model):
+    step = DecodeGraph(engine_model, engine_model.new_state(8), tokens=2)
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        step.step(torch.tensor([1]))
+
+
+def _stand_in(executor, observer=None, device="cuda"):
+    """What graph_blocker reads of a model, as if it were on CUDA."""
+    return SimpleNamespace(device=torch.device(device), executor=executor, routing_observer=observer)
+
+
+def test_graph_blocker_names_what_needs_the_host(gguf_path):
+    from engine.hybrid import attach_hybrid
+    from engine.placement import MB
+
+    pytest.importorskip("triton")
+    model = load(gguf_path)
+    assert "not on a CUDA device" in graph_blocker(model)
+    default = model.executor
+    assert graph_blocker(_stand_in(default), kernels="triton") is None  # replaced by the fused-MoE executor
+    assert "TorchExpertExecutor needs the host" in graph_blocker(_stand_in(default), kernels="torch")
+    assert "routing observer" in graph_blocker(_stand_in(default, observer=lambda i, ids: None), kernels="triton")
+
+    full_mb = sum(t.numel() * t.element_size() for layer in model.weights.layers
+                  for t in (layer.moe.experts.gate, layer.moe.experts.up, layer.moe.experts.down)) / MB
+    hybrid = attach_hybrid(model, 0.5 * full_mb, threads=1, impl="triton")
+    assert not hybrid.graph_safe
+    assert "HybridExperts needs the host" in graph_blocker(_stand_in(hybrid))
+    hybrid.set_budget(full_mb * 1.01)
+    assert hybrid.graph_safe and graph_blocker(_stand_in(hybrid)) is None
+    hybrid.impl = "torch"  # the reference reads the routing back to the host
+    assert not hybrid.graph_safe
+    hybrid.close()
+
+
+def test_all_hot_hybrid_counts_every_pair_of_the_static_step(gguf_path):
+    """The hit counters are device tensors updated by the step's own ops (a captured graph
+    replays them; nothing is counted in Python), and a new placement invalidates the step."""
+    from engine.hybrid import attach_hybrid
+    from engine.placement import MB
+
+    pytest.importorskip("triton")
+    plain = load(gguf_path)
+    model = load(gguf_path)
+    full_mb = sum(t.numel() * t.element_size() for layer in model.weights.layers
+                  for t in (layer.moe.experts.gate, layer.moe.experts.up, layer.moe.experts.down)) / MB
+    hybrid = attach_hybrid(model, full_mb * 1.01, threads=1, impl="triton")
+    assert hybrid.graph_safe
+    ids = tokens(model.cfg.vocab, 9, seed=8)
+    eager, state = plain.new_state(12), model.new_state(12)
+    plain.forward(ids[:5], eager, logits="none")
+    model.forward(ids[:5], state, logits="none")
+    step = DecodeGraph(model, state, kernels="triton")
+    assert step.executor is hybrid and step.current()
+    hybrid.reset_counters()
+    for t in range(5, 9):
+        ref = plain.forward(ids[t:t + 1], eager, logits="last").logits
+        assert rel_err(step.step(ids[t:t + 1]), ref) <= LOGITS_TOL
+    snap = hybrid.stats_snapshot()
+    assert snap.hot_hits == 4 * model.cfg.n_expert_used * model.cfg.n_layers and snap.cold_hits == 0
+    hybrid.set_budget(0.5 * full_mb)
+    assert not step.current()
+    hybrid.close()
+
+
+@pytest.mark.parametrize("heads", [(16, 16), (24, 40)])
+def test_triton_decode_rule_updates_the_state_in_place(heads):
+    pytest.importorskip("triton")
+    dk, dv = heads
+    T, H = 2, 3
+    gen = torch.Generator().manual_seed(dk)
+    q, k = l2norm(torch.randn(T, H, dk, generator=gen)), l2norm(torch.randn(T, H, dk, generator=gen))
+    v = torch.randn(T, H, dv, generator=gen)
+    g = -torch.rand(T, H, generator=gen)
+    beta = torch.rand(T, H, generator=gen)
+    state = torch.randn(H, dk, dv, generator=gen)
+    o_ref, s_ref = delta_rule_recurrent(q, k, v, g, beta, state, dk ** -0.5)
+    rule, backend = decode_delta_rule(dk, dv, impl="triton")
+    assert backend == "triton"
+    o, s = rule(q, k, v, g, beta, state, dk ** -0.5)
+    assert s is state
+    assert rel_err(o, o_ref) <= STATE_TOL and rel_err(state, s_ref) <= STATE_TOL
+
+
+def test_decode_rule_falls_back_to_torch_beyond_the_kernel():
+    pytest.importorskip("triton")
+    assert decode_delta_rule(256, 128, impl="triton") == (delta_rule_recurrent, "torch")
+    assert decode_delta_rule(16, 16, impl="torch") == (delta_rule_recurrent, "torch")
+    with pytest.raises(ValueError, match="triton or torch"):
+        decode_delta_rule(16, 16, impl="fla")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 4])
+def test_cuda_graph_replay_matches_eager_bf16(gguf_path, T):
+    """32 tokens teacher-forced through the captured step and through eager forwards, then two
+    eager tokens from each state: logits within the bf16 bound at every step."""
+    model = load(gguf_path, "cuda", torch.bfloat16)
+    ids = tokens(model.cfg.vocab, 7 + 32 + 2, seed=9).cuda()
+    eager, static = model.new_state(64), model.new_state(64)
+    model.forward(ids[:7], eager, logits="none")
+    model.forward(ids[:7], static, logits="none")
+    step = DecodeGraph(model, static, tokens=T, graph=True)
+    assert step.captured and step.path == "cuda_graph" and step.gdn_backend == "triton"
+    for pos in range(7, 7 + 32, T):
+        block = ids[pos:pos + T]
+        ref = model.forward(block, eager, logits="all").logits
+        assert rel_err(step.step(block), ref) <= BF16_LOGITS_TOL, f"tokens {pos}..{pos + T - 1}"
+    assert static.seq_len == eager.seq_len == 39 and static.kv[3].length == 39
+    for pos in (39, 40):
+        a = model.forward(ids[pos:pos + 1], eager, logits="last").logits
+        b = model.forward(ids[pos:pos + 1], static, logits="last").logits
+        assert rel_err(b, a) <= BF16_LOGITS_TOL
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replays_a_verify_block_with_captured_layers(gguf_path):
+    model = load(gguf_path, "cuda", torch.float32)
+    ids = tokens(model.cfg.vocab, 11, seed=10).cuda()
+    eager, static = model.new_state(16), model.new_state(16)
+    model.forward(ids[:5], eager, logits="none")
+    model.forward(ids[:5], static, logits="none")
+    step = DecodeGraph(model, static, tokens=3, capture_layers=(1, 3), graph=True)
+    for pos in (5, 8):
+        ref = model.forward(ids[pos:pos + 3], eager, capture_layers=(1, 3), logits="all")
+        assert rel_err(step.step(ids[pos:pos + 3]), ref.logits) <= LOGITS_TOL
+        assert all(rel_err(step.hidden[i], ref.hidden[i]) <= LOGITS_TOL for i in (1, 3))
+    assert_same_state(eager, static, tol=1e-4)
