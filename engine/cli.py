@@ -44,6 +44,9 @@ def generate(
     keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="PFlash: share of prompt chunks kept"),
     draft: Optional[Path] = typer.Option(None, "--draft", help="DFlash draft GGUF (checked against the target)"),
     spec_len: Optional[int] = typer.Option(None, "--spec-len", help="DFlash: tokens verified per target forward"),
+    cuda_graph: bool = typer.Option(
+        True, "--cuda-graph/--no-cuda-graph", help="replay plain decoding from a captured CUDA graph where the "
+        "configuration allows it (all experts on the GPU); --no-cuda-graph decodes eagerly"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
 ) -> None:
     """Generate a continuation of a prompt, streaming the text, then the timings."""
@@ -64,7 +67,7 @@ def generate(
         raise ConfigError("--cold-format needs --expert-budget (without it every expert stays on the device)")
     eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads,
                            expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format,
-                           weights=weights)
+                           weights=weights, cuda_graph=cuda_graph)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:
@@ -86,9 +89,12 @@ def generate(
     sys.stdout.write("\n")
     err.print(f"[dim]prefill {t.prompt_tokens} tok in {t.prefill_s * 1000:.1f} ms "
               f"({t.prompt_tokens / max(t.prefill_s, 1e-9):.1f} tok/s) | decode {t.new_tokens} tok "
-              f"at {t.decode_tok_s:.1f} tok/s | peak memory {t.peak_mem_mb:.0f} MB | "
-              f"stop: {result.stop_reason}[/dim]")
+              f"at {t.decode_tok_s:.1f} tok/s ({t.extra.get('decode_path', 'eager')}) | peak memory "
+              f"{t.peak_mem_mb:.0f} MB | stop: {result.stop_reason}[/dim]")
     extra = t.extra
+    if "decode_graph_capture_s" in extra:
+        err.print(f"[dim]decode step captured in a CUDA graph in {extra['decode_graph_capture_s'] * 1000:.0f} ms "
+                  "(once per engine and state size)[/dim]")
     if "hot_experts" in extra:
         err.print(f"[dim]experts hot/cold {extra['hot_experts']}/{extra['cold_experts']} | cold-hit rate "
                   f"{extra['cold_hit_rate']:.1%} (expected {extra['expected_cold_hit_rate']:.1%}) | "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -18,10 +19,21 @@ from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from engine.dflash.draft import DFlashDraft
+    from engine.model.decode_graph import DecodeGraph
     from engine.hybrid import HybridExperts
     from engine.pflash.drafter import Drafter
     from engine.pflash.select import PFlashConfig
     from engine.placement import Placement
+
+
+GRAPH_MIN_TOKENS = 1024  # smallest state a captured decode step is built for
+MAX_DECODE_GRAPHS = 3  # captured decode steps kept per engine (each owns a state of its capacity)
+
+
+def graph_capacity(tokens: int) -> int:
+    """The state capacity a request of ``tokens`` prompt + new tokens decodes in: a power of two,
+    so that requests of similar lengths share one captured graph."""
+    return max(GRAPH_MIN_TOKENS, 1 << (tokens - 1).bit_length())
 
 
 @dataclass
@@ -82,7 +94,7 @@ class Engine:
                  device: torch.device, dtype: torch.dtype, load_s: float,
                  stall_timeout_s: float, routing_stats_path: Path | None = None,
                  drafter: "Drafter | None" = None, pflash: "PFlashConfig | None" = None,
-                 cold_format: str = "dense") -> None:
+                 cold_format: str = "dense", cuda_graph: bool = True) -> None:
         self.path = path
         self.model = model
         self.tokenizer = tokenizer
@@ -97,6 +109,9 @@ class Engine:
         self.pflash = pflash
         self.draft: "DFlashDraft | None" = None
         self.defaults: dict[str, Any] = {}  # generate() options a profile chose (spec_len, keep ratio)
+        self.cuda_graph = cuda_graph  # plain decoding replays a captured decode step where it can
+        self._graphs: dict[int, "DecodeGraph"] = {}  # state capacity -> decode step, least recently used first
+        self._capture_failure: str | None = None
 
     @property
     def config(self):
@@ -108,7 +123,8 @@ class Engine:
                   stall_timeout_s: float = 120.0, expert_budget_mb: float | None = None,
                   routing_stats: str | Path | None = None, drafter: str | Path | None = None,
                   pflash_threshold: int | None = None, draft: str | Path | None = None,
-                  cold_format: str = "dense", weights: str = "dense", **options: Any) -> "Engine":
+                  cold_format: str = "dense", weights: str = "dense", cuda_graph: bool = True,
+                  **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
@@ -120,6 +136,8 @@ class Engine:
         ``weights="quantized"`` keeps the block-quantized projection matrices (attention, Gated
         DeltaNet, shared expert, output head) in their GGUF blocks on the device, multiplied by
         the Triton dequantize-in-register kernels on CUDA (torch's reference on the CPU).
+        ``cuda_graph`` lets plain decoding replay a decode step captured in a CUDA graph where
+        the configuration allows it (``decode_graph_blocker``); False keeps it eager.
         """
         if options:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(options))}")
@@ -159,7 +177,7 @@ class Engine:
         eng = cls(path=path, model=model, tokenizer=tokenizer, device=dev, dtype=dt, load_s=0.0,
                   stall_timeout_s=stall_timeout_s,
                   routing_stats_path=Path(routing_stats) if routing_stats is not None else None,
-                  drafter=draft_model, pflash=pflash, cold_format=cold_format)
+                  drafter=draft_model, pflash=pflash, cold_format=cold_format, cuda_graph=cuda_graph)
         if draft_file is not None:
             eng.draft = draft_file.load(device=dev, dtype=dt)
         if expert_budget_mb is not None:
@@ -178,8 +196,6 @@ class Engine:
         profile's own target file) with the engine's defaults. ``engine.defaults`` then holds
         the generate() options the profile chose, which ``generate`` applies when not given.
         """
-        import warnings
-
         from engine.boot import boot
         from engine.profile import ProfileError, load_profile
 
@@ -205,6 +221,7 @@ class Engine:
         """
         if budget_mb < 0:
             raise ConfigError(f"expert budget must be >= 0 MB, got {budget_mb}")
+        self._graphs.clear()  # they read the device slots about to move; their memory is freed first
         if self.hybrid is None:
             from engine.hybrid import attach_hybrid
             from engine.placement import load_routing_stats
@@ -270,10 +287,14 @@ class Engine:
         stop = list(stop or [])
         if pflash_keep_ratio is not None and self.drafter is None:
             raise ConfigError("pflash_keep_ratio needs a drafter: load the engine with drafter=PATH")
+        extra: dict[str, Any] = {"decode_path": "eager"}
+        decoder = None
+        if spec_len is None and pflash_keep_ratio is None and max_new_tokens > 1:
+            # before the counters are reset: a capture's warm-up routes tokens through the experts
+            decoder = self._decode_graph(len(ids) + max_new_tokens, extra)
         _reset_peak(self.device)
         if self.hybrid is not None:
             self.hybrid.reset_counters()
-        extra: dict[str, Any] = {}
 
         t0 = time.perf_counter()
         if pflash_keep_ratio is not None:
@@ -291,7 +312,11 @@ class Engine:
         elif spec_len is not None:
             return self._speculative(ids, max_new_tokens, params, eos, stop, spec_len, on_token, extra, t0)
         else:
-            state = self.model.new_state(len(ids) + max_new_tokens)
+            if decoder is not None:
+                state = decoder.state
+                state.reset()
+            else:
+                state = self.model.new_state(len(ids) + max_new_tokens)
             last_logits = self.model.forward(prompt, state, logits="last").logits[-1]
         token = sample(last_logits, params, gen)
         new = [int(token)]  # the one host synchronisation point per token
@@ -301,8 +326,11 @@ class Engine:
         reason = self._stop_reason(new, stream.text, eos, stop)
         last = t1
         while reason is None and len(new) < max_new_tokens:
-            out = self.model.forward(token.reshape(1), state, logits="last")
-            token = sample(out.logits[-1], params, gen)
+            if decoder is not None:
+                logits = decoder.step(token.reshape(1))[-1]
+            else:
+                logits = self.model.forward(token.reshape(1), state, logits="last").logits[-1]
+            token = sample(logits, params, gen)
             new.append(int(token))
             now = time.perf_counter()
             if now - last > self.stall_timeout_s:
@@ -325,6 +353,47 @@ class Engine:
         if self.hybrid is not None:
             timings.extra.update(self.hybrid.stats_snapshot().as_dict())
         return Generation(ids=new, text=text, timings=timings, stop_reason=reason or "length")
+
+    def decode_graph_blocker(self) -> str | None:
+        """Why plain decoding runs eagerly, or None when it uses the static decode step
+        (replayed from a CUDA graph)."""
+        if not self.cuda_graph:
+            return "the engine was loaded with cuda_graph=False"
+        if self._capture_failure is not None:
+            return self._capture_failure
+        from engine.model.decode_graph import graph_blocker
+
+        return graph_blocker(self.model)
+
+    def _decode_graph(self, tokens: int, extra: dict[str, Any]) -> "DecodeGraph | None":
+        """The cached static decode step for ``tokens`` prompt + new tokens, captured on first
+        use; None (and the reason in ``extra``) when decoding stays eager."""
+        blocker = self.decode_graph_blocker()
+        if blocker is not None:
+            extra["decode_graph_blocker"] = blocker
+            return None
+        from engine.model.decode_graph import DecodeGraph
+
+        capacity = graph_capacity(tokens)
+        decoder = self._graphs.pop(capacity, None)
+        if decoder is not None and not decoder.current():
+            decoder = None
+        if decoder is None:
+            while len(self._graphs) >= MAX_DECODE_GRAPHS:
+                del self._graphs[next(iter(self._graphs))]
+            t0 = time.perf_counter()
+            try:
+                decoder = DecodeGraph(self.model, self.model.new_state(capacity))
+            except RuntimeError as exc:  # an op that cannot be captured: decode eagerly from now on, and say so
+                self._capture_failure = f"capturing the decode step failed: {exc}"
+                warnings.warn(self._capture_failure, stacklevel=3)
+                extra["decode_graph_blocker"] = self._capture_failure
+                return None
+            _sync(self.device)
+            extra["decode_graph_capture_s"] = time.perf_counter() - t0
+        self._graphs[capacity] = decoder
+        extra["decode_path"] = decoder.path
+        return decoder
 
     def _speculative(self, ids: Sequence[int], max_new_tokens: int, params: SamplingParams, eos: set[int],
                      stop: list[str], spec_len: int, on_token: Callable[[int, str], None] | None,

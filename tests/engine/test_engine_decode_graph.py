@@ -1,0 +1,158 @@
+"""Engine.generate through the static decode step: same tokens as eager decoding, one cached
+step per state size, reset between requests, dropped when the experts move; the CLI flag.
+
+On the CPU the engine decodes eagerly (nothing to capture), so these tests lift its blocker
+to run the static step uncaptured ("static"); on CUDA the step is captured ("cuda_graph").
+Greedy identity on CUDA is asserted in float32, where the two paths differ by summation
+order only; in bf16 a near tie between two logits may break either way.
+"""
+
+import json
+
+import pytest
+import torch
+
+from engine.engine import GRAPH_MIN_TOKENS, Engine, graph_capacity
+from engine.gguf.make_model import make_model
+from engine.placement import MB
+from tuner.cli import main
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("graph") / "tiny.gguf", "tiny", seed=5, n_layers=8)
+
+
+@pytest.fixture
+def eng(tiny):
+    return Engine.from_gguf(tiny, device="cpu")
+
+
+def static_on_cpu(monkeypatch, eng):
+    monkeypatch.setattr(eng, "decode_graph_blocker", lambda: None)
+
+
+def test_capacity_buckets():
+    assert graph_capacity(1) == graph_capacity(GRAPH_MIN_TOKENS) == GRAPH_MIN_TOKENS
+    assert graph_capacity(GRAPH_MIN_TOKENS + 1) == 2 * GRAPH_MIN_TOKENS
+    assert graph_capacity(5000) == 8192
+
+
+def test_cpu_decodes_eagerly_and_says_why(eng):
+    g = eng.generate(eng.tokenizer.encode("x = 1"), 4, ignore_eos=True)
+    assert g.timings.extra["decode_path"] == "eager"
+    assert "not on a CUDA device" in g.timings.extra["decode_graph_blocker"]
+    assert eng._graphs == {}
+
+
+def test_greedy_and_seeded_tokens_are_the_same_through_the_static_step(monkeypatch, eng):
+    prompts = [eng.tokenizer.encode("def add(a, b):\n"), eng.tokenizer.encode("import os\nimport sys\n")]
+    eager = [eng.generate(p, 12, ignore_eos=True) for p in prompts]
+    sampled = eng.generate(prompts[0], 12, temperature=0.8, seed=3, ignore_eos=True)
+    static_on_cpu(monkeypatch, eng)
+    first = eng.generate(prompts[0], 12, ignore_eos=True)
+    assert first.ids == eager[0].ids
+    assert first.timings.extra["decode_path"] == "static"
+    assert "decode_graph_capture_s" in first.timings.extra
+    (step,) = eng._graphs.values()
+    assert step.state.max_len == GRAPH_MIN_TOKENS
+    # the next requests reuse the step and its state, reset in between
+    second = eng.generate(prompts[1], 12, ignore_eos=True)
+    assert second.ids == eager[1].ids and "decode_graph_capture_s" not in second.timings.extra
+    assert eng.generate(prompts[0], 12, temperature=0.8, seed=3, ignore_eos=True).ids == sampled.ids
+    assert list(eng._graphs.values()) == [step]
+
+
+def test_a_new_expert_budget_drops_the_cached_steps(monkeypatch, eng):
+    ids = eng.tokenizer.encode("for i in range(10):\n")
+    eager = eng.generate(ids, 8, ignore_eos=True)
+    static_on_cpu(monkeypatch, eng)
+    assert eng.generate(ids, 8, ignore_eos=True).ids == eager.ids
+    assert len(eng._graphs) == 1
+    eng.set_expert_budget(1e6)  # everything hot
+    assert eng._graphs == {}
+    g = eng.generate(ids, 8, ignore_eos=True)
+    assert g.ids == eager.ids and g.timings.extra["decode_path"] == "static"
+    (step,) = eng._graphs.values()
+    assert step.executor is eng.hybrid
+    k, layers = eng.config.n_expert_used, eng.config.n_layers
+    assert g.timings.extra["hot_hits"] == (len(ids) + 7) * k * layers and g.timings.extra["cold_hits"] == 0
+    eng.hybrid.close()
+
+
+def test_a_failed_capture_falls_back_to_eager_decoding_once(monkeypatch, eng):
+    from engine.model import decode_graph
+
+    ids = eng.tokenizer.encode("while True:\n")
+    eager = eng.generate(ids, 6, ignore_eos=True)
+    attempts = []
+
+    def fail(*args, **kwargs):
+        attempts.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(decode_graph, "DecodeGraph", fail)
+    monkeypatch.setattr(eng, "_capture_failure", None)
+    monkeypatch.setattr(Engine, "decode_graph_blocker",
+                        lambda self: self._capture_failure)  # as on a CUDA device that allows capture
+    with pytest.warns(UserWarning, match="capturing the decode step failed"):
+        g = eng.generate(ids, 6, ignore_eos=True)
+    assert g.ids == eager.ids and g.timings.extra["decode_path"] == "eager"
+    again = eng.generate(ids, 6, ignore_eos=True)
+    assert "not permitted" in again.timings.extra["decode_graph_blocker"]
+    assert len(attempts) == 1 and eng._graphs == {}
+
+
+def test_cli_flag_keeps_decoding_eager(tiny, capsys):
+    assert main(["generate", "-m", str(tiny), "-p", "hello", "-n", "3", "--device", "cpu", "--json",
+                 "--no-cuda-graph"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["timings"]["decode_path"] == "eager"
+    assert out["timings"]["decode_graph_blocker"] == "the engine was loaded with cuda_graph=False"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("weights", ["dense", "quantized"])
+def test_cuda_greedy_text_is_identical_with_and_without_the_graph(tmp_path, weights):
+    path = make_model(tmp_path / "tiny.gguf", "tiny", seed=5, n_layers=8,
+                      quant="q8_0" if weights == "quantized" else "f32")
+    eng = Engine.from_gguf(path, device="cuda", dtype="float32", weights=weights)
+    ids = eng.tokenizer.encode("def fibonacci(n):\n")
+    graph = eng.generate(ids, 32, ignore_eos=True)
+    assert graph.timings.extra["decode_path"] == "cuda_graph", graph.timings.extra.get("decode_graph_blocker")
+    again = eng.generate(ids, 32, ignore_eos=True)
+    assert "decode_graph_capture_s" not in again.timings.extra
+    eng.cuda_graph = False
+    eager = eng.generate(ids, 32, ignore_eos=True)
+    assert eager.timings.extra["decode_path"] == "eager"
+    assert graph.ids == again.ids == eager.ids and graph.text == eager.text
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_through_an_all_hot_hybrid_placement(tmp_path):
+    """Every expert hot: the captured step runs the hybrid executor's Triton fused-MoE kernels
+    and its device-side hit counters count every replayed pair; with cold experts the engine
+    decodes eagerly and says why."""
+    path = make_model(tmp_path / "tiny.gguf", "tiny", seed=6, n_layers=8, n_expert=16)
+    eng = Engine.from_gguf(path, device="cuda", dtype="float32")
+    ids = eng.tokenizer.encode("class Stack:\n")
+    eng.cuda_graph = False
+    plain = eng.generate(ids, 24, ignore_eos=True)
+    eng.cuda_graph = True
+    placement = eng.set_expert_budget(1e6)
+    assert placement.cold_count == 0 and eng.hybrid.graph_safe
+    g = eng.generate(ids, 24, ignore_eos=True)
+    assert g.timings.extra["decode_path"] == "cuda_graph"
+    assert g.ids == plain.ids
+    k, layers = eng.config.n_expert_used, eng.config.n_layers
+    assert g.timings.extra["hot_hits"] == (len(ids) + 23) * k * layers and g.timings.extra["cold_hits"] == 0
+    assert eng.set_expert_budget(0.5 * placement.hot_bytes / MB).cold_count > 0
+    cold = eng.generate(ids, 8, ignore_eos=True)
+    assert cold.timings.extra["decode_path"] == "eager"
+    assert "HybridExperts needs the host" in cold.timings.extra["decode_graph_blocker"]
+    assert cold.ids == plain.ids[:8]
+    eng.hybrid.close()
