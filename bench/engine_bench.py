@@ -1,10 +1,12 @@
 """Load time, prefill tok/s at given prompt lengths, decode tok/s and peak memory of one model.
 
     python bench/engine_bench.py --model M.gguf [--prompt-lens 512,4096] [--decode 64]
-        [--repeats 3] [--json out.json]
+        [--repeats 3] [--no-graph] [--json out.json]
 
 Prompts are random token ids (the figures are about speed, not text). Each figure is the
-median of ``--repeats`` runs after one warm-up run, with min and max beside it.
+median of ``--repeats`` runs after one warm-up run, with min and max beside it. Decoding is
+measured eagerly and, where the engine can capture it, replayed from a CUDA graph (the
+capture happens in the graph path's warm-up run); ``--no-graph`` measures eager only.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
                     help="projection matrices dequantized at load, or kept as GGUF blocks")
     ap.add_argument("--cold-format", default="dense", choices=("dense", "quantized"),
                     help="cold experts on the CPU held dense or as GGUF blocks")
+    ap.add_argument("--no-graph", action="store_true", help="measure eager decoding only")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -64,18 +67,30 @@ def main() -> None:
               f"(peak {result['prefill'][n]['peak_mem_mb']:.0f} MiB)", flush=True)
 
     ids = torch.randint(0, vocab, (16,), generator=gen).tolist()
-    eng.generate(ids, 8, ignore_eos=True)
-    runs = []
-    for _ in range(args.repeats):
-        g = eng.generate(ids, args.decode, ignore_eos=True)
-        if g.timings.new_tokens != args.decode:
-            raise SystemExit(f"decode stopped early ({g.stop_reason}) after {g.timings.new_tokens} tokens")
-        runs.append(g.timings)
-    result["decode"] = {"tokens": args.decode, "tok_s": spread([t.decode_tok_s for t in runs]),
-                        "peak_mem_mb": max(t.peak_mem_mb for t in runs)}
-    print(f"decode {args.decode} tokens: {result['decode']['tok_s']['median']:.2f} tok/s "
-          f"(min {result['decode']['tok_s']['min']:.2f}, max {result['decode']['tok_s']['max']:.2f}; "
-          f"peak {result['decode']['peak_mem_mb']:.0f} MiB)", flush=True)
+    blocker = eng.decode_graph_blocker()
+    if blocker is not None:
+        print(f"decode graph: not used ({blocker})", flush=True)
+    for graph in (False, True):
+        if graph and (args.no_graph or blocker is not None):
+            continue
+        eng.cuda_graph = graph
+        warm = eng.generate(ids, args.decode, ignore_eos=True).timings
+        runs = []
+        for _ in range(args.repeats):
+            g = eng.generate(ids, args.decode, ignore_eos=True)
+            if g.timings.new_tokens != args.decode:
+                raise SystemExit(f"decode stopped early ({g.stop_reason}) after {g.timings.new_tokens} tokens")
+            runs.append(g.timings)
+        path = runs[0].extra["decode_path"]
+        result["decode"][path] = {"tokens": args.decode, "tok_s": spread([t.decode_tok_s for t in runs]),
+                                  "peak_mem_mb": max(t.peak_mem_mb for t in runs)}
+        capture = warm.extra.get("decode_graph_capture_s")
+        if capture is not None:
+            result["decode"][path]["capture_s"] = capture
+        fig = result["decode"][path]
+        print(f"decode {args.decode} tokens, {path}: {fig['tok_s']['median']:.2f} tok/s "
+              f"(min {fig['tok_s']['min']:.2f}, max {fig['tok_s']['max']:.2f}; peak {fig['peak_mem_mb']:.0f} MiB"
+              f"{f'; captured in {capture:.2f} s' if capture is not None else ''})", flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -1,11 +1,13 @@
 """Where one decode step's time goes: torch.profiler over a few decode steps of one model.
 
     python bench/profile_decode.py --model M.gguf [--steps 8] [--weights dense|quantized]
-        [--budget-mb MB] [--trace out.json] [--rows 30]
+        [--budget-mb MB] [--no-graph] [--trace out.json] [--rows 30]
 
-Prints the wall time per step (median of ``--steps`` after a warm-up), then the operators
-sorted by device time and by host time, so that launch-bound and kernel-bound steps read
-differently. ``--trace`` writes a Chrome trace for a closer look.
+Prints the wall time per step (median of ``--steps`` after a warm-up) of the eager step
+(``Qwen35MoE.forward``) and of the static step replayed from a CUDA graph (``DecodeGraph``,
+where the engine can capture it), then for each the operators sorted by device time and by
+host time, so that launch-bound and kernel-bound steps read differently. ``--trace`` writes a
+Chrome trace of the eager step for a closer look.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine.engine import Engine
+from engine.model.decode_graph import DecodeGraph
 
 
 def main() -> None:
@@ -27,43 +31,68 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--weights", default="dense", choices=("dense", "quantized"))
     ap.add_argument("--budget-mb", type=float, default=None, help="expert budget (default: every expert on the GPU)")
-    ap.add_argument("--trace", type=Path, default=None)
+    ap.add_argument("--no-graph", action="store_true", help="time and profile the eager step only")
+    ap.add_argument("--trace", type=Path, default=None, help="Chrome trace of the eager step")
     ap.add_argument("--rows", type=int, default=30)
     args = ap.parse_args()
 
     eng = Engine.from_gguf(args.model, weights=args.weights, expert_budget_mb=args.budget_mb)
     model, device = eng.model, eng.device
-    state = model.new_state(64 + 3 * args.steps)
     prompt = torch.arange(16, device=device) % eng.config.vocab
-    token = model.forward(prompt, state, logits="last").logits[-1].argmax().reshape(1)
+    capacity = 64 + 3 * args.steps
 
-    def step(tok: torch.Tensor) -> torch.Tensor:
-        return model.forward(tok, state, logits="last").logits[-1].argmax().reshape(1)
+    def eager() -> Callable[[torch.Tensor], torch.Tensor]:
+        state = model.new_state(capacity)
+        model.forward(prompt, state, logits="none")
+        return lambda tok: model.forward(tok, state, logits="last").logits[-1].argmax().reshape(1)
 
-    for _ in range(args.steps):  # warm-up: kernels compiled, caches filled
+    def static() -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        state = model.new_state(capacity)
+        model.forward(prompt, state, logits="none")
+        t0 = time.perf_counter()
+        step = DecodeGraph(model, state)
+        print(f"static step: {step.path}, built in {time.perf_counter() - t0:.2f} s", flush=True)
+        return step.path, lambda tok: step.step(tok)[-1].argmax().reshape(1)
+
+    paths = {"eager": eager()}
+    blocker = "--no-graph" if args.no_graph else eng.decode_graph_blocker()
+    if blocker is None:
+        name, step = static()
+        paths[name] = step
+    else:
+        print(f"decode graph: not used ({blocker})", flush=True)
+    first = torch.zeros(1, dtype=torch.long, device=device)
+    for name, step in paths.items():
+        print(f"decode step, {name}: {timed(step, first, args.steps)}", flush=True)
+    for name, step in paths.items():
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        token = first
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                token = step(token)
+                int(token)
+        events = prof.key_averages()
+        if device.type == "cuda":
+            print(f"\n{name}: by device time ({args.steps} steps)")
+            print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+        print(f"\n{name}: by host time ({args.steps} steps)")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        if args.trace and name == "eager":
+            prof.export_chrome_trace(str(args.trace))
+
+
+def timed(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int) -> str:
+    """Median wall time of one step (token read back each time), after as many warm-up steps."""
+    for _ in range(steps):  # warm-up: kernels compiled, caches filled
         token = step(token)
     walls = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         t0 = time.perf_counter()
         token = step(token)
         int(token)
         walls.append(time.perf_counter() - t0)
-    print(f"decode step: median {statistics.median(walls) * 1e3:.2f} ms (min {min(walls) * 1e3:.2f}, "
-          f"max {max(walls) * 1e3:.2f}) -> {1 / statistics.median(walls):.1f} tok/s", flush=True)
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(args.steps):
-            token = step(token)
-            int(token)
-    events = prof.key_averages()
-    if device.type == "cuda":
-        print(f"\nby device time ({args.steps} steps)")
-        print(events.table(sort_by="self_cuda_time_total", row_limit=args.rows))
-    print(f"\nby host time ({args.steps} steps)")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
-    if args.trace:
-        prof.export_chrome_trace(str(args.trace))
+    med = statistics.median(walls)
+    return f"median {med * 1e3:.2f} ms (min {min(walls) * 1e3:.2f}, max {max(walls) * 1e3:.2f}) -> {1 / med:.1f} tok/s"
 
 
 if __name__ == "__main__":
