@@ -155,18 +155,21 @@ class DFlashDraft(nn.Module):
     def project_context(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Keys and values the context rows give every layer.
 
-        features [C, n_features * hidden] (the target's captured layers, concatenated in
-        ``target_layer_ids`` order), positions [C] -> per layer (k, v) [n_head_kv, C, head_dim].
+        features [..., C, n_features * hidden] (the target's captured layers, concatenated in
+        ``target_layer_ids`` order), positions [..., C] -> per layer (k, v) [..., n_head_kv, C, head_dim].
         """
         cfg = self.cfg
+        lead = features.shape[:-1]  # [..., C]
         ctx = rms_norm(F.linear(features.to(self.dtype), self.fc), self.hidden_norm, cfg.rms_eps)
-        cos, sin = self._rope(positions)
+        ctx = ctx.reshape(-1, cfg.hidden)
+        cos, sin = self._rope(positions.reshape(-1))
         out = []
         for layer in self.layers:
             k = F.linear(ctx, layer.k).view(-1, cfg.n_head_kv, cfg.head_dim)
             v = F.linear(ctx, layer.v).view(-1, cfg.n_head_kv, cfg.head_dim)
             k = apply_rope(rms_norm(k, layer.k_norm, cfg.rms_eps), cos, sin)
-            out.append((k.transpose(0, 1), v.transpose(0, 1)))
+            shape = (*lead, cfg.n_head_kv, cfg.head_dim)
+            out.append((k.view(shape).transpose(-3, -2), v.view(shape).transpose(-3, -2)))
         return out
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
@@ -177,38 +180,53 @@ class DFlashDraft(nn.Module):
         ``context`` holds each layer's context keys/values [n_head_kv, C, head_dim] at
         ``context_positions`` [C]. ``visible`` [T, C + T] (bool) further restricts which keys
         each query sees (training packs many blocks into one call); ``None`` lets every block
-        slot see all context and all of its block.
+        slot see all context and all of its block. Every argument may carry a leading batch
+        dimension R of independent rows (x [R, T, hidden], positions [R, T], context
+        [R, n_head_kv, C, head_dim], context_positions [R, C], visible [R, T, C + T]).
         """
+        if x.dim() == 2:
+            context = [(k[None], v[None]) for k, v in context]
+            out = self.forward(x[None], positions[None], context, context_positions[None],
+                               None if visible is None else visible[None])
+            return out[0]
         cfg = self.cfg
-        T = x.shape[0]
-        cos, sin = self._rope(positions)
-        key_positions = torch.cat([context_positions, positions])
-        h = x.to(self.dtype)
+        R, T = x.shape[:2]
+        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        cos, sin = self._rope(positions.reshape(-1))
+        key_positions = torch.cat([context_positions, positions], dim=-1)  # [R, C + T]
+        h = x.to(self.dtype).reshape(R * T, cfg.hidden)
         for i, layer in enumerate(self.layers):
             mask = _visibility(positions, key_positions, causal=cfg.causal, window=cfg.window(i), extra=visible)
             a = rms_norm(h, layer.attn_norm, cfg.rms_eps)
-            q = F.linear(a, layer.q).view(T, cfg.n_head, cfg.head_dim)
-            k = F.linear(a, layer.k).view(T, cfg.n_head_kv, cfg.head_dim)
-            v = F.linear(a, layer.v).view(T, cfg.n_head_kv, cfg.head_dim)
-            q = apply_rope(rms_norm(q, layer.q_norm, cfg.rms_eps), cos, sin)
-            k = apply_rope(rms_norm(k, layer.k_norm, cfg.rms_eps), cos, sin)
+            q = F.linear(a, layer.q).view(R * T, H, D)
+            k = F.linear(a, layer.k).view(R * T, Hkv, D)
+            v = F.linear(a, layer.v).view(R * T, Hkv, D)
+            q = apply_rope(rms_norm(q, layer.q_norm, cfg.rms_eps), cos, sin).view(R, T, H, D).transpose(1, 2)
+            k = apply_rope(rms_norm(k, layer.k_norm, cfg.rms_eps), cos, sin).view(R, T, Hkv, D).transpose(1, 2)
             ck, cv = context[i]
-            keys = torch.cat([ck, k.transpose(0, 1)], dim=1)
-            values = torch.cat([cv, v.transpose(0, 1)], dim=1)
-            att = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                                 enable_gqa=cfg.n_head != cfg.n_head_kv)
-            h = h + F.linear(att[0].transpose(0, 1).reshape(T, cfg.n_head * cfg.head_dim), layer.o)
+            keys = torch.cat([ck, k], dim=2)  # [R, Hkv, C + T, D]
+            values = torch.cat([cv, v.view(R, T, Hkv, D).transpose(1, 2)], dim=2)
+            gqa = H != Hkv
+            if gqa and visible is not None:
+                # masked GQA has no fused SDPA kernel: the math one would hold every score of the
+                # many packed training queries in float32; whole heads keep the memory-efficient
+                # kernel (a decode step's few queries are cheaper without the copy)
+                keys, values = keys.repeat_interleave(H // Hkv, dim=1), values.repeat_interleave(H // Hkv, dim=1)
+                gqa = False
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[:, None],
+                                                 enable_gqa=gqa)  # [R, H, T, D]
+            h = h + F.linear(att.transpose(1, 2).reshape(R * T, H * D), layer.o)
             m = rms_norm(h, layer.ffn_norm, cfg.rms_eps)
             h = h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
-        return rms_norm(h, self.norm, cfg.rms_eps)
+        return rms_norm(h, self.norm, cfg.rms_eps).view(R, T, cfg.hidden)
 
 
 def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool, window: int,
                 extra: torch.Tensor | None) -> torch.Tensor | None:
-    """Boolean [T, K] mask of the keys each query may see, or None when it sees them all."""
+    """Boolean [..., T, K] mask of the keys each query may see, or None when it sees them all."""
     mask = extra
     if causal or window:
-        rel = q_pos[:, None] - k_pos[None, :]  # >= 0 for keys at or before the query
+        rel = q_pos[..., :, None] - k_pos[..., None, :]  # >= 0 for keys at or before the query
         m = torch.ones_like(rel, dtype=torch.bool)
         if causal:
             m &= rel >= 0

@@ -121,3 +121,24 @@ def test_output_is_normed_and_trainable():
     torch.testing.assert_close(rms, torch.ones(4), atol=1e-3, rtol=0)  # final norm with unit weight
     F.mse_loss(out, torch.zeros_like(out)).backward()
     assert all(p.grad is not None for p in draft.parameters())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_of_a_batch_equal_separate_calls(causal):
+    """A leading row dimension runs independent rows at once: each equals its own call, and a mask
+    (which makes grouped-query heads expand to whole heads) changes nothing where it hides nothing."""
+    draft = _draft(causal=causal)
+    gen = torch.Generator().manual_seed(6)
+    R, L, T = 3, 7, 4
+    features = torch.randn(R, L, 64, generator=gen)
+    ctx_pos = torch.arange(L).expand(R, L)
+    x = torch.randn(R, T, 32, generator=gen)
+    positions = torch.arange(L, L + T) + torch.arange(R)[:, None]  # rows at different offsets
+    context = draft.project_context(features, ctx_pos)
+    assert context[0][0].shape == (R, 2, L, 8)
+    visible = torch.ones(R, T, L + T, dtype=torch.bool)
+    batched = draft(x, positions, context, ctx_pos, visible)
+    assert batched.shape == (R, T, 32)
+    for r in range(R):
+        alone = draft(x[r], positions[r], draft.project_context(features[r], ctx_pos[r]), ctx_pos[r])
+        torch.testing.assert_close(batched[r], alone, **TOL)
