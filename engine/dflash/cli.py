@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -34,9 +34,10 @@ def train_draft(
     steps: int = typer.Option(2000, "--steps", help="optimizer steps (the learning-rate schedule spans them)"),
     time_budget: Optional[str] = typer.Option(None, "--time-budget", help="stop training after this long "
                                               "(90m, 2h, 3600s; a bare number is minutes), then save and evaluate"),
-    seq_len: int = typer.Option(2048, "--seq-len", help="tokens per training sequence"),
+    seq_len: int = typer.Option(2048, "--seq-len", help="tokens per corpus row (without --distill)"),
     batch: int = typer.Option(1, "--batch", help="sequences per step"),
-    anchors: int = typer.Option(64, "--anchors", help="random blocks per sequence"),
+    anchors: int = typer.Option(64, "--anchors", help="random blocks per sequence (rounded down a little so "
+                                                      "they split into equal groups)"),
     lr: float = typer.Option(6e-4, "--lr"),
     layers: int = typer.Option(5, "--layers", help="draft layers"),
     features: int = typer.Option(5, "--features", help="target layers whose outputs feed the draft"),
@@ -44,6 +45,12 @@ def train_draft(
     gamma: Optional[float] = typer.Option(None, "--gamma", help="loss decay over block slots (7 at 16, 4 at 8)"),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id"),
     labels: str = typer.Option("target", "--labels", help="target (the target's greedy choices) or corpus"),
+    distill: int = typer.Option(0, "--distill", help="train on N sequences the target generates itself (greedy "
+                                "continuations of corpus prompts) instead of corpus windows; 0: off"),
+    distill_prompt: int = typer.Option(64, "--distill-prompt", help="corpus tokens before each continuation"),
+    distill_new: int = typer.Option(192, "--distill-new", help="tokens the target generates after each prompt; "
+                                    "anchors lie among them"),
+    distill_batch: int = typer.Option(256, "--distill-batch", help="continuations generated together"),
     seed: int = typer.Option(0, "--seed"),
     weights: str = typer.Option("bf16", "--weights", help="f32, f16, bf16 or q8_0 for the draft's matrices"),
     device: str = typer.Option("auto", "--device"),
@@ -53,14 +60,25 @@ def train_draft(
     eval_new_tokens: int = typer.Option(128, "--eval-new-tokens"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ) -> None:
-    """Train a DFlash draft for a target, write it as a Lucebox draft GGUF, report held-out acceptance."""
+    """Train a DFlash draft for a target, write it as a Lucebox draft GGUF, report held-out acceptance.
+
+    With --distill N the rows are the target's own greedy continuations: N prompts of
+    --distill-prompt tokens from the training documents, each continued by --distill-new
+    tokens with transformers' Qwen3.5-MoE module loaded from the target GGUF (batches of
+    --distill-batch; bf16 on CUDA). They are kept in <out>.distill.pt and reused by a run with
+    the same target, corpus and settings. Anchors lie in the generated part, so every block
+    learns what the target goes on to generate; each sequence goes through the engine's target
+    once (features and labels are kept on the device: N x (P + G) x features x hidden values),
+    and the report gives the share of generated tokens the engine's greedy choice agrees with.
+    """
     from engine.dflash.train import TrainOptions, new_draft_config, train_draft as run
     from engine.engine import Engine
 
     try:
         opts = TrainOptions(steps=steps, seq_len=seq_len, batch=batch, anchors=anchors, lr=lr, gamma=gamma,
                             labels=labels, seed=seed, weights=weights, eval_prompts=eval_prompts,
-                            eval_new_tokens=eval_new_tokens,
+                            eval_new_tokens=eval_new_tokens, distill=distill, distill_prompt=distill_prompt,
+                            distill_new=distill_new, distill_batch=distill_batch,
                             time_budget_s=parse_duration(time_budget) if time_budget is not None else None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -72,50 +90,69 @@ def train_draft(
               f"draft {cfg.n_layers} layers reading target layers {list(cfg.target_layer_ids)}, "
               f"block {cfg.block_size}[/dim]")
     with _ProgressBar(err, enabled=progress) as bar:
-        report = run(eng.model, eng.tokenizer, cfg, corpus, out, opts, target_name=target.name,
-                     resume=not restart, progress=bar.update)
+        report = run(eng.model, eng.tokenizer, cfg, corpus, out, opts, target_name=target.name, target_path=target,
+                     resume=not restart, progress=bar.stage("train-draft"), distill_progress=bar.stage("distill"))
     held = report.held_out
+    if report.distill is not None:
+        d = report.distill
+        agree = "-" if d["agreement"] is None else f"{d['agreement']:.3f}"
+        err.print(f"distilled {d['sequences']} sequences of {d['prompt_len']} + {d['new_tokens']} tokens in "
+                  f"{d['generate_s']:.0f} s; engine agrees with the generated tokens at {agree} of "
+                  f"{d['target_passes']} sequences' generated positions")
     err.print(f"wrote {out} after {report.steps} steps ({report.train_s:.0f} s, loss {report.final_loss:.3f}); "
               f"held-out acceptance length {held['acceptance_length']:.2f} at spec_len {held['spec_len']} "
               f"over {held['prompts']} prompts ({out.with_suffix('.acceptance.json')})")
 
 
 class _ProgressBar:
-    """A rich progress bar on a terminal; elsewhere (logs) one line every ``LOG_EVERY_S`` seconds."""
+    """Rich progress bars on a terminal (one per stage, in one live display); elsewhere (logs)
+    one line per stage every ``LOG_EVERY_S`` seconds."""
 
     LOG_EVERY_S = 30.0
 
     def __init__(self, console: Console, *, enabled: bool) -> None:
         self.console, self.enabled = console, enabled
         self.progress = None
-        self.task = None
-        self.last_line = float("-inf")
+        self.tasks: dict[str, Any] = {}
+        self.last_line: dict[str, float] = {}
 
     def __enter__(self) -> "_ProgressBar":
         if self.enabled and self.console.is_terminal:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                        TimeRemainingColumn)
 
-            self.progress = Progress(TextColumn("train-draft"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                     TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
                                      console=self.console, transient=False)
             self.progress.__enter__()
         return self
 
-    def update(self, step: int, total: int, metrics: dict[str, float]) -> None:
+    def stage(self, label: str) -> Callable[[int, int, dict[str, float]], None]:
+        """The ``progress(done, total, metrics)`` callback of one stage."""
+        return lambda done, total, metrics: self.update(label, done, total, metrics)
+
+    def update(self, label: str, done: int, total: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        text = f"loss {metrics['loss']:.3f}  accept {metrics['tf_accept']:.2f}  lr {metrics['lr']:.2e}"
+        text = _metrics_text(metrics)
         if self.progress is None:
             now = time.monotonic()
-            if now - self.last_line >= self.LOG_EVERY_S or step == total:
-                self.console.print(f"train-draft step {step}/{total}  {text}", highlight=False)
-                self.last_line = now
+            if now - self.last_line.get(label, float("-inf")) >= self.LOG_EVERY_S or done == total:
+                self.console.print(f"{label} {done}/{total}  {text}", highlight=False)
+                self.last_line[label] = now
             return
-        if self.task is None:
-            self.task = self.progress.add_task("train", total=total, completed=step, metrics=text)
-        self.progress.update(self.task, completed=step, metrics=text)
+        if label not in self.tasks:
+            self.tasks[label] = self.progress.add_task(label, total=total, completed=done, metrics=text)
+        self.progress.update(self.tasks[label], completed=done, metrics=text)
 
     def __exit__(self, *exc: object) -> None:
         if self.progress is not None:
             self.progress.__exit__(*exc)
+
+
+_METRIC_FORMATS = {"loss": "loss {:.3f}", "tf_accept": "accept {:.2f}", "agree": "agree {:.3f}", "lr": "lr {:.2e}",
+                   "tok_per_s": "{:,.0f} tok/s"}
+
+
+def _metrics_text(metrics: dict[str, float]) -> str:
+    return "  ".join(_METRIC_FORMATS[k].format(v) for k, v in metrics.items() if k in _METRIC_FORMATS and v == v)

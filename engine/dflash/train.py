@@ -2,14 +2,17 @@
 
 The target is frozen and runs through the engine's own model: one forward per training
 sequence gives the context features (residual stream at ``target_layer_ids``) and the
-labels. Each step draws random anchors; the block of an anchor ``a`` is ``[ids[a], MASK x
-(B - 1)]`` at positions ``a .. a + B - 1``, sees the context features strictly before ``a``
-and its own block (non-causally), and slot ``k`` learns the token at ``a + k`` with weight
-``exp(-(k - 1) / gamma)``. All blocks of a sequence share one draft forward through a
-block-diagonal visibility mask.
+labels. Each step draws random anchors in every row and trains the draft on their blocks
+(``engine.dflash.block_loss``): all blocks of all rows of a step go through the draft
+together, in as few forwards as the memory budget of one allows.
+
+Rows are corpus windows by default. With ``distill`` they are the target's own greedy
+continuations of corpus prompts (``engine.dflash.distill``), anchors lie in the generated
+part, and each sequence's target pass runs once (``engine.dflash.train_rows``): at inference
+the draft must predict what the target generates, which corpus text only approximates.
 
 Labels are the target's own greedy choices at each position by default (what verification
-will compare against); ``labels="corpus"`` uses the corpus tokens instead. Batches and
+will compare against); ``labels="corpus"`` uses the row's tokens instead. Batches and
 anchors depend only on (seed, step), so a resumed run sees what an uninterrupted one would.
 """
 
@@ -24,29 +27,25 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
+from engine.dflash.block_loss import block_loss, default_gamma, rows_per_forward, slot_weights, usable_anchors
 from engine.dflash.compat import check_compatible
+from engine.dflash.distill import DistillOptions, cache_path, distill
 from engine.dflash.draft import DFlashDraft, DraftConfig, default_layer_ids
 from engine.dflash.gguf_io import WRITE_TYPES, DraftFile, write_draft_gguf
 from engine.dflash.speculative import speculative_generate
+from engine.dflash.train_rows import CorpusRows, DistilledRows
 from engine.errors import ConfigError
 from engine.model.config import ModelConfig
 from engine.model.qwen35moe import Qwen35MoE
 from engine.train.batches import BatchSampler, TokenStream, eval_windows
 from engine.train.checkpoint import load_checkpoint, save_checkpoint
 from engine.train.corpus import iter_documents
-from engine.model.linear import linear
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".cpp", ".js", ".ts", ".rs", ".go", ".java",
                  ".json", ".jsonl", ".toml", ".yaml", ".yml", ".html", ".tex", ".sh")
 QWEN_DFLASH_MASK_ID = 248070  # the mask id of the published Qwen3.5/3.6 drafts; padded vocabularies reach it
 LABELS = ("target", "corpus")
-
-
-def default_gamma(block_size: int) -> float:
-    """Loss decay: 7 for blocks of 16 and 4 for blocks of 8 (SpecForge), in proportion below."""
-    return 7.0 if block_size >= 16 else 4.0 if block_size >= 8 else max(1.0, block_size / 2)
 
 
 def new_draft_config(target: ModelConfig, *, n_layers: int = 5, n_features: int = 5, block_size: int = 16,
@@ -71,9 +70,9 @@ def new_draft_config(target: ModelConfig, *, n_layers: int = 5, n_features: int 
 @dataclass(frozen=True)
 class TrainOptions:
     steps: int = 2000
-    seq_len: int = 2048
+    seq_len: int = 2048  # tokens per corpus row
     batch: int = 1  # sequences per step
-    anchors: int = 64  # blocks per sequence
+    anchors: int = 64  # blocks per sequence (trimmed to split into equal groups, see block_loss)
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -89,11 +88,18 @@ class TrainOptions:
     eval_prompt_len: int = 128
     eval_new_tokens: int = 128
     weights: str = "bf16"  # type of the draft's matrices in the written GGUF
+    distill: int = 0  # > 0: train on this many target continuations instead of corpus windows
+    distill_prompt: int = 64  # corpus tokens before each continuation
+    distill_new: int = 192  # greedy tokens the target generates after each prompt
+    distill_batch: int = 256  # continuations generated together
 
     def __post_init__(self) -> None:
         positive = {"steps": self.steps, "batch": self.batch, "anchors": self.anchors, "lr": self.lr,
                     "ckpt_every": self.ckpt_every, "eval_prompts": self.eval_prompts,
                     "eval_new_tokens": self.eval_new_tokens}
+        if self.distill < 0:
+            raise ValueError(f"distill must be 0 (off) or a number of sequences, got {self.distill}")
+        self.distill_options  # builds, so validates, the distillation settings
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -111,6 +117,12 @@ class TrainOptions:
             raise ValueError(f"time budget must be positive, got {self.time_budget_s} s")
         if not 0 < self.held_out_fraction < 1:
             raise ValueError(f"held_out_fraction must be in (0, 1), got {self.held_out_fraction}")
+
+    @property
+    def distill_options(self) -> DistillOptions | None:
+        if not self.distill:
+            return None
+        return DistillOptions(self.distill, self.distill_prompt, self.distill_new, self.distill_batch, self.seed)
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at ``steps``."""
@@ -154,55 +166,6 @@ def split_documents(docs: list[str], held_out_fraction: float) -> tuple[list[str
     return [d for d, h in zip(docs, held) if not h], [d for d, h in zip(docs, held) if h]
 
 
-@torch.inference_mode()
-def target_pass(model: Qwen35MoE, ids: torch.Tensor, layer_ids: tuple[int, ...],
-                labels: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Context features [L, n_features * hidden] and labels [L] (the token expected at each position)."""
-    out = model.forward(ids, model.new_state(ids.shape[0]), capture_layers=layer_ids, logits="none")
-    features = torch.cat([out.hidden[i] for i in layer_ids], dim=-1)
-    if labels == "corpus":
-        return features, ids
-    rows = 1024  # the logits of 1024 positions at a time: [1024, vocab] float32
-    choice = torch.cat([linear(out.final_hidden[r:r + rows], model.weights.output).argmax(-1)
-                        for r in range(0, ids.shape[0], rows)])
-    return features, torch.cat([ids[:1], choice[:-1]])
-
-
-def block_loss(draft: DFlashDraft, embed: torch.Tensor, output: torch.Tensor, features: torch.Tensor,
-               ids: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor,
-               gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted cross-entropy of the blocks at ``anchors`` [n] of one sequence of ``L`` tokens.
-
-    features [L, F], ids and labels [L]. Returns the loss and the accepted length under
-    teacher forcing [n] (drafts that match the label, counted up to the first miss, plus one).
-    """
-    cfg = draft.cfg
-    B, L, n = cfg.block_size, ids.shape[0], anchors.shape[0]
-    device = ids.device
-    slot = torch.arange(B, device=device)
-    positions = anchors[:, None] + slot[None, :]  # [n, B]
-    block = torch.full((n, B), cfg.mask_token_id, dtype=torch.long, device=device)
-    block[:, 0] = ids[anchors]
-    ctx_positions = torch.arange(L, device=device)
-    sees_context = ctx_positions[None, :] < anchors[:, None]  # [n, L]: strictly before the anchor
-    same_block = torch.eye(n, dtype=torch.bool, device=device)
-    visible = torch.cat([sees_context[:, None, :].expand(n, B, L).reshape(n * B, L),
-                         same_block[:, None, :, None].expand(n, B, n, B).reshape(n * B, n * B)], dim=1)
-    hidden = draft(F.embedding(block.reshape(-1), embed), positions.reshape(-1),
-                   draft.project_context(features, ctx_positions), ctx_positions, visible)
-    logits = F.linear(hidden.view(n, B, -1)[:, 1:], output).float()  # [n, B - 1, vocab]
-    target_pos = positions[:, 1:]
-    valid = target_pos < L
-    target = labels[target_pos.clamp(max=L - 1)]
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view(n, B - 1)
-    weight = torch.exp(-(slot[1:] - 1).float() / gamma)[None, :] * valid
-    loss = (ce * weight).sum() / weight.sum()
-    with torch.no_grad():
-        hit = (logits.argmax(-1) == target) & valid
-        accepted = hit.long().cumprod(1).sum(1) + 1
-    return loss, accepted
-
-
 @dataclass(frozen=True)
 class TrainReport:
     steps: int
@@ -210,29 +173,49 @@ class TrainReport:
     final_loss: float
     teacher_forced_acceptance: float
     held_out: dict[str, Any]
+    distill: dict[str, Any] | None = None  # the distilled rows: settings, generation time, agreement
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+Progress = Callable[[int, int, dict[str, float]], None]
+
+
 def train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Path, out: str | Path,
-                opts: TrainOptions, *, target_name: str, resume: bool = True,
-                progress: Callable[[int, int, dict[str, float]], None] | None = None) -> TrainReport:
+                opts: TrainOptions, *, target_name: str, target_path: str | Path | None = None, resume: bool = True,
+                progress: Progress | None = None, distill_progress: Progress | None = None) -> TrainReport:
     """Train a draft for ``model``, write it to ``out`` (GGUF) and a held-out report beside it.
 
     ``progress(step, steps, metrics)`` is called after every step. A checkpoint beside ``out``
     (``<out>.ckpt``) is written every ``ckpt_every`` steps and when the time budget ends the
-    loop; with ``resume`` an existing checkpoint of the same run is continued.
+    loop; with ``resume`` an existing checkpoint of the same run is continued. With
+    ``opts.distill`` the target's continuations are generated first from ``target_path`` (its
+    GGUF file; ``distill_progress(done, total, metrics)`` follows them) and kept in
+    ``<out>.distill.pt`` for a resumed run.
     """
     out = Path(out)
     check_compatible(cfg, model.cfg, draft_name=out.name, target_name=target_name)
     train_docs, held_docs = split_documents(read_corpus(corpus), opts.held_out_fraction)
     stream = TokenStream.from_documents(tokenizer.encode(d) for d in train_docs)
     held = TokenStream.from_documents(tokenizer.encode(d) for d in held_docs)
-    sampler = BatchSampler(stream, None, batch_tokens=opts.batch * (opts.seq_len - 1), example_share=0.0,
-                           seed=opts.seed)
     gamma = opts.gamma or default_gamma(cfg.block_size)
     device = model.device
+    distilled = None
+    if opts.distill_options is not None:
+        if target_path is None:
+            raise ConfigError("distillation needs the target's GGUF file (target_path)")
+        t_distill = time.perf_counter()
+        sequences = distill(target_path, stream, opts.distill_options, device=device, cache=cache_path(out),
+                            progress=distill_progress)
+        distilled = {"sequences": opts.distill, "prompt_len": opts.distill_prompt, "new_tokens": opts.distill_new,
+                     "generate_s": round(time.perf_counter() - t_distill, 3)}
+        rows = DistilledRows(model, sequences, opts.distill_prompt, cfg.target_layer_ids, opts.labels, opts.batch,
+                             opts.seed)
+    else:
+        sampler = BatchSampler(stream, None, batch_tokens=opts.batch * (opts.seq_len - 1), example_share=0.0,
+                               seed=opts.seed)
+        rows = CorpusRows(model, sampler, opts.seq_len, cfg.target_layer_ids, opts.labels)
     draft = DFlashDraft(cfg, device=device, dtype=torch.float32).init_random(
         torch.Generator().manual_seed(opts.seed))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
@@ -255,42 +238,53 @@ def train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pat
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     embed, output = model.weights.embed, model.weights.output
+    B = cfg.block_size
     loss_value = accept_value = float("nan")
     while step < opts.steps:
         if opts.time_budget_s is not None and time.perf_counter() - t0 >= opts.time_budget_s:
             break
         for group in optimizer.param_groups:
             group["lr"] = opts.lr_at(step)
+        batch = rows.batch(step)
+        (R, L), first = batch.ids.shape, batch.first_anchor
+        n = usable_anchors(min(opts.anchors, L - 1 - first), L, B)
         gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + step)
-        rows = sampler.batch(step, opts.seq_len - 1).to(device)
+        anchors = (torch.rand(R, L - 1 - first, generator=gen).argsort(-1)[:, :n] + first).sort(-1).values.to(device)
+        total_weight = slot_weights(anchors, L, B, gamma).sum()
+        per = rows_per_forward(n, L, B, output.shape[0])
         losses, accepted = [], []
-        for row in rows:
-            features, labels = target_pass(model, row, cfg.target_layer_ids, opts.labels)
-            features, labels = features.clone(), labels.clone()  # leave inference mode for autograd
-            n = min(opts.anchors, row.shape[0] - 2)
-            anchors = (torch.randperm(row.shape[0] - 2, generator=gen)[:n] + 1).sort().values.to(device)
+        for r in range(0, R, per):
+            part = slice(r, r + per)
             with autocast:
-                loss, acc = block_loss(draft, embed, output, features, row, labels, anchors, gamma)
-            (loss / rows.shape[0]).backward()
-            losses.append(loss.detach())
+                loss, acc = block_loss(draft, embed, output, batch.features[part], batch.ids[part],
+                                       batch.labels[part], anchors[part], gamma)
+            share = slot_weights(anchors[part], L, B, gamma).sum() / total_weight
+            (loss * share).backward()
+            losses.append(loss.detach() * share)
             accepted.append(acc)
         torch.nn.utils.clip_grad_norm_(draft.parameters(), opts.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        loss_value = float(torch.stack(losses).mean())
+        loss_value = float(torch.stack(losses).sum())  # the host sync of this step
         accept_value = float(torch.cat(accepted).float().mean())
         if progress is not None:
-            progress(step, opts.steps, {"loss": loss_value, "tf_accept": accept_value, "lr": opts.lr_at(step - 1)})
+            metrics = {"loss": loss_value, "tf_accept": accept_value, "lr": opts.lr_at(step - 1)}
+            if distilled is not None:
+                metrics["agree"] = rows.agreement
+            progress(step, opts.steps, metrics)
         if step % opts.ckpt_every == 0:
             save()
     save()
     spent = spent_before + time.perf_counter() - t0
 
     write_draft_gguf(draft, out, qtype=opts.weights)
+    if distilled is not None:
+        agree = rows.agreement
+        distilled |= {"target_passes": rows.passes, "agreement": None if math.isnan(agree) else round(agree, 4)}
     report = TrainReport(steps=step, train_s=round(spent, 3), final_loss=loss_value,
                          teacher_forced_acceptance=accept_value,
-                         held_out=held_out_acceptance(model, DraftFile.open(out), held, cfg, opts))
+                         held_out=held_out_acceptance(model, DraftFile.open(out), held, cfg, opts), distill=distilled)
     report_path = out.with_suffix(".acceptance.json")
     report_path.write_text(json.dumps({"target": target_name, "draft": out.name,
                                        "steps_this_run": step - started} | report.as_dict(), indent=2) + "\n")
@@ -322,4 +316,6 @@ def _run_identity(opts: TrainOptions) -> dict[str, Any]:
     """Options that must match for a checkpoint to continue the same run (not budgets or evaluation)."""
     keep = ("steps", "seq_len", "batch", "anchors", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
             "gamma", "labels", "seed", "held_out_fraction")
+    if opts.distill:
+        keep += ("distill", "distill_prompt", "distill_new")
     return {k: getattr(opts, k) for k in keep}

@@ -5,9 +5,11 @@ of PROMPT, so that verification accepts whole blocks."""
 import pytest
 import torch
 
+from engine.dflash.block_loss import block_loss
 from engine.dflash.draft import DFlashDraft, DraftConfig
 from engine.dflash.gguf_io import load_draft, write_draft_gguf
-from engine.dflash.train import block_loss, new_draft_config, target_pass
+from engine.dflash.train import new_draft_config
+from engine.dflash.train_rows import target_pass
 from engine.gguf.make_model import make_model
 from engine.gguf.reader import GGUFFile
 from engine.model.qwen35moe import Qwen35MoE

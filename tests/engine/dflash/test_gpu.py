@@ -4,10 +4,12 @@ greedy identity in float32, and a bf16 run end to end."""
 import pytest
 import torch
 
+from engine.dflash.block_loss import block_loss
 from engine.dflash.draft import DFlashDraft
 from engine.dflash.rollback import make_rollback
 from engine.dflash.speculative import speculative_generate
-from engine.dflash.train import block_loss, new_draft_config, target_pass
+from engine.dflash.train import new_draft_config
+from engine.dflash.train_rows import target_pass
 from engine.gguf.reader import GGUFFile
 from engine.model.qwen35moe import Qwen35MoE
 
@@ -87,8 +89,10 @@ def test_rollback_on_cuda_equals_plain(cuda_target, prompt, mode, n, keep):
             cuda_target.forward(torch.tensor([t], device="cuda"), ref, logits="none")
     assert (state.seq_len, state.next_position) == (ref.seq_len, ref.next_position)
     # fla's chunked kernels (the verify, the replay) and its token-by-token kernel (the reference)
-    # round differently: Triton's float32 dots run in TF32 (2^-11 relative per product). A wrong
-    # state (a head, a token or a layer out of place) is off by O(1) in this norm-wise measure.
+    # round differently: Triton's float32 dots run in TF32 (2^-11 relative per product), and the
+    # fused-MoE kernel's too, so keys a few layers deep differ by ~1.6e-3 (measured on the H200,
+    # recompute mode, layer 3). A wrong state (a head, a token or a layer out of place) is off
+    # by O(1) in this norm-wise measure.
     for i in state.conv:
         assert _rel(state.conv[i], ref.conv[i]) < 1e-3, f"conv state of layer {i}: {_rel(state.conv[i], ref.conv[i]):.2e}"
         assert _rel(state.recurrent[i], ref.recurrent[i]) < 1e-2, \
@@ -96,7 +100,7 @@ def test_rollback_on_cuda_equals_plain(cuda_target, prompt, mode, n, keep):
     for i, c in state.kv.items():
         assert c.length == ref.kv[i].length
         k, k_ref = c.k[:, :c.length], ref.kv[i].k[:, :c.length]
-        assert _rel(k, k_ref) < 1e-3, f"keys of layer {i}: {_rel(k, k_ref):.2e}"
+        assert _rel(k, k_ref) < 1e-2, f"keys of layer {i}: {_rel(k, k_ref):.2e}"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

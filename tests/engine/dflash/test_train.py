@@ -5,15 +5,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 import typer
 from typer.testing import CliRunner
 
 from engine.dflash.cli import parse_duration, register
-from engine.dflash.draft import DFlashDraft, DraftCache, block_hidden
 from engine.dflash.gguf_io import load_draft
-from engine.dflash.train import (TrainOptions, block_loss, default_gamma, new_draft_config, read_corpus,
-                                 split_documents, train_draft)
+from engine.dflash import train as train_module
+from engine.dflash.block_loss import default_gamma
+from engine.dflash.distill import cache_path
+from engine.dflash.train import TrainOptions, new_draft_config, read_corpus, split_documents, train_draft
 from engine.errors import ConfigError
 from engine.gguf.make_model import preset_config
 from engine.tokenizer import Tokenizer
@@ -44,35 +44,6 @@ def test_gamma_and_shape_defaults():
     assert cfg.target_layer_ids == (1, 10, 19, 28, 37) and cfg.mask_token_id == 248070 and cfg.block_size == 16
     with pytest.raises(ConfigError, match="draft shape: draft block_size must be at least 2"):
         new_draft_config(preset_config("tiny", vocab=100), block_size=1)
-
-
-def test_block_loss_is_the_weighted_cross_entropy_of_lone_blocks(target):
-    cfg = new_draft_config(target.cfg, n_layers=1, block_size=4, layer_ids=(0, 3))
-    draft = DFlashDraft(cfg).init_random(torch.Generator().manual_seed(0), std=0.1)
-    gen = torch.Generator().manual_seed(1)
-    L = 10
-    ids = torch.randint(0, 500, (L,), generator=gen)
-    labels = torch.randint(0, 500, (L,), generator=gen)
-    features = torch.randn(L, 2 * cfg.hidden, generator=gen)
-    anchors = torch.tensor([2, 7])  # the block at 7 runs past the end: its last slot carries no loss
-    gamma = 2.0
-    loss, accepted = block_loss(draft, target.weights.embed, target.weights.output, features, ids, labels, anchors,
-                                gamma)
-    num = den = 0.0
-    for a in anchors.tolist():
-        cache = DraftCache.empty(draft, L)
-        if a:
-            cache.extend(draft, features[:a], torch.arange(a))
-        block = torch.tensor([int(ids[a])] + [cfg.mask_token_id] * 3)
-        logits = F.linear(block_hidden(draft, cache, F.embedding(block, target.weights.embed), a)[1:],
-                          target.weights.output)
-        for k in range(1, 4):
-            if a + k < L:
-                w = torch.exp(torch.tensor(-(k - 1) / gamma))
-                num = num + w * F.cross_entropy(logits[k - 1:k], labels[a + k:a + k + 1])
-                den = den + w
-    torch.testing.assert_close(loss, (num / den).reshape(()), atol=1e-5, rtol=1e-5)
-    assert accepted.shape == (2,) and ((accepted >= 1) & (accepted <= 4)).all()
 
 
 def test_corpus_reading_and_split(tmp_path, corpus):
@@ -135,6 +106,57 @@ def test_training_writes_draft_and_report_and_resumes_exactly(target, tokenizer,
         train_draft(target, tokenizer, _cfg(target), corpus, out_b, _opts(lr=1e-3), target_name="target.gguf")
 
 
+def _distill_opts(**overrides):
+    return _opts(**({"distill": 6, "distill_prompt": 12, "distill_new": 20, "distill_batch": 4, "batch": 2}
+                    | overrides))
+
+
+def test_distilled_training_anchors_in_the_generated_part_and_reports_agreement(target, target_path, tokenizer,
+                                                                                 corpus, tmp_path, monkeypatch):
+    anchors = []
+    real = train_module.block_loss
+    monkeypatch.setattr(train_module, "block_loss", lambda *a: anchors.append(a[6].clone()) or real(*a))
+    metrics = []
+    out = tmp_path / "d.gguf"
+    report = train_draft(target, tokenizer, _cfg(target), corpus, out, _distill_opts(), target_name="target.gguf",
+                         target_path=target_path, progress=lambda step, total, m: metrics.append(m))
+    drawn = torch.cat([a.flatten() for a in anchors])
+    assert drawn.min() >= 12 and drawn.max() <= 30  # the generated part of rows of 12 + 20 tokens
+    assert len(anchors) == 6 and anchors[0].shape == (2, 8)
+    assert report.distill["agreement"] == 1.0 and report.distill["target_passes"] == 6
+    assert metrics[-1]["agree"] == 1.0
+    data = json.loads(out.with_suffix(".acceptance.json").read_text())
+    assert data["distill"]["sequences"] == 6 and data["distill"]["new_tokens"] == 20
+    assert cache_path(out).is_file()
+
+    with pytest.raises(ConfigError, match="belongs to another run"):
+        train_draft(target, tokenizer, _cfg(target), corpus, out, _distill_opts(distill_new=16),
+                    target_name="target.gguf", target_path=target_path)
+    with pytest.raises(ConfigError, match="needs the target's GGUF file"):
+        train_draft(target, tokenizer, _cfg(target), corpus, tmp_path / "e.gguf", _distill_opts(),
+                    target_name="target.gguf")
+
+
+def test_a_step_split_into_several_draft_forwards_trains_the_same_draft(target, tokenizer, corpus, tmp_path,
+                                                                        monkeypatch):
+    opts = _opts(steps=3, batch=3)
+    a = train_draft(target, tokenizer, _cfg(target), corpus, tmp_path / "a.gguf", opts, target_name="t.gguf")
+    monkeypatch.setattr(train_module, "rows_per_forward", lambda *args, **kwargs: 1)
+    b = train_draft(target, tokenizer, _cfg(target), corpus, tmp_path / "b.gguf", opts, target_name="t.gguf")
+    assert b.final_loss == pytest.approx(a.final_loss, rel=1e-5)
+    pa, pb = (dict(load_draft(tmp_path / f"{x}.gguf").named_parameters()) for x in "ab")
+    for name in pa:  # Adam turns float32 rounding of near-zero gradients into ~1e-6 differences
+        torch.testing.assert_close(pb[name], pa[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_distill_options_are_validated():
+    with pytest.raises(ValueError, match="distill must be 0 .off. or a number of sequences, got -1"):
+        _opts(distill=-1)
+    with pytest.raises(ValueError, match="new_tokens must be at least 2"):
+        _opts(distill=4, distill_new=1)
+    assert _opts().distill_options is None and _distill_opts().distill_options.seq_len == 32
+
+
 def test_time_budget_ends_training_early(target, tokenizer, corpus, tmp_path):
     report = train_draft(target, tokenizer, _cfg(target), corpus, tmp_path / "d.gguf",
                          _opts(steps=100_000, time_budget_s=1.0), target_name="target.gguf")
@@ -153,6 +175,14 @@ def test_cli_trains_a_draft(target_path, corpus, tmp_path):
         "--eval-prompts", "1", "--eval-new-tokens", "4", "--weights", "f32", "--device", "cpu", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert out.exists() and out.with_suffix(".acceptance.json").exists()
+    result = CliRunner().invoke(app, [
+        "train-draft", "--target", str(target_path), "--corpus", str(corpus), "--out", str(out), "--steps", "2",
+        "--distill", "3", "--distill-prompt", "8", "--distill-new", "8", "--distill-batch", "2", "--anchors", "4",
+        "--layers", "1", "--features", "2", "--block-size", "4", "--eval-prompts", "1", "--eval-new-tokens", "4",
+        "--weights", "f32", "--device", "cpu", "--restart"])
+    assert result.exit_code == 0, result.output
+    assert "distilled 3 sequences of 8 + 8 tokens" in result.output and "agrees" in result.output
+    assert json.loads(out.with_suffix(".acceptance.json").read_text())["distill"]["prompt_len"] == 8
     result = CliRunner().invoke(app, ["train-draft", "--target", str(target_path), "--corpus", str(corpus),
                                       "--out", str(out), "--time-budget", "soon"])
     assert isinstance(result.exception, ConfigError) and "time budget 'soon'" in str(result.exception)
