@@ -162,7 +162,14 @@ class Engine:
 
                 cfg = ModelConfig.from_metadata(f.metadata, source=str(path))
                 draft_file = open_compatible(draft, cfg, target_name=path.name)
-            model = Qwen35MoE.from_gguf(f, device=dev, dtype=dt, quantized=weights == "quantized")
+            # with a budget on the GPU the experts go to host memory (or are not read, when the
+            # placement builds its quantized copies from the file): loading all of them onto the
+            # device first would need a GPU as large as the whole model
+            expert_device = None
+            if expert_budget_mb is not None:
+                expert_device = "meta" if cold_format == "quantized" else "cpu" if dev.type == "cuda" else None
+            model = Qwen35MoE.from_gguf(f, device=dev, dtype=dt, quantized=weights == "quantized",
+                                        expert_device=expert_device)
         if tokenizer.vocab_size > model.cfg.vocab:
             raise EngineError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the output "
                               f"layer only {model.cfg.vocab}")

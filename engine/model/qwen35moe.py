@@ -52,18 +52,21 @@ class Qwen35MoE:
 
     @classmethod
     def from_gguf(cls, gguf_file: TensorSource, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                  force_torch_gdn: bool = False, quantized: bool = False) -> "Qwen35MoE":
+                  force_torch_gdn: bool = False, quantized: bool = False,
+                  expert_device: torch.device | str | None = None) -> "Qwen35MoE":
         """Load a qwen35moe GGUF file (an ``engine.gguf.reader.GGUFFile``).
 
         ``dtype`` defaults to float32 on the CPU and bfloat16 on CUDA; ``force_torch_gdn``
         keeps the torch Gated DeltaNet path even where fla's kernels are available;
         ``quantized`` keeps block-quantized projection matrices as their GGUF blocks
-        (``engine.model.weights.load_weights``).
+        (``engine.model.weights.load_weights``); ``expert_device`` loads the routed experts
+        elsewhere (host memory or ``meta``) for a hybrid placement to take over.
         """
         device = torch.device(device)
         dtype = dtype or default_dtype(device)
         cfg = ModelConfig.from_metadata(gguf_file.metadata, source=str(gguf_file.path))
-        weights = load_weights(gguf_file, cfg, device=device, dtype=dtype, quantized=quantized)
+        weights = load_weights(gguf_file, cfg, device=device, dtype=dtype, quantized=quantized,
+                               expert_device=expert_device)
         return cls(cfg, weights, device=device, dtype=dtype,
                    delta_rule=DeltaRule.select(device, force_torch=force_torch_gdn))
 

@@ -152,7 +152,8 @@ def has_fused_experts(source: TensorSource) -> bool:
 
 
 def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device | str,
-                 dtype: torch.dtype, quantized: bool = False) -> ModelWeights:
+                 dtype: torch.dtype, quantized: bool = False,
+                 expert_device: torch.device | str | None = None) -> ModelWeights:
     """Check every tensor against ``cfg``, then load them one at a time onto ``device``.
 
     Matrices are cast to ``dtype`` as they arrive; an MTP block after ``cfg.n_layers`` is
@@ -160,6 +161,9 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
     type (attention, Gated DeltaNet, shared expert, output head) stay as their GGUF blocks
     (``QuantMatrix``), multiplied by the dequantize-in-register kernels; the embedding, the
     routers and the routed experts are loaded dense as before.
+    ``expert_device`` puts the routed experts elsewhere than ``device``: ``"cpu"`` for a hybrid
+    placement that will keep most of them in host memory (so they never pass through the GPU),
+    ``"meta"`` when they are not read at all (a placement that builds them from the file).
     """
     fused = has_fused_experts(source)
     expected = names.expected_tensors(cfg, fused_experts=fused)
@@ -177,6 +181,13 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
 
     def vector(name: str) -> torch.Tensor:
         return source.load(name, dtype=torch.float32, device=device).reshape(-1)
+
+    expert_dev = torch.device(expert_device) if expert_device is not None else torch.device(device)
+
+    def expert(name: str) -> torch.Tensor:
+        if expert_dev.type == "meta":
+            return torch.empty(expected[name], dtype=dtype, device="meta")
+        return source.load(name, dtype=dtype, device=expert_dev)
 
     def gdn(name: str, *, keep_float32: bool = False):
         if quantized and not keep_float32:
@@ -201,13 +212,13 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
                 beta=gdn(p + "ssm_beta.weight"), alpha=gdn(p + "ssm_alpha.weight"),
                 norm=vector(p + "ssm_norm.weight"), out=gdn(p + "ssm_out.weight"))
         if fused:
-            gate_up = matrix(p + "ffn_gate_up_exps.weight")
+            gate_up = expert(p + "ffn_gate_up_exps.weight")
             gate = gate_up[:, :cfg.expert_ffn].contiguous()
             up = gate_up[:, cfg.expert_ffn:].contiguous()
             del gate_up
         else:
-            gate, up = matrix(p + "ffn_gate_exps.weight"), matrix(p + "ffn_up_exps.weight")
-        experts = ExpertWeights(gate=gate, up=up, down=matrix(p + "ffn_down_exps.weight"))
+            gate, up = expert(p + "ffn_gate_exps.weight"), expert(p + "ffn_up_exps.weight")
+        experts = ExpertWeights(gate=gate, up=up, down=expert(p + "ffn_down_exps.weight"))
         shared = None
         if cfg.shared_ffn:
             shared = SharedExpertWeights(

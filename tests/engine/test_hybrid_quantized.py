@@ -194,3 +194,28 @@ def test_cuda_quantized_cold_tier_matches_dense(q4_model_file, prompt_and_stats,
     per_token = (fast - ref).abs().amax(1) / ref.abs().amax(1)
     assert per_token.max() < 1e-5 if fraction == 1.0 else per_token.median() < 1e-2
     assert snap.expert_vram_mb == dense.expert_vram_mb
+
+
+def test_engine_with_a_budget_never_reads_the_dense_experts(q4_model_file):
+    """With a budget and the quantized cold tier, the engine loads the routed experts as meta
+    tensors (the placement builds its copies from the file), so a model larger than the GPU
+    loads; its logits equal the fully loaded model's under the same placement."""
+    from engine.engine import Engine
+
+    with GGUFFile(q4_model_file) as f:
+        meta = Qwen35MoE.from_gguf(f, expert_device="meta")
+    ew = meta.weights.layers[0].moe.experts
+    assert all(t.device.type == "meta" for t in (ew.gate, ew.up, ew.down))
+    assert meta.weights.embed.device.type == "cpu" and meta.weights.layers[0].moe.router.device.type == "cpu"
+
+    full = load_model(q4_model_file)
+    budget = full_mb(full) / 2
+    eng = Engine.from_gguf(q4_model_file, device="cpu", expert_budget_mb=budget, cold_format="quantized")
+    for layer in eng.model.weights.layers:
+        assert all(t.device.type == "meta" for t in (layer.moe.experts.gate, layer.moe.experts.up,
+                                                      layer.moe.experts.down))
+    ref = attach_hybrid(full, budget, None, cold_format="quantized", gguf_file=GGUFFile(q4_model_file))
+    ids = torch.tensor([3, 17, 5, 99, 42, 7, 8, 1, 250, 31, 64])
+    assert ref.placement.hot == eng.hybrid.placement.hot
+    assert eng.hybrid.placement.hot_count > 0 and eng.hybrid.placement.cold_count > 0
+    torch.testing.assert_close(logits(eng.model, ids), logits(full, ids), rtol=0, atol=0)
