@@ -37,9 +37,14 @@ def test_lookahead_matches_what_attention_computes(drafter, monkeypatch):
     n_attn = len(drafter.cfg.attention_layers)
     assert n_attn == 2 and len(queries) == len(keys) == n_attn
     tail_calls = seen[-n_attn:]  # the second forward runs the 6 lookahead tokens
+    cfg = drafter.cfg
+    group = cfg.n_head // cfg.n_head_kv
     for q, k, (q_model, k_model) in zip(queries, keys, tail_calls):
-        assert q.shape == (drafter.cfg.n_head, 6, drafter.cfg.head_dim)
-        assert k.shape == (drafter.cfg.n_head_kv, 75, drafter.cfg.head_dim)
+        assert q.shape == (cfg.n_head, 6, cfg.head_dim)
+        assert k.shape == (cfg.n_head_kv, 75, cfg.head_dim)
+        # attention over a cache hands SDPA the query heads of a KV head as group * T rows
+        # (engine.model.attention.grouped_attention): row g * T + t is head kv * group + g
+        q_model = q_model.view(cfg.n_head_kv, group, 6, cfg.head_dim).reshape(cfg.n_head, 6, cfg.head_dim)
         assert (q - q_model).abs().max() < 1e-5
         assert torch.equal(k, k_model)
 
