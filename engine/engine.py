@@ -31,9 +31,12 @@ MAX_DECODE_GRAPHS = 3  # captured decode steps kept per engine (each owns a stat
 
 
 def graph_capacity(tokens: int) -> int:
-    """The state capacity a request of ``tokens`` prompt + new tokens decodes in: a power of two,
-    so that requests of similar lengths share one captured graph."""
-    return max(GRAPH_MIN_TOKENS, 1 << (tokens - 1).bit_length())
+    """The state capacity a request of ``tokens`` prompt + new tokens decodes in, so that requests
+    of similar lengths share one captured graph: rounded up to a quarter of the next power of
+    two, at least ``GRAPH_MIN_TOKENS`` (the captured step attends over the whole capacity, so
+    past 4,096 tokens at most a third of it is spare)."""
+    quarter = max(GRAPH_MIN_TOKENS, (1 << (tokens - 1).bit_length()) // 4)
+    return -(-tokens // quarter) * quarter
 
 
 @dataclass

@@ -37,7 +37,10 @@ def static_on_cpu(monkeypatch, eng):
 def test_capacity_buckets():
     assert graph_capacity(1) == graph_capacity(GRAPH_MIN_TOKENS) == GRAPH_MIN_TOKENS
     assert graph_capacity(GRAPH_MIN_TOKENS + 1) == 2 * GRAPH_MIN_TOKENS
-    assert graph_capacity(5000) == 8192
+    assert graph_capacity(5000) == 6144 and graph_capacity(6145) == 8192
+    assert graph_capacity(133_000) == 196_608
+    for n in range(1, 300_000, 997):
+        assert n <= graph_capacity(n) < n + max(GRAPH_MIN_TOKENS, n / 2)
 
 
 def test_cpu_decodes_eagerly_and_says_why(eng):
