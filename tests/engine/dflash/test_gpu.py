@@ -5,13 +5,15 @@ import pytest
 import torch
 
 from engine.dflash.block_loss import block_loss
+from engine.dflash.distill import DistillOptions, distill
 from engine.dflash.draft import DFlashDraft
 from engine.dflash.rollback import make_rollback
 from engine.dflash.speculative import speculative_generate
 from engine.dflash.train import new_draft_config
-from engine.dflash.train_rows import target_pass
+from engine.dflash.train_rows import DistilledRows, target_pass
 from engine.gguf.reader import GGUFFile
 from engine.model.qwen35moe import Qwen35MoE
+from engine.train.batches import TokenStream
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -117,3 +119,27 @@ def test_bf16_end_to_end(target_path, prompt):
     # bf16 verify (one chunk) and plain decode (token by token) round differently; near-ties may
     # flip, so only the start is held to identity
     assert new[:8] == ref[:8], f"speculative {new[:8]} against plain {ref[:8]}"
+
+
+def test_distilled_rows_in_bf16_on_cuda(target_path, tmp_path):
+    """transformers' module continues prompts in bf16 on CUDA; the engine's bf16 target agrees with
+    almost every generated token, and a batched step over the rows trains under autocast."""
+    pytest.importorskip("transformers")
+    model = _load(target_path, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    stream = TokenStream.from_documents([torch.randint(0, 2000, (500,), generator=gen).tolist()])
+    sequences = distill(target_path, stream, DistillOptions(16, 24, 40, batch=8), device="cuda",
+                        cache=tmp_path / "d.distill.pt")
+    assert sequences.shape == (16, 64)
+    cfg = new_draft_config(model.cfg, n_layers=1, block_size=8, layer_ids=(1, 3))
+    rows = DistilledRows(model, sequences, 24, cfg.target_layer_ids, "target", batch=16, seed=0)
+    batch = rows.batch(0)
+    assert rows.passes == 16 and rows.agreement > 0.9, rows.agreement
+    draft = DFlashDraft(cfg, device="cuda", dtype=torch.float32).init_random(torch.Generator().manual_seed(0))
+    anchors = (torch.rand(16, 39, generator=gen).argsort(-1)[:, :32] + 24).sort(-1).values.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, accepted = block_loss(draft, model.weights.embed, model.weights.output, batch.features, batch.ids,
+                                    batch.labels, anchors, 4.0)
+    loss.backward()
+    assert torch.isfinite(loss) and accepted.shape == (16, 32)
+    assert all(torch.isfinite(p.grad).all() for p in draft.parameters())
