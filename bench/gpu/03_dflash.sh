@@ -7,12 +7,13 @@ python3 -c "from engine.train.corpus import build_corpus; build_corpus('/tmp/cor
 # Self-distilled rows: 1,024 corpus prompts of 64 tokens, each continued by 448 greedy tokens
 # (one generate batch in bf16), anchors in the generated part. Each sequence goes through the
 # engine's target once (the first epoch, 64 steps of 16 rows, ~70 ms a pass); later steps run
-# the draft only. Long continuations give more rows per target pass: on the CPU, 64-256
+# the draft only; 4 min of training leaves the speed-up stage its 200 s within one call.
+# Long continuations give more rows per target pass: on the CPU, 64-256
 # sequences reused for many epochs were memorised (docs/benchmarks.md).
 luce train-draft --target models/luce-target.gguf --corpus /tmp/corpus/train.txt --out "$OUT/luce-draft.gguf" \
   --layers 3 --features 3 --block-size 16 --batch 16 --anchors 256 --lr 2e-3 \
   --distill ${DISTILL_N:-1024} --distill-prompt 64 --distill-new ${DISTILL_NEW:-448} --distill-batch 1024 \
-  --steps ${DRAFT_STEPS:-1500} --time-budget ${DRAFT_MINUTES:-5}m --device cuda 2>&1 | tee "$OUT/train_draft.log"
+  --steps ${DRAFT_STEPS:-1500} --time-budget ${DRAFT_MINUTES:-4}m --device cuda 2>&1 | tee "$OUT/train_draft.log"
 rm -rf "$OUT"/luce-draft.gguf.ckpt* "$OUT"/luce-draft.gguf.distill.pt
 timeout ${DFLASH_S:-200} python3 bench/dflash.py --target models/luce-target.gguf --draft "$OUT/luce-draft.gguf" \
   --corpus /tmp/corpus/held_out.txt --spec-lens 4,8,16 --budgets all,50% --long-form 3 --code 3 \
