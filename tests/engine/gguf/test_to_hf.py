@@ -28,12 +28,7 @@ REL_TOL = 1e-3
 SHIPPED_TARGET = Path(__file__).resolve().parents[3] / "models" / "luce-target.gguf"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _logits_both(path: Path, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

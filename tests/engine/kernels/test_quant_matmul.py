@@ -39,12 +39,7 @@ SCALES_AT = {Q.Q4_K: slice(4, 16), Q.Q5_K: slice(4, 16), Q.Q6_K: slice(192, 208)
 K_SMALL = {Q.Q4_0: (96, 256), Q.Q8_0: (96, 256), Q.Q4_K: (256, 512), Q.Q5_K: (256, 512), Q.Q6_K: (256, 512)}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def from_floats(shape, qtype, rng):

@@ -52,13 +52,8 @@ def make_hf_model(seed: int = 0, **overrides) -> "transformers.Qwen3_5MoeForCaus
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: a second intra-op thread only adds synchronisation, which costs
-    a lot on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _single_thread(one_thread):
+    """Every model test runs on one thread (``one_thread`` in tests/engine/conftest.py)."""
 
 
 @pytest.fixture(scope="session")
