@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=30)
     args = ap.parse_args()
 
-    eng = Engine.from_gguf(args.model, weights=args.weights, expert_budget_mb=args.budget_mb)
+    eng = Engine.from_gguf(args.model, weights=args.weights, expert_budget_mb=args.budget_mb, cuda_graph=True)
     model, device = eng.model, eng.device
     prompt = torch.arange(16, device=device) % eng.config.vocab
     capacity = 64 + 3 * args.steps

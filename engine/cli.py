@@ -45,8 +45,8 @@ def generate(
     draft: Optional[Path] = typer.Option(None, "--draft", help="DFlash draft GGUF (checked against the target)"),
     spec_len: Optional[int] = typer.Option(None, "--spec-len", help="DFlash: tokens verified per target forward"),
     cuda_graph: bool = typer.Option(
-        True, "--cuda-graph/--no-cuda-graph", help="replay plain decoding from a captured CUDA graph where the "
-        "configuration allows it (all experts on the GPU); --no-cuda-graph decodes eagerly"),
+        False, "--cuda-graph/--no-cuda-graph", help="replay plain decoding from a captured CUDA graph where the "
+        "configuration allows it (all experts on the GPU); off by default until its GPU tests have passed"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
 ) -> None:
     """Generate a continuation of a prompt, streaming the text, then the timings."""

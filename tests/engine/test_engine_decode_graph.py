@@ -44,6 +44,8 @@ def test_capacity_buckets():
 
 
 def test_cpu_decodes_eagerly_and_says_why(eng):
+    assert "cuda_graph=False" in eng.decode_graph_blocker()  # off unless asked for
+    eng.cuda_graph = True
     g = eng.generate(eng.tokenizer.encode("x = 1"), 4, ignore_eos=True)
     assert g.timings.extra["decode_path"] == "eager"
     assert "not on a CUDA device" in g.timings.extra["decode_graph_blocker"]
@@ -122,7 +124,7 @@ def test_cli_flag_keeps_decoding_eager(tiny, capsys):
 def test_cuda_greedy_text_is_identical_with_and_without_the_graph(tmp_path, weights):
     path = make_model(tmp_path / "tiny.gguf", "tiny", seed=5, n_layers=8,
                       quant="q8_0" if weights == "quantized" else "f32")
-    eng = Engine.from_gguf(path, device="cuda", dtype="float32", weights=weights)
+    eng = Engine.from_gguf(path, device="cuda", dtype="float32", weights=weights, cuda_graph=True)
     ids = eng.tokenizer.encode("def fibonacci(n):\n")
     graph = eng.generate(ids, 32, ignore_eos=True)
     assert graph.timings.extra["decode_path"] == "cuda_graph", graph.timings.extra.get("decode_graph_blocker")
@@ -141,7 +143,7 @@ def test_cuda_graph_through_an_all_hot_hybrid_placement(tmp_path):
     and its device-side hit counters count every replayed pair; with cold experts the engine
     decodes eagerly and says why."""
     path = make_model(tmp_path / "tiny.gguf", "tiny", seed=6, n_layers=8, n_expert=16)
-    eng = Engine.from_gguf(path, device="cuda", dtype="float32")
+    eng = Engine.from_gguf(path, device="cuda", dtype="float32", cuda_graph=True)
     ids = eng.tokenizer.encode("class Stack:\n")
     eng.cuda_graph = False
     plain = eng.generate(ids, 24, ignore_eos=True)
