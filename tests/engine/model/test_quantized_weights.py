@@ -60,7 +60,6 @@ def test_float_files_stay_dense(tmp_path):
                    for layer in model.weights.layers for n in ("q", "qkv"))
 
 
-@pytest.mark.skipif(not SHIPPED.exists(), reason="the shipped target is not in this checkout")
 def test_greedy_output_on_the_trained_model_equals_dense():
     dense = Engine.from_gguf(SHIPPED, device="cpu")
     kept = Engine.from_gguf(SHIPPED, device="cpu", weights="quantized")
@@ -76,7 +75,6 @@ def test_bad_weights_option_is_refused(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.skipif(not SHIPPED.exists(), reason="the shipped target is not in this checkout")
 def test_triton_quantized_path_greedy_equals_dense_on_cuda():
     dense = Engine.from_gguf(SHIPPED, device="cuda", dtype="float32")
     kept = Engine.from_gguf(SHIPPED, device="cuda", dtype="float32", weights="quantized")
