@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import apply_rope, rope_cos_sin
+from engine.model.attention import apply_rope, rope_cos_sin, sdpa
 from engine.model.norm import rms_norm
 
 
@@ -213,8 +213,8 @@ class DFlashDraft(nn.Module):
                 # kernel (a decode step's few queries are cheaper without the copy)
                 keys, values = keys.repeat_interleave(H // Hkv, dim=1), values.repeat_interleave(H // Hkv, dim=1)
                 gqa = False
-            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[:, None],
-                                                 enable_gqa=gqa)  # [R, H, T, D]
+            att = sdpa(q, keys, values, attn_mask=None if mask is None else mask[:, None],
+                       enable_gqa=gqa)  # [R, H, T, D]
             h = h + F.linear(att.transpose(1, 2).reshape(R * T, H * D), layer.o)
             m = rms_norm(h, layer.ffn_norm, cfg.rms_eps)
             h = h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
