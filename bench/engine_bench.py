@@ -42,7 +42,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     eng = Engine.from_gguf(args.model, device=args.device, dtype=args.dtype, weights=args.weights,
-                           cold_format=args.cold_format)
+                           cold_format=args.cold_format, cuda_graph=not args.no_graph)
     load_s = time.perf_counter() - t0
     load_mem = torch.cuda.memory_allocated() / 2**20 if eng.device.type == "cuda" else 0.0
     vocab = eng.config.vocab
