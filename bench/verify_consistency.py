@@ -1,6 +1,6 @@
 """Does a verify block see the same logits as token-by-token decoding? A diagnostic for lossless DFlash.
 
-    python bench/verify_consistency.py --model T.gguf [--device cuda] [--prefix 64] [--blocks 2,5,8,9,16,17]
+    python bench/verify_consistency.py --model T.gguf [--device cuda] [--prefix 64] [--blocks 2,5,8,9,16,17] [--dtypes bfloat16,float32]
 
 For each block length T, after the same prefix, runs T tokens in one forward and the same
 tokens one forward at a time, and prints the largest logit difference relative to the largest
@@ -40,10 +40,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prefix", type=int, default=64)
     ap.add_argument("--blocks", default="2,4,5,8,9,16,17")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
     args = ap.parse_args()
     blocks = [int(x) for x in args.blocks.split(",")]
     backends = {"default": attention.SDPA_BACKENDS, "math": [SDPBackend.MATH]}
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for force_torch in (False, True):
             with GGUFFile(args.model) as f:
                 model = Qwen35MoE.from_gguf(f, device=args.device, dtype=dtype, force_torch_gdn=force_torch)
@@ -51,7 +52,7 @@ def main() -> None:
                                 generator=torch.Generator().manual_seed(0)).to(args.device)
             for name, chosen in backends.items():
                 attention.SDPA_BACKENDS = chosen
-                row = [f"{str(dtype)[6:]:>8} gdn={model.delta_rule.backend:<5} attn={name:<7}"]
+                row = [f"{str(dtype)[6:]:>8} gdn={model.delta_rule.name:<10} attn={name:<7}"]
                 for T in blocks:
                     err, agree = compare(model, ids, args.prefix, T)
                     row.append(f"T={T}: {err:.1e} {agree:.2f}")

@@ -22,6 +22,8 @@ from engine.model.linear import linear
 CHUNK = 64
 # Up to this many tokens the token-by-token form is used: decode and short verify blocks.
 RECURRENT_MAX_TOKENS = 4
+# Up to this many tokens a ``DeltaRule`` with a ``short`` kernel uses it (DFlash verify blocks).
+SHORT_MAX_TOKENS = 16
 
 # (q, k, v, g, beta, state, scale) -> (o, new state); q, k [T, H, dk] unit rows, v [T, H, dv],
 # g, beta [T, H] float32, state [H, dk, dv] float32; o [T, H, dv].
@@ -111,24 +113,54 @@ def _fla_kernels() -> tuple[DeltaRuleFn, DeltaRuleFn] | None:
 
 @dataclass(frozen=True)
 class DeltaRule:
-    """The chunked (prefill) and token-by-token (decode) implementations in use."""
+    """The chunked (prefill) and token-by-token (decode) implementations in use.
+
+    ``short``, when set, takes every call of at most ``SHORT_MAX_TOKENS`` tokens whose head
+    sizes it handles: on CUDA the Triton decode kernel, which keeps the state and its products
+    in float32. fla's chunk kernel forms its products in reduced precision (1e-3 relative error
+    in float32 on an H200, 5e-2 in the bf16 logits of a verify block), enough to flip greedy
+    near-ties between a DFlash verify block and token-by-token decoding.
+    """
 
     chunk: DeltaRuleFn
     recurrent: DeltaRuleFn
     backend: str  # "torch" or "fla"
+    short: DeltaRuleFn | None = None
+    short_head_dim: int = 0  # largest head size ``short`` handles
 
     @classmethod
     def select(cls, device: torch.device | str, *, force_torch: bool = False) -> "DeltaRule":
-        """fla's Triton kernels on CUDA when importable, the torch reference otherwise or when forced."""
+        """fla's Triton kernels on CUDA when importable, the torch reference otherwise or when forced;
+        short calls on CUDA go to the engine's Triton decode kernel when Triton is importable."""
         if not force_torch and torch.device(device).type == "cuda":
             kernels = _fla_kernels()
+            short = _short_kernel()
             if kernels is not None:
-                return cls(kernels[0], kernels[1], "fla")
+                return cls(kernels[0], kernels[1], "fla", *short)
+            if short[0] is not None:
+                return cls(delta_rule_chunked, delta_rule_recurrent, "torch", *short)
         return cls(delta_rule_chunked, delta_rule_recurrent, "torch")
 
+    @property
+    def name(self) -> str:
+        """The back ends in use, short calls' first when there is one (``triton+fla``)."""
+        return f"triton+{self.backend}" if self.short is not None else self.backend
+
     def __call__(self, q, k, v, g, beta, state, scale):
-        fn = self.recurrent if q.shape[0] <= RECURRENT_MAX_TOKENS else self.chunk
+        T = q.shape[0]
+        if (self.short is not None and T <= SHORT_MAX_TOKENS
+                and max(q.shape[-1], v.shape[-1]) <= self.short_head_dim):
+            return self.short(q, k, v, g, beta, state, scale)
+        fn = self.recurrent if T <= RECURRENT_MAX_TOKENS else self.chunk
         return fn(q, k, v, g, beta, state, scale)
+
+
+def _short_kernel() -> tuple[DeltaRuleFn | None, int]:
+    try:
+        from engine.kernels.gdn_decode import MAX_HEAD_DIM, delta_rule_decode_triton
+    except ImportError:
+        return None, 0
+    return delta_rule_decode_triton, MAX_HEAD_DIM
 
 
 def decode_delta_rule(head_k: int, head_v: int, *, impl: str) -> tuple[DeltaRuleFn, str]:

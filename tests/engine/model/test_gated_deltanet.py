@@ -109,3 +109,38 @@ def test_fla_kernels_match_the_torch_reference(T, v_dtype, tol):
     o_ref, s_ref = delta_rule_recurrent(q, k, v, g, beta, s0, 128 ** -0.5)
     o, s = rule(q, k, v.to(v_dtype), g, beta, s0, 128 ** -0.5)
     assert close(o.float(), o_ref) <= tol and close(s, s_ref) <= tol
+
+
+@pytest.mark.parametrize("T, dk, expected", [(1, 8, "short"), (16, 8, "short"), (17, 8, "chunk"),
+                                             (3, 200, "recurrent"), (9, 200, "chunk")])
+def test_short_calls_go_to_the_short_kernel(T, dk, expected):
+    """Calls of at most SHORT_MAX_TOKENS tokens whose heads fit go to ``short``; the others keep
+    the recurrent/chunk split, and every path returns what the definition does."""
+    seen = []
+
+    def spy(name, fn):
+        def run(*args):
+            seen.append(name)
+            return fn(*args)
+        return run
+
+    rule = DeltaRule(spy("chunk", delta_rule_chunked), spy("recurrent", delta_rule_recurrent), "torch",
+                     short=spy("short", delta_rule_recurrent), short_head_dim=128)
+    assert rule.name == "triton+torch"
+    q, k, v, g, beta, s0 = inputs(T, dk=dk, seed=T)
+    o, s = rule(q, k, v, g, beta, s0, dk ** -0.5)
+    o_ref, s_ref = delta_rule_recurrent(q, k, v, g, beta, s0, dk ** -0.5)
+    assert seen == [expected]
+    assert close(o, o_ref) <= TOL and close(s, s_ref) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rule_sends_verify_blocks_to_the_triton_kernel():
+    pytest.importorskip("triton")
+    rule = DeltaRule.select("cuda")
+    assert rule.short is not None and rule.name.startswith("triton+")
+    q, k, v, g, beta, s0 = inputs(9, H=32, dk=128, dv=128, seed=4, device="cuda")
+    o_ref, s_ref = delta_rule_recurrent(q, k, v, g, beta, s0, 128 ** -0.5)
+    o, s = rule(q, k, v, g, beta, s0, 128 ** -0.5)
+    assert close(o.float(), o_ref) <= 1e-5 and close(s, s_ref) <= 1e-5
