@@ -37,6 +37,9 @@ def generate(
     cold_format: str = typer.Option(
         "dense", "--cold-format", help="how CPU-side experts are held: dense or quantized (GGUF blocks, "
         "torch's CPU weight-only kernels)"),
+    hot_format: str = typer.Option(
+        "dense", "--hot-format", help="how GPU-side experts are held: dense or quantized (GGUF blocks, "
+        "dequantized in the kernels; the budget then counts quantized bytes); quantized needs --cold-format quantized"),
     weights: str = typer.Option(
         "dense", "--weights", help="dense (dequantized at load) or quantized (projection matrices kept as GGUF "
         "blocks, dequantized in the matmul kernels)"),
@@ -65,9 +68,13 @@ def generate(
         raise ConfigError(f"--cold-format must be dense or quantized, got {cold_format!r}")
     if cold_format != "dense" and expert_budget is None:
         raise ConfigError("--cold-format needs --expert-budget (without it every expert stays on the device)")
+    if hot_format not in ("dense", "quantized"):
+        raise ConfigError(f"--hot-format must be dense or quantized, got {hot_format!r}")
+    if hot_format != "dense" and cold_format != "quantized":
+        raise ConfigError("--hot-format quantized needs --cold-format quantized")
     eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads,
                            expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format,
-                           weights=weights, cuda_graph=cuda_graph)
+                           weights=weights, cuda_graph=cuda_graph, hot_format=hot_format)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:

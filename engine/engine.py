@@ -97,7 +97,7 @@ class Engine:
                  device: torch.device, dtype: torch.dtype, load_s: float,
                  stall_timeout_s: float, routing_stats_path: Path | None = None,
                  drafter: "Drafter | None" = None, pflash: "PFlashConfig | None" = None,
-                 cold_format: str = "dense", cuda_graph: bool = False) -> None:
+                 cold_format: str = "dense", cuda_graph: bool = False, hot_format: str = "dense") -> None:
         self.path = path
         self.model = model
         self.tokenizer = tokenizer
@@ -107,6 +107,7 @@ class Engine:
         self.stall_timeout_s = stall_timeout_s
         self.routing_stats_path = routing_stats_path
         self.cold_format = cold_format  # how hybrid placement holds cold experts: "dense" or "quantized"
+        self.hot_format = hot_format  # how it holds hot experts on the device: "dense" or "quantized"
         self.hybrid: "HybridExperts | None" = None
         self.drafter = drafter
         self.pflash = pflash
@@ -127,13 +128,15 @@ class Engine:
                   routing_stats: str | Path | None = None, drafter: str | Path | None = None,
                   pflash_threshold: int | None = None, draft: str | Path | None = None,
                   cold_format: str = "dense", weights: str = "dense", cuda_graph: bool = False,
-                  **options: Any) -> "Engine":
+                  hot_format: str = "dense", **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
         budget, cold ones on CPU threads) using the routing statistics beside the model (or
         ``routing_stats``); ``cold_format="quantized"`` keeps the cold experts in their GGUF
-        quantized form on the host, computed by torch's CPU weight-only kernels; ``drafter``
+        quantized form on the host, computed by torch's CPU weight-only kernels, and
+        ``hot_format="quantized"`` (with it) the hot experts on the device too, run by the
+        quantized-expert kernels, the budget then counting quantized bytes; ``drafter``
         loads a PFlash drafter sharing the target's vocabulary;
         ``draft`` attaches a DFlash draft, checked against the target before any tensor loads.
         ``weights="quantized"`` keeps the block-quantized projection matrices (attention, Gated
@@ -150,6 +153,10 @@ class Engine:
             raise ConfigError(f"weights must be 'dense' or 'quantized', got {weights!r}")
         if cold_format not in ("dense", "quantized"):
             raise ConfigError(f"cold_format must be 'dense' or 'quantized', got {cold_format!r}")
+        if hot_format not in ("dense", "quantized"):
+            raise ConfigError(f"hot_format must be 'dense' or 'quantized', got {hot_format!r}")
+        if hot_format == "quantized" and cold_format != "quantized":
+            raise ConfigError("hot_format='quantized' needs cold_format='quantized' (both tiers read the GGUF blocks)")
         if threads is not None:
             if threads < 1:
                 raise ConfigError(f"threads must be at least 1, got {threads}")
@@ -189,7 +196,8 @@ class Engine:
         eng = cls(path=path, model=model, tokenizer=tokenizer, device=dev, dtype=dt, load_s=0.0,
                   stall_timeout_s=stall_timeout_s,
                   routing_stats_path=Path(routing_stats) if routing_stats is not None else None,
-                  drafter=draft_model, pflash=pflash, cold_format=cold_format, cuda_graph=cuda_graph)
+                  drafter=draft_model, pflash=pflash, cold_format=cold_format, cuda_graph=cuda_graph,
+                  hot_format=hot_format)
         if draft_file is not None:
             eng.draft = draft_file.load(device=dev, dtype=dt)
         if expert_budget_mb is not None:
@@ -245,7 +253,7 @@ class Engine:
             gguf_file = GGUFFile(self.path)  # owned by the executor from here: it views the raw blocks
             try:
                 self.hybrid = attach_hybrid(self.model, budget_mb, stats, cold_format="quantized",
-                                            gguf_file=gguf_file)
+                                            gguf_file=gguf_file, hot_format=self.hot_format)
             except BaseException:
                 gguf_file.close()
                 raise

@@ -30,6 +30,7 @@ from engine.errors import ConfigError
 from engine.gguf import quants
 from engine.kernels.cpu_quant import CpuQuantMatrix
 from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
+from engine.kernels.quant.reference import QuantExperts, row_bytes
 from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fits, gpu_expert_capacity_mb,
                               plan_placement, state_bytes)
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 RESERVED_CONTEXT_TOKENS = 32768  # state kept free for by default when placing experts
 COLD_FORMATS = ("dense", "quantized")
+HOT_FORMATS = ("dense", "quantized")
 _UPLOAD_EXPERTS = 16  # experts dequantized per step when filling device slots from raw blocks
 
 
@@ -89,32 +91,45 @@ class DenseExperts:
 class QuantizedExperts:
     """One layer's master copies in their GGUF quantized form.
 
-    The CPU tier multiplies ``CpuQuantMatrix`` packs; device slots are filled by dequantizing
-    the raw blocks (views of the mapped file, so they cost no private host memory) on the device.
+    The CPU tier multiplies ``CpuQuantMatrix`` packs. Device slots are filled from the raw
+    blocks (views of the mapped file, so they cost no private host memory): dequantized on the
+    device with ``hot_format="dense"``, copied as they are with ``"quantized"`` (the slots then
+    hold uint8 [n_hot, rows, row_bytes] and the budget counts quantized bytes).
     """
 
     def __init__(self, raw: "Sequence[RawExpertMatrix]", dtype: torch.dtype, *,
-                 cold_dtype: torch.dtype = torch.bfloat16):
-        """``raw``: (gate, up, down); ``dtype``: of the device slots; ``cold_dtype``: the CPU
-        kernels' compute dtype (bfloat16 is their fast path, float32 their exact one)."""
+                 cold_dtype: torch.dtype = torch.bfloat16, hot_format: str = "dense"):
+        """``raw``: (gate, up, down); ``dtype``: the model's (and dense slots'); ``cold_dtype``: the
+        CPU kernels' compute dtype (bfloat16 is their fast path, float32 their exact one)."""
+        if hot_format not in HOT_FORMATS:
+            raise ConfigError(f"hot format must be one of {', '.join(HOT_FORMATS)}, got {hot_format!r}")
         self.raw = tuple(raw)
         self.n_expert = self.raw[0].data.shape[0]
-        self.dtype = dtype
-        self.expert_shapes = tuple((r.rows, r.cols) for r in self.raw)
+        self.hot_quantized = hot_format == "quantized"
+        self.dtype = torch.uint8 if self.hot_quantized else dtype  # of the device slots
+        self.expert_shapes = tuple((r.rows, row_bytes(r.qtype, r.cols)) if self.hot_quantized else (r.rows, r.cols)
+                                   for r in self.raw)
         self.matrices = [tuple(CpuQuantMatrix.from_raw(r.expert(e), r.qtype, r.rows, r.cols, dtype=cold_dtype)
                                for r in self.raw) for e in range(self.n_expert)]
+
+    def slot_experts(self, slots: tuple[torch.Tensor, ...]) -> tuple[QuantExperts, ...]:
+        """The quantized device slots as ``QuantExperts`` (gate, up, down) for the hot kernels."""
+        return tuple(QuantExperts(slot, r.qtype, slot.shape[0], r.rows, r.cols) for slot, r in zip(slots, self.raw))
 
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for expert in self.matrices for m in expert)
 
     def upload(self, slots: tuple[torch.Tensor, ...], dst: int, src: int, n: int) -> None:
-        """Dequantize experts ``src .. src+n-1`` into slots ``dst .. dst+n-1``."""
+        """Fill slots ``dst .. dst+n-1`` with experts ``src .. src+n-1`` (dequantized, or as raw blocks)."""
         for slot, r in zip(slots, self.raw):
             for a in range(0, n, _UPLOAD_EXPERTS):
                 b = min(n, a + _UPLOAD_EXPERTS)
                 data = torch.from_numpy(r.data[src + a:src + b].copy()).to(slot.device)
-                slot[dst + a:dst + b].copy_(quants.dequantize(data, r.qtype, (b - a, r.rows, r.cols)))
+                if self.hot_quantized:
+                    slot[dst + a:dst + b].copy_(data.view(b - a, *slot.shape[1:]))
+                else:
+                    slot[dst + a:dst + b].copy_(quants.dequantize(data, r.qtype, (b - a, r.rows, r.cols)))
 
     def experts_sum(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: list[int]) -> torch.Tensor:
         """Float32 [T, H] contribution of ``experts`` (as ``engine.kernels.moe.experts_sum``)."""
@@ -141,6 +156,7 @@ class _LayerTiers:
         self.n_expert = host.n_expert
         self.hot: tuple[int, ...] = ()  # expert held in each slot
         self.slots: tuple[torch.Tensor, ...] | None = None  # (gate, up, down) [n_hot, ...] on device
+        self.quant_slots: tuple[QuantExperts, ...] | None = None  # the slots as quantized experts, if they are
         self.host_hot = torch.zeros(self.n_expert, dtype=torch.bool)
         self.slot_of = torch.full((self.n_expert,), -1, dtype=torch.int64, device=device)
 
@@ -171,12 +187,39 @@ class _LayerTiers:
             for dst, src, n in _runs(incoming):
                 self.host.upload(slots, dst, src, n)
         self.slots = slots
+        self.quant_slots = (self.host.slot_experts(slots) if slots is not None and getattr(self.host, "hot_quantized",
+                                                                                              False) else None)
         self.hot = tuple(order)
         slot_of = torch.full((self.n_expert,), -1, dtype=torch.int64)
         if order:
             slot_of[torch.tensor(order)] = torch.arange(len(order))
         self.slot_of.copy_(slot_of)
         self.host_hot = slot_of >= 0
+
+
+    def hot_moe(self, x: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, impl: str,
+                config: "MoEKernelConfig | None") -> torch.Tensor:
+        """The hot experts' output [T, H] in x's dtype; ``slots`` [T, k] index the device slots (-1: cold)."""
+        if self.quant_slots is not None:
+            return quantized_moe(x, self.quant_slots, slots, w, impl=impl)
+        return fused_moe(x, *self.slots, slots, w, impl=impl, config=config)
+
+
+def quantized_moe(x: torch.Tensor, experts: Sequence[QuantExperts], ids: torch.Tensor, w: torch.Tensor, *,
+                  impl: str = "auto") -> torch.Tensor:
+    """Routed-expert SwiGLU over quantized (gate, up, down) experts: [T, H] in x's dtype.
+
+    Each routed pair (token, expert) is one row of the quantized experts' matmul (the Triton
+    kernel on CUDA dequantizes in registers); pairs with a negative id contribute nothing. No
+    host synchronisation on the Triton path.
+    """
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)  # [T k, H]: pair p = t k + j reads token t
+    gate, up, down = experts
+    act = (F.silu(gate.matmul(xs, flat, impl).float()) * up.matmul(xs, flat, impl).float()).to(x.dtype)
+    y = down.matmul(act, flat, impl).float()  # [T k, H]
+    return (y * w.reshape(-1, 1).float()).view(T, k, -1).sum(1).to(x.dtype)
 
 
 class HybridExperts:
@@ -220,19 +263,25 @@ class HybridExperts:
     def from_model(cls, model: Any, budget_mb: float, stats: RoutingStats | None = None, *,
                    reserve: GpuReserve | None = None, cold_format: str = "dense",
                    gguf_file: "RawTensorSource | None" = None, cold_dtype: torch.dtype = torch.bfloat16,
-                   **options: Any) -> "HybridExperts":
+                   hot_format: str = "dense", **options: Any) -> "HybridExperts":
         """Take over the routed experts of ``model`` (a ``Qwen35MoE``) and place them for ``budget_mb``.
 
         The budget is checked before anything moves. With ``cold_format="dense"`` the model's
         expert tensors are replaced by their host copies, so device memory holds only the hot
         slots; with ``"quantized"`` the master copies are built from ``gguf_file`` (the model's file,
         kept open for the device slots) and the model's dense expert tensors are released
-        (left as meta tensors of the same shapes).
+        (left as meta tensors of the same shapes). ``hot_format="quantized"`` (with the quantized
+        cold format) keeps the hot experts' device slots in their GGUF blocks too, run by the
+        quantized-expert kernels; the budget then counts quantized bytes, as on the appliance.
         """
         if cold_format not in COLD_FORMATS:
             raise ConfigError(f"cold format must be one of {', '.join(COLD_FORMATS)}, got {cold_format!r}")
         if cold_format == "quantized" and gguf_file is None:
             raise ConfigError("the quantized cold format needs the model's GGUF file (gguf_file=...)")
+        if hot_format not in HOT_FORMATS:
+            raise ConfigError(f"hot format must be one of {', '.join(HOT_FORMATS)}, got {hot_format!r}")
+        if hot_format == "quantized" and cold_format != "quantized":
+            raise ConfigError("quantized hot experts need the quantized cold format (cold_format='quantized')")
         cfg = model.cfg
         stats = stats or RoutingStats.uniform(cfg.n_layers, cfg.n_expert)
         if reserve is None:
@@ -241,17 +290,23 @@ class HybridExperts:
         experts = [layer.moe.experts for layer in model.weights.layers]
         on_gpu = sum(t.numel() * t.element_size() for ew in experts for t in (ew.gate, ew.up, ew.down)
                      if t.device.type == "cuda")
-        expert_bytes = [sum(t[0].numel() for t in (ew.gate, ew.up, ew.down)) * ew.gate.element_size()
-                        for ew in experts]
+        raws = None
+        if cold_format == "quantized":
+            from engine.model.weights import raw_experts
+
+            raws = raw_experts(gguf_file, cfg)
+        if hot_format == "quantized":
+            expert_bytes = [sum(r.rows * row_bytes(r.qtype, r.cols) for r in raw) for raw in raws]
+        else:
+            expert_bytes = [sum(t[0].numel() for t in (ew.gate, ew.up, ew.down)) * ew.gate.element_size()
+                            for ew in experts]
         _checked_placement(stats, expert_bytes, budget_mb, cfg.n_expert_used, torch.device(model.device),
                            on_gpu, reserve, options.get("max_expert_mb"))
         pin = torch.device(model.device).type == "cuda"
         host: list[Any] = []
-        if cold_format == "quantized":
-            from engine.model.weights import raw_experts
-
-            for ew, raw in zip(experts, raw_experts(gguf_file, cfg)):
-                host.append(QuantizedExperts(raw, model.dtype, cold_dtype=cold_dtype))
+        if raws is not None:
+            for ew, raw in zip(experts, raws):
+                host.append(QuantizedExperts(raw, model.dtype, cold_dtype=cold_dtype, hot_format=hot_format))
                 ew.gate, ew.up, ew.down = (torch.empty(t.shape, dtype=t.dtype, device="meta")
                                            for t in (ew.gate, ew.up, ew.down))
         else:
@@ -303,7 +358,7 @@ class HybridExperts:
         self._hot_hits[layer_idx].add_((slots >= 0).sum())
         self._pairs[layer_idx].add_(topk_ids.numel())
         if layer.n_hot == layer.n_expert:
-            return fused_moe(x, *layer.slots, slots, topk_w, impl=self.impl, config=self.kernel_config)
+            return layer.hot_moe(x, slots, topk_w, self.impl, self.kernel_config)
 
         host = torch.device("cpu")
         on_cpu = x.device == host
@@ -314,7 +369,7 @@ class HybridExperts:
             copied.record(torch.cuda.current_stream(x.device))
         hot = None
         if layer.n_hot:  # queued on the device before the host waits for its copies
-            hot = fused_moe(x, *layer.slots, slots, topk_w, impl=self.impl, config=self.kernel_config)
+            hot = layer.hot_moe(x, slots, topk_w, self.impl, self.kernel_config)
         if copied is not None:
             copied.synchronize()
         cold = self._cold(layer, x_h, ids_h, w_h, pin=not on_cpu)

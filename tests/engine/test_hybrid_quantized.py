@@ -219,3 +219,150 @@ def test_engine_with_a_budget_never_reads_the_dense_experts(q4_model_file):
     assert ref.placement.hot == eng.hybrid.placement.hot
     assert eng.hybrid.placement.hot_count > 0 and eng.hybrid.placement.cold_count > 0
     torch.testing.assert_close(logits(eng.model, ids), logits(full, ids), rtol=0, atol=0)
+
+
+def quantized_mb(path):
+    """Bytes of every routed expert as the file stores them (Q4_0 blocks), in MB."""
+    with GGUFFile(path) as f:
+        model = load_model(path)
+        return sum(r.data.nbytes for layer in raw_experts(f, model.cfg) for r in layer) / MB
+
+
+def quantized_hot_run(path, fraction, ids, stats, device="cpu", impl="auto"):
+    model = load_model(path, device, torch.float32)
+    hybrid = attach_hybrid(model, fraction * quantized_mb(path), stats, threads=2, cold_format="quantized",
+                           gguf_file=GGUFFile(path), cold_dtype=torch.float32, hot_format="quantized", impl=impl)
+    out = logits(model, ids.to(device))
+    snap = hybrid.stats_snapshot()
+    placement = hybrid.placement
+    hybrid.close()
+    return out, snap, placement
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_quantized_hot_tier_matches_dense(q4_model_file, prompt_and_stats, fraction):
+    """Hot experts kept as Q4_0 blocks on the device: the same logits as the dense path (float32
+    throughout: the blocks map exactly), and the budget counted in quantized bytes."""
+    ids, stats = prompt_and_stats
+    out, snap, placement = quantized_hot_run(q4_model_file, fraction, ids, stats)
+    total_hot = placement.hot_count
+    ref, dense = dense_run(q4_model_file, 1.0, ids, stats)
+    assert rel_err(out, ref) < 1e-5
+    per_expert = quantized_mb(q4_model_file) / (load_model(q4_model_file).cfg.n_layers
+                                                * load_model(q4_model_file).cfg.n_expert)
+    assert snap.expert_vram_mb == pytest.approx(total_hot * per_expert)
+    assert snap.expert_vram_mb <= fraction * quantized_mb(q4_model_file) + 1e-9
+    if fraction == 1.0:
+        assert snap.cold_hits == 0 and snap.hot_experts == placement.hot_count
+        # Q4_0 is 18 bytes per 32 weights against float32's 128: the whole set is 0.14 of the dense bytes
+        assert snap.expert_vram_mb == pytest.approx(dense.expert_vram_mb * 18 / 128)
+    elif fraction == 0.5:
+        assert snap.hot_hits > 0 and snap.cold_hits > 0
+
+
+def test_quantized_hot_tier_through_the_triton_kernels(q4_model_file, prompt_and_stats):
+    """Every expert hot and quantized, run by the Triton quantized-expert kernel (the interpreter on
+    the CPU): what a captured decode step replays."""
+    ids, stats = prompt_and_stats
+    out, snap, _ = quantized_hot_run(q4_model_file, 1.0, ids[:5], stats, impl="triton")
+    ref, _ = dense_run(q4_model_file, 1.0, ids[:5], stats)
+    assert rel_err(out, ref) < 1e-5 and snap.cold_hits == 0
+
+
+def test_quantized_hot_layer_output_under_the_same_routing(q4_model_file):
+    dense_model, quant_model = load_model(q4_model_file), load_model(q4_model_file)
+    cfg = dense_model.cfg
+    dense = attach_hybrid(dense_model, full_mb(dense_model), threads=2)
+    quant = attach_hybrid(quant_model, 0.5 * quantized_mb(q4_model_file), threads=2, cold_format="quantized",
+                          gguf_file=GGUFFile(q4_model_file), cold_dtype=torch.float32, hot_format="quantized")
+    assert quant.graph_safe is False  # cold experts need the host
+    g = torch.Generator().manual_seed(4)
+    for layer in range(cfg.n_layers):
+        for T in (1, 6):
+            x = torch.randn(T, cfg.hidden, generator=g)
+            ids = torch.stack([torch.randperm(cfg.n_expert, generator=g)[:cfg.n_expert_used] for _ in range(T)])
+            w = torch.softmax(torch.randn(T, cfg.n_expert_used, generator=g), -1)
+            assert rel_err(quant(layer, x, ids, w), dense(layer, x, ids, w)) < 1e-5
+    snap = quant.stats_snapshot()
+    assert snap.hot_hits > 0 and snap.cold_hits > 0
+    dense.close()
+    quant.close()
+
+
+def test_quantized_hot_tier_moves_in_place(q4_model_file, prompt_and_stats):
+    """``set_budget`` between quantized budgets keeps the same logits and the byte accounting."""
+    ids, stats = prompt_and_stats
+    model = load_model(q4_model_file)
+    total = quantized_mb(q4_model_file)
+    hybrid = attach_hybrid(model, 0.0, stats, threads=2, cold_format="quantized", gguf_file=GGUFFile(q4_model_file),
+                           cold_dtype=torch.float32, hot_format="quantized")
+    ref = logits(model, ids)
+    for fraction in (1.0, 0.3, 0.0):
+        placement = hybrid.set_budget(fraction * total)
+        assert rel_err(logits(model, ids), ref) < 1e-5
+        assert hybrid.stats_snapshot().expert_vram_mb == pytest.approx(placement.hot_count * total
+                                                                        / (model.cfg.n_layers * model.cfg.n_expert))
+    hybrid.close()
+
+
+def test_quantized_hot_tier_needs_the_quantized_cold_tier(q4_model_file, capsys):
+    from engine.engine import Engine
+    from tuner.cli import main
+
+    model = load_model(q4_model_file)
+    with pytest.raises(ConfigError, match="quantized hot experts need the quantized cold format"):
+        attach_hybrid(model, 0.0, threads=2, hot_format="quantized")
+    with pytest.raises(ConfigError, match="hot_format='quantized' needs cold_format='quantized'"):
+        Engine.from_gguf(q4_model_file, device="cpu", expert_budget_mb=0, hot_format="quantized")
+    with pytest.raises(ConfigError, match="hot_format must be 'dense' or 'quantized', got 'int4'"):
+        Engine.from_gguf(q4_model_file, device="cpu", hot_format="int4")
+    status = main(["generate", "--model", str(q4_model_file), "--prompt", "hi", "--device", "cpu",
+                   "--expert-budget", "0", "--hot-format", "quantized"])
+    assert status == 2 and "--hot-format quantized needs --cold-format quantized" in capsys.readouterr().err
+
+
+def test_engine_generates_with_quantized_hot_tier(q4_model_file, capsys):
+    import json
+
+    from tuner.cli import main
+
+    status = main(["generate", "--model", str(q4_model_file), "--prompt", "def add(a, b):", "--device", "cpu",
+                   "-n", "4", "--expert-budget", f"{0.5 * quantized_mb(q4_model_file)}", "--cold-format",
+                   "quantized", "--hot-format", "quantized", "--json"])
+    assert status in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    t = out["timings"]
+    assert len(out["ids"]) == 4 and t["hot_hits"] > 0 and t["cold_hits"] > 0
+    assert 0 < t["expert_vram_mb"] <= 0.5 * quantized_mb(q4_model_file) + 1e-9
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_cuda_quantized_hot_tier_matches_dense(q4_model_file, prompt_and_stats, fraction):
+    ids, stats = prompt_and_stats
+    out, snap, _ = quantized_hot_run(q4_model_file, fraction, ids, stats, "cuda")
+    ref, _ = dense_run(q4_model_file, 1.0, ids, stats, "cuda")
+    assert rel_err(out.cpu(), ref.cpu()) < 1e-5
+    assert snap.expert_vram_mb <= fraction * quantized_mb(q4_model_file) + 1e-9
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replays_the_quantized_hot_tier(q4_model_file):
+    from engine.model.decode_graph import DecodeGraph
+
+    model, eager_model = load_model(q4_model_file, "cuda", torch.float32), load_model(q4_model_file, "cuda",
+                                                                                      torch.float32)
+    hybrid = attach_hybrid(model, quantized_mb(q4_model_file), threads=2, cold_format="quantized",
+                           gguf_file=GGUFFile(q4_model_file), cold_dtype=torch.float32, hot_format="quantized")
+    assert hybrid.graph_safe
+    ids = torch.randint(0, model.cfg.vocab, (12,), generator=torch.Generator().manual_seed(6)).cuda()
+    state, eager = model.new_state(16), eager_model.new_state(16)
+    model.forward(ids[:8], state, logits="none")
+    eager_model.forward(ids[:8], eager, logits="none")
+    step = DecodeGraph(model, state, graph=True)
+    for pos in range(8, 12):
+        ref = eager_model.forward(ids[pos:pos + 1], eager, logits="all").logits
+        assert rel_err(step.step(ids[pos:pos + 1]), ref) < 1e-4
+    hybrid.close()
