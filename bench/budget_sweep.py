@@ -1,7 +1,8 @@
 """Expert-budget sweep: decode tok/s, prefill tok/s and device memory at each budget.
 
     python bench/budget_sweep.py --model M.gguf [--points 0,10,25,50,75,100] [--decode 32]
-        [--prefill 512] [--repeats 3] [--json out.json]
+        [--prefill 512] [--repeats 3] [--weights dense|quantized] [--cold-format dense|quantized]
+        [--hot-format dense|quantized] [--cuda-graph] [--json out.json]
 
 ``--points`` are percentages of all routed experts' device bytes; the engine is loaded once
 and re-placed in place between points (``Engine.set_expert_budget``), so the sweep also
@@ -35,10 +36,16 @@ def main() -> None:
                     help="projection matrices dequantized at load, or kept as GGUF blocks")
     ap.add_argument("--cold-format", default="dense", choices=("dense", "quantized"),
                     help="cold experts on the CPU held dense or as GGUF blocks")
+    ap.add_argument("--hot-format", default="dense", choices=("dense", "quantized"),
+                    help="hot experts on the GPU held dense or as GGUF blocks (needs --cold-format quantized; "
+                    "budgets then count quantized bytes)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="decode from a captured CUDA graph where the placement allows (every expert hot)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    eng = Engine.from_gguf(args.model, device=args.device, weights=args.weights, cold_format=args.cold_format)
+    eng = Engine.from_gguf(args.model, device=args.device, weights=args.weights, cold_format=args.cold_format,
+                           hot_format=args.hot_format, cuda_graph=args.cuda_graph)
     cfg = eng.config
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab, (args.prefill,), generator=gen).tolist()
@@ -67,6 +74,7 @@ def main() -> None:
             "decode_tok_s": spread([g.timings.decode_tok_s for g in dec]),
             "prefill_tok_s": spread([args.prefill / g.timings.prefill_s for g in pre]),
             "peak_mem_mb": max(g.timings.peak_mem_mb for g in dec + pre),
+            "decode_path": dec[0].timings.extra.get("decode_path", "eager"),
         }
         rows.append(row)
         print(f"{pct:5.1f}% budget {budget:8.0f} MB  hot/cold {row['hot']:6d}/{row['cold']:6d}  "
@@ -75,7 +83,7 @@ def main() -> None:
               flush=True)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model), "weights": args.weights,
-                                     "cold_format": args.cold_format,
+                                         "cold_format": args.cold_format, "hot_format": args.hot_format,
                                          "rows": rows}, indent=1))
 
 
