@@ -122,10 +122,44 @@ def _dequant(p_row, o_k, mask, QTYPE: tl.constexpr):
 
 
 @triton.jit
+def _block_tiles(p_row, kb, m_b, QTYPE: tl.constexpr):
+    """Whole Q4_0 (``QTYPE`` 0) or Q8_0 (1) blocks ``kb`` [NB] of the rows starting at ``p_row``
+    [BN, 1], dequantized: the first and second 16 weights of each block, [BN, NB, 16] float32
+    each (zero for blocks where ``m_b`` is false; their loads read block ``kb``, kept in bounds).
+
+    A block's codes are one contiguous run of bytes and its scale is applied once per block,
+    not per weight: one byte load per two Q4_0 weights instead of two loads per weight.
+    """
+    o_i = tl.arange(0, 16)
+    if QTYPE == 0:  # d, qs[16]: weight i is qs[i] & 15, weight i + 16 is qs[i] >> 4
+        p_b = p_row[:, :, None] + kb[None, :, None] * 18  # [BN, NB, 1]
+        q = _u8(p_b + 2 + o_i[None, None, :])  # [BN, NB, 16]
+        lo = (q & 15) - 8
+        hi = (q >> 4) - 8
+    else:  # Q8_0: d, qs[32] int8
+        p_b = p_row[:, :, None] + kb[None, :, None] * 34
+        p_q = (p_b + 2 + o_i[None, None, :]).to(tl.pointer_type(tl.int8))
+        lo = tl.load(p_q).to(tl.int32)
+        hi = tl.load(p_q + 16).to(tl.int32)
+    d = tl.where(m_b[None, :, None], _f16(p_b), 0.0)  # [BN, NB, 1]
+    return lo.to(tl.float32) * d, hi.to(tl.float32) * d
+
+
+@triton.jit
+def _block_x(p_x, kb, mask):
+    """x at the weights of blocks ``kb`` [NB] from row pointer ``p_x``: two halves [NB, 16] float32."""
+    o = kb[:, None] * 32 + tl.arange(0, 16)[None, :]
+    m = mask & (kb[:, None] >= 0)
+    return (tl.load(p_x + o, mask=m, other=0.0).to(tl.float32),
+            tl.load(p_x + o + 16, mask=m, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr,
     stride_xm, stride_wn, stride_os, stride_om,
     QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCKWISE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -136,14 +170,26 @@ def _gemv_kernel(
     p_row = w_ptr + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1], in bounds
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_s * K_SPLIT
-    for k0 in range(0, K_SPLIT, BLOCK_K):  # the last slice may end past K: masked
-        o_k = k_lo + k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < K
-        b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE)  # [BN, BK]
-        for m in tl.static_range(BLOCK_M):
-            b_x = tl.load(x_ptr + m * stride_xm + o_k, mask=m_k & (m < M), other=0.0).to(tl.float32)  # [BK]
-            b_y = tl.sum(b_w * b_x[None, :], axis=1)  # [BN]
-            acc += tl.where(o_m[:, None] == m, b_y[None, :], 0.0)
+    if BLOCKWISE:  # Q4_0 / Q8_0, BLOCK_K a multiple of 32: whole blocks at a time
+        N_BLOCKS: tl.constexpr = K // 32
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            kb = (k_lo + k0) // 32 + tl.arange(0, BLOCK_K // 32)  # [NB]
+            m_b = kb < N_BLOCKS
+            kb = tl.minimum(kb, N_BLOCKS - 1)
+            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE)  # [BN, NB, 16]
+            for m in tl.static_range(BLOCK_M):
+                x_lo, x_hi = _block_x(x_ptr + m * stride_xm, kb, m < M)  # [NB, 16]
+                b_y = tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)  # [BN]
+                acc += tl.where(o_m[:, None] == m, b_y[None, :], 0.0)
+    else:
+        for k0 in range(0, K_SPLIT, BLOCK_K):  # the last slice may end past K: masked
+            o_k = k_lo + k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < K
+            b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE)  # [BN, BK]
+            for m in tl.static_range(BLOCK_M):
+                b_x = tl.load(x_ptr + m * stride_xm + o_k, mask=m_k & (m < M), other=0.0).to(tl.float32)  # [BK]
+                b_y = tl.sum(b_w * b_x[None, :], axis=1)  # [BN]
+                acc += tl.where(o_m[:, None] == m, b_y[None, :], 0.0)
     p_o = out_ptr + pid_s * stride_os + o_m[:, None] * stride_om + o_n[None, :]
     tl.store(p_o, acc.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
@@ -178,7 +224,7 @@ def _gemm_kernel(
 def _experts_kernel(
     x_ptr, w_ptr, ids_ptr, out_ptr, N, K: tl.constexpr,
     stride_xt, stride_we, stride_wn, stride_ot,
-    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -189,13 +235,29 @@ def _experts_kernel(
     m_n = o_n < N
     p_row = w_ptr + e * stride_we + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = (o_k < K) & routed
-        b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE)  # [BN, BK]
-        b_x = tl.load(x_ptr + t * stride_xt + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-        acc += tl.sum(b_w * b_x[None, :], axis=1)
+    if BLOCKWISE:
+        N_BLOCKS: tl.constexpr = K // 32
+        for k0 in range(0, K, BLOCK_K):
+            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            m_b = (kb < N_BLOCKS) & routed
+            kb = tl.minimum(kb, N_BLOCKS - 1)
+            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE)
+            x_lo, x_hi = _block_x(x_ptr + t * stride_xt, kb, routed)
+            acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = (o_k < K) & routed
+            b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE)  # [BN, BK]
+            b_x = tl.load(x_ptr + t * stride_xt + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+            acc += tl.sum(b_w * b_x[None, :], axis=1)
     tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=m_n)
+
+
+def _blockwise(qtype: Q, block_k: int) -> bool:
+    """Whether the decode kernels take whole blocks (``_block_tiles``): Q4_0 and Q8_0 with K tiles
+    of whole 32-weight blocks."""
+    return qtype in (Q.Q4_0, Q.Q8_0) and block_k % 32 == 0
 
 
 def _check_x(x: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
@@ -237,7 +299,7 @@ def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
         x, qm.raw, out, M, qm.n, qm.k, k_split,
         x.stride(0), qm.raw.stride(0), out.stride(0), out.stride(1),
         QTYPE=_CODE[qm.qtype], BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=config.gemv_num_warps)
+        BLOCKWISE=_blockwise(qm.qtype, bk), num_warps=config.gemv_num_warps)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
 
 
@@ -286,6 +348,7 @@ def qmatmul_experts(x: torch.Tensor, qe: QuantExperts, ids: torch.Tensor,
     _experts_kernel[(T, triton.cdiv(qe.n, bn))](
         x, qe.raw, ids.contiguous(), out, qe.n, qe.k,
         x.stride(0), qe.raw.stride(0), qe.raw.stride(1), out.stride(0),
-        QTYPE=_CODE[qe.qtype], BLOCK_N=bn, BLOCK_K=config.gemv_block_k, num_warps=config.gemv_num_warps)
+        QTYPE=_CODE[qe.qtype], BLOCK_N=bn, BLOCK_K=config.gemv_block_k,
+        BLOCKWISE=_blockwise(qe.qtype, config.gemv_block_k), num_warps=config.gemv_num_warps)
     return out
 
