@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from engine.model.config import ModelConfig
 from engine.model.weights import GDNWeights
 from engine.model.linear import linear
+from engine.model.norm import rms_norm
 
 CHUNK = 64
 # Up to this many tokens the token-by-token form is used: decode and short verify blocks.
@@ -216,7 +217,5 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     recurrent_state.copy_(s)
 
     z = linear(x, w.z).view(T, hv, dv)
-    of = o.float()
-    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + cfg.rms_eps)
-    o = (of * w.norm * F.silu(z.float())).to(x.dtype)
+    o = rms_norm(o, w.norm, cfg.rms_eps, gate=z, out_dtype=x.dtype)  # gated RMSNorm, float32 inside
     return linear(o.reshape(T, hv * dv), w.out)

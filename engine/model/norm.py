@@ -1,12 +1,38 @@
-"""RMSNorm with a plain multiplier (engine order: GGUF already stores ``1 + w``)."""
+"""RMSNorm with a plain multiplier (engine order: GGUF already stores ``1 + w``).
+
+``rms_norm`` runs the one-launch Triton kernel (``engine.kernels.rms_norm``) on CUDA tensors
+outside autograd, and the torch definition everywhere else (the CPU, draft training).
+"""
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+import torch.nn.functional as F
+
+_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * weight`` over the last dim, computed in float32, returned in ``x``'s dtype."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x / rms(x) * weight`` (times ``silu(gate)`` when given) over the last dim, in float32,
+    returned in ``out_dtype`` (default x's dtype)."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    if gate is not None:
+        xf = xf * F.silu(gate.float())
+    return xf.to(out_dtype or x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``rms_norm_reference``'s result; one Triton launch where it applies."""
+    if (_TRITON and x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and (gate is None or gate.stride(-1) == 1)):
+        from engine.kernels.rms_norm import MAX_DIM, rms_norm_triton
+
+        if x.shape[-1] <= MAX_DIM:
+            return rms_norm_triton(x, weight, eps, gate=gate, out_dtype=out_dtype)
+    return rms_norm_reference(x, weight, eps, gate=gate, out_dtype=out_dtype)

@@ -1,0 +1,89 @@
+"""The one-launch RMSNorm kernel against the torch definition: odd widths, strided rows (query
+and key heads are slices of a wider projection), the SiLU gate of Gated DeltaNet's output norm,
+output dtypes; on the CPU through the Triton interpreter, on CUDA through the engine's dispatch."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is decorated
+
+from engine.model.norm import rms_norm, rms_norm_reference  # noqa: E402
+
+kernels = pytest.importorskip("engine.kernels.rms_norm")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# bf16 outputs: one bf16 step (2**-7 of the value at most) apart, since the two sides round from
+# floats that differ in their last bits, and the interpreter converts to bf16 by truncation
+BF16_TOL = 2 ** -7
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def case(shape, seed, dtype=torch.float32, wide=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape[:-1], shape[-1] * (2 if wide else 1), generator=g) * 3
+    if wide:  # rows strided like q = qg[..., :D]
+        x = x[..., :shape[-1]]
+    w = torch.rand(shape[-1], generator=g) + 0.5
+    return x.to(DEVICE, dtype), w.to(DEVICE)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 130), (2, 3, 64), (4, 6, 33)])
+@pytest.mark.parametrize("wide", [False, True])
+def test_matches_reference(shape, wide):
+    x, w = case(shape, seed=sum(shape), wide=wide)
+    out = kernels.rms_norm_triton(x, w, 1e-6)
+    assert out.shape == x.shape and out.is_contiguous() and out.dtype == x.dtype
+    assert rel_err(out, rms_norm_reference(x, w, 1e-6)) < 1e-6
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 64), (2, 5, 19)])
+def test_gate_and_out_dtype(shape):
+    """Gated DeltaNet's output norm: float32 in, ``silu(z)`` gate, the layer's dtype out."""
+    x, w = case(shape, seed=11)
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(12)).to(DEVICE, torch.bfloat16)
+    out = kernels.rms_norm_triton(x, w, 1e-6, gate=z, out_dtype=torch.bfloat16)
+    ref = rms_norm_reference(x, w, 1e-6, gate=z, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out.float(), ref.float()) < BF16_TOL
+
+
+def test_bf16_input():
+    x, w = case((4, 96), seed=3, dtype=torch.bfloat16)
+    out = kernels.rms_norm_triton(x, w, 1e-6)
+    assert out.dtype == torch.bfloat16 and rel_err(out.float(), rms_norm_reference(x, w, 1e-6).float()) < BF16_TOL
+
+
+def test_bad_inputs():
+    x, w = case((3, 8), seed=1)
+    with pytest.raises(ValueError, match="weight must be"):
+        kernels.rms_norm_triton(x, w[:5], 1e-6)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        kernels.rms_norm_triton(x.t(), w[:3], 1e-6)
+    with pytest.raises(ValueError, match="gate must have"):
+        kernels.rms_norm_triton(x, w, 1e-6, gate=x[:2])
+
+
+def test_dispatch_keeps_autograd_on_the_reference():
+    """Training needs gradients: with a parameter that requires them the torch path runs."""
+    x, w = case((3, 16), seed=5)
+    w = w.clone().requires_grad_(True)
+    out = rms_norm(x, w, 1e-6)
+    out.sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", [(1, 2048), (7, 2048), (1, 32, 128), (16, 16, 256)])
+def test_cuda_dispatch_matches_reference(shape):
+    x, w = case(shape, seed=2, dtype=torch.bfloat16, wide=len(shape) == 3)
+    with torch.inference_mode():
+        out = rms_norm(x, w, 1e-6)
+    assert rel_err(out.float(), rms_norm_reference(x, w, 1e-6).float()) < BF16_TOL
