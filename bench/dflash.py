@@ -2,7 +2,7 @@
 
     python bench/dflash.py --target T.gguf --draft D.gguf [--spec-lens 4,8,16] [--budgets all,50%]
         [--long-form 3] [--code 3] [--prompt-tokens 512] [--new-tokens 400]
-        [--rollbacks capture,recompute] [--corpus HELD_OUT.txt] [--json out.json]
+        [--rollbacks capture,recompute] [--corpus HELD_OUT.txt] [--graph] [--json out.json]
 
 ``--draft random`` builds an untrained draft of the default shape: acceptance stays near 1,
 so its rows measure what drafting and verification cost, not what they gain.
@@ -86,11 +86,12 @@ def plain_run(eng: Engine, ids: list[int], n: int) -> dict:
 
 def spec_run(eng: Engine, draft: DFlashDraft, ids: list[int], n: int, spec_len: int, rollback: str) -> dict:
     new, s = speculative_generate(eng.model, draft, ids, n, spec_len=spec_len, rollback=rollback,
-                                  fallback_threshold=0.0, stall_timeout_s=eng.stall_timeout_s)
+                                  fallback_threshold=0.0, stall_timeout_s=eng.stall_timeout_s,
+                                  verify_path="graph" if eng.cuda_graph else "eager")
     steps = max(s.verify_steps, 1)
     return {"tok_s": (len(new) - 1) / s.decode_s, "ids": new, "accept": s.acceptance_length,
             "verify_ms": 1000 * s.verify_s / steps, "draft_ms": 1000 * s.draft_s / steps,
-            "rollback_ms": 1000 * s.rollback_s / steps}
+            "rollback_ms": 1000 * s.rollback_s / steps, "verify_path": s.verify_path}
 
 
 def main() -> None:
@@ -108,12 +109,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--graph", action="store_true",
+                    help="plain decoding and full verify blocks replayed from CUDA graphs where they can be captured")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     spec_lens = [int(x) for x in args.spec_lens.split(",") if x]
     rollbacks = [x for x in args.rollbacks.split(",") if x]
 
-    eng = Engine.from_gguf(args.target, device=args.device, dtype=args.dtype)
+    eng = Engine.from_gguf(args.target, device=args.device, dtype=args.dtype, cuda_graph=args.graph)
     draft = load_draft(eng, args.draft)
     if max(spec_lens) > draft.cfg.block_size:
         raise SystemExit(f"--spec-lens {max(spec_lens)} exceeds the draft's block size {draft.cfg.block_size}")
@@ -151,6 +154,7 @@ def main() -> None:
                            "speedup": med["tok_s"] / plain_tok_s, "acceptance_length": med["accept"],
                            "verify_ms": med["verify_ms"], "draft_ms": med["draft_ms"],
                            "rollback_ms": med["rollback_ms"], "same_as_plain": same,
+                           "verify_path": runs[0]["verify_path"],
                            "per_prompt_tok_s": [r["tok_s"] for r in runs]}
                     result["rows"].append(row)
                     line = (f"{budget_text:>7} {name:>9} {spec_len:>4} {rollback:>9} {plain_tok_s:>7.1f} "

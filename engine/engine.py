@@ -429,7 +429,8 @@ class Engine:
         new, stats = speculative_generate(
             self.model, self.draft, ids, max_new_tokens, spec_len=spec_len, temperature=params.temperature,
             top_p=params.top_p, seed=params.seed, eos_ids=eos, stop=stopped,
-            stall_timeout_s=self.stall_timeout_s, prefilled=prefilled)
+            stall_timeout_s=self.stall_timeout_s, prefilled=prefilled,
+            verify_path="graph" if self.cuda_graph else "eager")
         text = self.tokenizer.decode(new)
         if stats.stop_reason == "stop":
             text = _cut_at_stop(text, stop)

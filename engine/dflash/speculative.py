@@ -29,6 +29,11 @@ from engine.model.linear import linear
 # cost per verify step 0.9-1.9 ms with "capture" against 4.2-8.5 ms with "recompute" (which runs
 # the target again over the kept tokens, experts included).
 DEFAULT_ROLLBACK = "capture"
+# How the target runs a verify block of spec_len tokens: "eager" (``Qwen35MoE.forward`` and the
+# rollback above), "static" (the fixed-shape step of ``engine.model.decode_graph`` with its own
+# rollback, run eagerly), "graph" (the same step replayed from a CUDA graph, one per spec_len;
+# "static" where the configuration cannot be captured).
+VERIFY_PATHS = ("eager", "static", "graph")
 
 
 @dataclass(frozen=True)
@@ -40,8 +45,11 @@ class SpecOptions:
     fallback_threshold: float = 1.2  # acceptance length under which plain decoding takes over; 0: never
     fallback_window: int = 8  # verify steps the running acceptance length is taken over
     stall_timeout_s: float = 120.0  # longest time without a committed token
+    verify_path: str = "eager"  # see VERIFY_PATHS
 
     def __post_init__(self) -> None:
+        if self.verify_path not in VERIFY_PATHS:
+            raise ValueError(f"verify_path must be one of {VERIFY_PATHS}, got {self.verify_path!r}")
         if self.rollback not in ROLLBACK_MODES:
             raise ValueError(f"rollback must be one of {ROLLBACK_MODES}, got {self.rollback!r}")
         if self.fallback_threshold < 0:
@@ -74,6 +82,8 @@ class SpecStats:
     fallback_at: int | None = None  # new-token count when plain decoding took over
     plain_steps: int = 0  # target forwards of one token after the fallback
     stop_reason: str = "length"
+    verify_path: str = "eager"  # the path full verify blocks took (a shorter last block runs eagerly)
+    verify_path_note: str | None = None  # why a requested graph was not captured
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step
 
     @property
@@ -119,7 +129,7 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
                          eos_ids: Collection[int] = (), stop: Callable[[list[int]], bool] | None = None,
                          rollback: str = DEFAULT_ROLLBACK, fallback_threshold: float = 1.2,
                          fallback_window: int = 8, stall_timeout_s: float = 120.0,
-                         prefilled: Any = None) -> tuple[list[int], SpecStats]:
+                         prefilled: Any = None, verify_path: str = "eager") -> tuple[list[int], SpecStats]:
     """Generate up to ``max_new_tokens`` after ``ids`` with ``draft`` proposing blocks.
 
     ``stop(new_ids)`` is called after every committed token, in order (streaming can live
@@ -128,6 +138,9 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     per step. When the acceptance length over the last ``fallback_window`` verify steps falls
     under ``fallback_threshold``, the rest is decoded plainly (``stats.fallback``).
 
+    ``verify_path`` (``VERIFY_PATHS``) runs full verify blocks through the fixed-shape decode
+    step, replayed from a CUDA graph with ``"graph"`` where the configuration allows it.
+
     ``prefilled`` continues from a prompt already prefilled elsewhere (PFlash's
     ``CompressedPrefill``, made with ``capture_layers`` = the draft's target layers and
     ``reserve`` >= ``max_new_tokens + spec_len``): its state, last logits, captured hidden
@@ -135,7 +148,7 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     """
     try:
         opts = SpecOptions(spec_len=spec_len, rollback=rollback, fallback_threshold=fallback_threshold,
-                           fallback_window=fallback_window, stall_timeout_s=stall_timeout_s)
+                           fallback_window=fallback_window, stall_timeout_s=stall_timeout_s, verify_path=verify_path)
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -172,8 +185,26 @@ class _Generation:
         self.gen = make_generator(params, model.device)
         self.clock = _Clock(model.device)
         self.stats = SpecStats(spec_len=opts.spec_len, rollback=opts.rollback, prompt_tokens=len(ids))
+        self.verify_step = self._verify_step(opts.verify_path)
         self.new: list[int] = []
         self.last_progress: float | None = None  # prefill time does not count as a stall
+
+    def _verify_step(self, path: str) -> Any:
+        """The fixed-shape verify step for ``path``, or None for eager verification."""
+        if path == "eager":
+            return None
+        from engine.model.decode_graph import DecodeGraph, graph_blocker
+
+        graph = path == "graph"
+        if graph:
+            blocker = graph_blocker(self.model)
+            if blocker is not None:
+                self.stats.verify_path_note = f"verify blocks not captured: {blocker}"
+                graph = False
+        step = DecodeGraph(self.model, self.state, tokens=self.opts.spec_len, capture_layers=self.layer_ids,
+                           graph=graph, rollback=True)
+        self.stats.verify_path = step.path
+        return step
 
     def run(self) -> tuple[list[int], SpecStats]:
         t0 = time.perf_counter()
@@ -211,15 +242,21 @@ class _Generation:
         hidden = block_hidden(self.draft, self.cache, F.embedding(block, model.weights.embed), start)
         drafted = linear(hidden[1:], model.weights.output).argmax(-1)  # [n - 1]
         c1 = self.clock.mark()
-        out = self.rollback.verify(torch.cat([block[:1], drafted]), self.layer_ids)
-        choice = sample(out.logits, self.params, self.gen)  # [n]: the target's token after each prefix
+        verify_ids = torch.cat([block[:1], drafted])
+        if self.verify_step is not None and n == self.verify_step.tokens:
+            logits, hidden, rollback = self.verify_step.step(verify_ids), self.verify_step.hidden, \
+                self.verify_step.rollback
+        else:
+            out = self.rollback.verify(verify_ids, self.layer_ids)
+            logits, hidden, rollback = out.logits, out.hidden, self.rollback.rollback
+        choice = sample(logits, self.params, self.gen)  # [n]: the target's token after each prefix
         agree = (drafted == choice[:-1]).long().cumprod(0).sum()
         c2 = self.clock.mark()
         row = torch.cat([agree.view(1), choice, drafted]).tolist()  # the host sync of this step
         accepted = row[0]
         keep = accepted + 1  # the token that opened the block and the accepted drafts
-        self.rollback.rollback(keep)
-        self._extend_context(out.hidden, keep, start)
+        rollback(keep)
+        self._extend_context(hidden, keep, start)
         c3 = self.clock.mark()
         self.clock.add("draft", c0, c1)
         self.clock.add("verify", c1, c2)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.errors import ConfigError
 from engine.model.attention import attention_static
-from engine.model.gated_deltanet import decode_delta_rule
+from engine.model.gated_deltanet import GDNRecord, decode_delta_rule
 from engine.model.linear import linear
 from engine.model.moe import ExpertExecutor, FusedExpertExecutor, TorchExpertExecutor
 from engine.model.qwen35moe import Qwen35MoE
@@ -78,12 +78,15 @@ class DecodeGraph:
     ``copy_from`` work in place), not a clone. ``graph``: None captures where
     ``graph_blocker`` allows, True insists (``ConfigError`` otherwise), False never captures.
     ``kernels`` picks the Triton or torch implementations (``resolve_kernels``); on the CPU
-    ``triton`` needs TRITON_INTERPRET=1. The warm-up before a capture runs the step twice
+    ``triton`` needs TRITON_INTERPRET=1. ``rollback`` makes every step keep what
+    ``rollback(keep)`` needs (a DFlash verify step: the recurrent states it started from, the
+    conv windows and the delta rule's inputs of each Gated DeltaNet layer). The warm-up before a capture runs the step twice
     (the state is restored afterwards; an executor's hit counters see those runs).
     """
 
     def __init__(self, model: Qwen35MoE, state: ModelState, *, tokens: int = 1,
-                 capture_layers: Collection[int] = (), kernels: str = "auto", graph: bool | None = None):
+                 capture_layers: Collection[int] = (), kernels: str = "auto", graph: bool | None = None,
+                 rollback: bool = False):
         cfg = model.cfg
         if not 1 <= tokens <= MAX_TOKENS:
             raise ValueError(f"a static decode step takes 1 to {MAX_TOKENS} tokens, got {tokens}")
@@ -114,6 +117,12 @@ class DecodeGraph:
                            for i in sorted(capture_layers)}
             self._offsets = torch.arange(tokens, device=dev)
             self._keys = torch.arange(state.max_len, device=dev)
+            self.records: dict[int, GDNRecord] | None = None
+            self._start: torch.Tensor | None = None  # [n_gdn, v_heads, head_k, head_v]: states before the step
+            if rollback and state.recurrent:
+                self.records = {i: GDNRecord.empty(cfg, tokens, device=dev, dtype=model.dtype)
+                                for i in state.recurrent}
+                self._start = torch.stack([state.recurrent[i] for i in self.records])
         self.graph: torch.cuda.CUDAGraph | None = None
         if graph is not False and self.blocker is None:
             self.graph = self._capture()
@@ -162,6 +171,38 @@ class DecodeGraph:
         state.next_position += T
         return self.logits
 
+    @torch.inference_mode()
+    def rollback(self, keep: int) -> None:
+        """After a ``step`` of T tokens, leave the state as if only its first ``keep`` had run:
+        KV caches cropped, each GDN layer's conv state taken from its window and its recurrent
+        state rebuilt by one delta-rule call over the kept tokens of every layer at once."""
+        T = self.tokens
+        if not 1 <= keep <= T:
+            raise ValueError(f"keep must be 1..{T}, got {keep}")
+        if self.records is None and self.state.recurrent:
+            raise ValueError("this decode step was built without rollback=True")
+        if keep == T:
+            return
+        state, drop = self.state, T - keep
+        for c in state.kv.values():
+            c.crop(c.length - drop)
+        state.seq_len -= drop
+        state.next_position -= drop
+        if not self.records:
+            return
+        recs = list(self.records.values())
+        # the layers' heads side by side: the delta rule is independent per head
+        q, k, v, g, beta = (torch.cat([getattr(r, f)[:keep] for r in recs], dim=1)
+                            for f in ("q", "k", "v", "g", "beta"))
+        start = self._start.reshape(-1, *self._start.shape[2:])
+        cfg = self.model.cfg
+        _, s = self.model.delta_rule(q, k, v, g, beta, start, cfg.gdn_head_k ** -0.5)
+        s = s.reshape(self._start.shape)
+        tail = cfg.conv_kernel - 1
+        for j, (i, r) in enumerate(self.records.items()):
+            state.recurrent[i].copy_(s[j])
+            state.conv[i].copy_(r.window[:, keep:keep + tail])
+
     def _cache_length(self) -> int:
         lengths = {c.length for c in self.state.kv.values()}
         if len(lengths) > 1:
@@ -177,10 +218,12 @@ class DecodeGraph:
         def attend(i: int, mixer: AttentionWeights, x: torch.Tensor) -> torch.Tensor:
             return attention_static(mixer, x, self.positions, slots, visible, state.kv[i], model.cfg)
 
+        if self.records:
+            torch.stack([state.recurrent[i] for i in self.records], out=self._start)
         h = F.embedding(self.ids, model.weights.embed)
         observer = None if self.graph is not None else model.routing_observer
         final, hidden = model.run_layers(h, state, attend, delta_rule=self.delta_rule, executor=self.executor,
-                                         observer=observer, capture=self.hidden.keys())
+                                         observer=observer, capture=self.hidden.keys(), record=self.records)
         self.logits.copy_(linear(final, model.weights.output))
         for i, out in hidden.items():
             self.hidden[i].copy_(out)

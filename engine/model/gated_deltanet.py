@@ -198,12 +198,41 @@ def _per_value_head(x: torch.Tensor, hv: int) -> torch.Tensor:
     return x[:, :, None].expand(T, hk, hv // hk, d).reshape(T, hv, d)
 
 
+@dataclass(frozen=True)
+class GDNRecord:
+    """Device buffers a fixed-shape step of T tokens fills for one GDN layer, so that the layer's
+    state after any prefix of the T tokens can be rebuilt without running the layer again:
+    the conv window (the state before the step, then the T new inputs) and the delta rule's inputs."""
+
+    window: torch.Tensor  # [conv_dim, kernel - 1 + T]
+    q: torch.Tensor  # [T, v_heads, head_k] float32
+    k: torch.Tensor  # [T, v_heads, head_k] float32
+    v: torch.Tensor  # [T, v_heads, head_v]
+    g: torch.Tensor  # [T, v_heads] float32
+    beta: torch.Tensor  # [T, v_heads] float32
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, tokens: int, *, device: torch.device | str, dtype: torch.dtype) -> "GDNRecord":
+        hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
+        f32 = dict(device=device, dtype=torch.float32)
+        return cls(window=torch.zeros(cfg.gdn_conv_dim, cfg.conv_kernel - 1 + tokens, device=device, dtype=dtype),
+                   q=torch.zeros(tokens, hv, dk, **f32), k=torch.zeros(tokens, hv, dk, **f32),
+                   v=torch.zeros(tokens, hv, dv, device=device, dtype=dtype),
+                   g=torch.zeros(tokens, hv, **f32), beta=torch.zeros(tokens, hv, **f32))
+
+
 def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
-                cfg: ModelConfig, delta_rule: DeltaRuleFn) -> torch.Tensor:
-    """x [T, hidden] (already normed) -> [T, hidden]; updates both states in place."""
+                cfg: ModelConfig, delta_rule: DeltaRuleFn, record: GDNRecord | None = None) -> torch.Tensor:
+    """x [T, hidden] (already normed) -> [T, hidden]; updates both states in place and, with
+    ``record``, copies what rebuilding a shorter prefix's state needs into its buffers."""
     T = x.shape[0]
     hk, hv, dk, dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
-    mixed, new_conv = causal_conv(linear(x, w.qkv), conv_state, w.conv)
+    qkv = linear(x, w.qkv)
+    if record is not None:
+        tail = conv_state.shape[1]
+        record.window[:, :tail].copy_(conv_state)
+        record.window[:, tail:].copy_(qkv.transpose(0, 1))
+    mixed, new_conv = causal_conv(qkv, conv_state, w.conv)
     conv_state.copy_(new_conv)
     mixed = F.silu(mixed)
     q, k, v = mixed.split([cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
@@ -213,6 +242,9 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     v = v.reshape(T, hv, dv)
     beta = torch.sigmoid(linear(x, w.beta).float())
     g = w.a * F.softplus(linear(x, w.alpha).float() + w.dt_bias)
+    if record is not None:
+        for buf, t in zip((record.q, record.k, record.v, record.g, record.beta), (q, k, v, g, beta)):
+            buf.copy_(t)
     o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5)
     recurrent_state.copy_(s)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine.errors import ConfigError
 from engine.model.attention import attention_forward
 from engine.model.config import ModelConfig
-from engine.model.gated_deltanet import DeltaRule, DeltaRuleFn, gdn_forward
+from engine.model.gated_deltanet import DeltaRule, DeltaRuleFn, GDNRecord, gdn_forward
 from engine.model.moe import ExpertExecutor, RoutingObserver, TorchExpertExecutor, moe_forward
 from engine.model.norm import rms_norm
 from engine.model.state import ModelState
@@ -128,12 +128,14 @@ class Qwen35MoE:
 
     def run_layers(self, h: torch.Tensor, state: ModelState, attend: AttendFn, *, delta_rule: DeltaRuleFn,
                    executor: ExpertExecutor, observer: RoutingObserver | None = None,
-                   capture: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                   capture: Collection[int] = (), record: "dict[int, GDNRecord] | None" = None
+                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Every layer over the embedded tokens ``h`` [T, hidden], then the final norm.
 
         ``attend`` runs the attention mixers (it owns their KV caches); the Gated DeltaNet
         states of ``state`` are updated in place. Returns the final hidden [T, hidden] and the
-        residual stream after each layer in ``capture``. ``state``'s lengths are the caller's.
+        residual stream after each layer in ``capture``; ``record`` (GDN layer -> buffers) keeps
+        what rebuilding a shorter prefix's GDN states needs. ``state``'s lengths are the caller's.
         """
         cfg = self.cfg
         hidden: dict[int, torch.Tensor] = {}
@@ -142,7 +144,8 @@ class Qwen35MoE:
             if isinstance(layer.mixer, AttentionWeights):
                 h = h + attend(i, layer.mixer, x)
             else:
-                h = h + gdn_forward(layer.mixer, x, state.conv[i], state.recurrent[i], cfg, delta_rule)
+                h = h + gdn_forward(layer.mixer, x, state.conv[i], state.recurrent[i], cfg, delta_rule,
+                                    record[i] if record else None)
             x = rms_norm(h, layer.post_norm, cfg.rms_eps)
             h = h + moe_forward(layer.moe, x, i, cfg, executor, observer)
             if i in capture:

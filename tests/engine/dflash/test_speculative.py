@@ -38,6 +38,32 @@ def test_right_draft_accepts_blocks_and_matches_plain(target, right_draft, promp
     assert stats.accepted == stats.spec_tokens - stats.verify_steps
 
 
+@pytest.mark.parametrize("spec_len", [3, 8])
+def test_static_verify_step_matches_plain(target, right_draft, prompt, plain, spec_len):
+    """Full verify blocks through the fixed-shape decode step and its own rollback (the path a
+    CUDA graph replays), the shorter last block eagerly: the same greedy output, partial
+    acceptances included."""
+    ref = plain(target, prompt, 61)
+    new, stats = speculative_generate(target, right_draft, prompt, 61, spec_len=spec_len, fallback_threshold=0,
+                                      verify_path="static")
+    assert new == ref
+    assert stats.verify_path == "static" and stats.verify_path_note is None
+    assert stats.rollbacks > 0 and max(stats.accept_lengths) == spec_len
+    eager, eager_stats = speculative_generate(target, right_draft, prompt, 61, spec_len=spec_len,
+                                              fallback_threshold=0)
+    assert eager_stats.accept_lengths == stats.accept_lengths and eager_stats.verify_path == "eager"
+
+
+def test_graph_verify_falls_back_where_it_cannot_capture(target, random_draft, prompt, plain):
+    """On the CPU nothing can be captured: the static step runs, and the statistics say why."""
+    new, stats = speculative_generate(target, random_draft, prompt, 12, spec_len=4, fallback_threshold=0,
+                                      verify_path="graph")
+    assert new == plain(target, prompt, 12)
+    assert stats.verify_path == "static" and "not on a CUDA device" in stats.verify_path_note
+    with pytest.raises(ConfigError, match="verify_path must be one of"):
+        speculative_generate(target, random_draft, prompt, 4, spec_len=4, verify_path="fast")
+
+
 def test_max_new_tokens_is_exact_when_spec_len_does_not_divide_it(target, right_draft, prompt, plain):
     for n in (1, 2, 7, 13):
         new, stats = speculative_generate(target, right_draft, prompt, n, spec_len=8, fallback_threshold=0)

@@ -99,6 +99,49 @@ def test_static_steps_match_eager_forward_and_eager_continues(engine_model, kern
     assert static.seq_len == 5 + 4 * T + 2 and static.kv[3].length == static.seq_len
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("keep", [1, 3, 5])
+def test_rollback_leaves_the_state_of_the_kept_prefix(engine_model, kernels, keep):
+    """A verify step of 5 tokens, rolled back to ``keep``: KV, conv and recurrent states equal
+    those of an eager forward over the kept tokens only; the next step and eager tokens then
+    continue from there as they would from the eager state."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    model = engine_model
+    T = 5
+    ids = tokens(model.cfg.vocab, 6 + T + T + 1, seed=keep)
+    eager, static = model.new_state(24), model.new_state(24)
+    with torch.inference_mode():
+        model.forward(ids[:6], eager, logits="none")
+        model.forward(ids[:6], static, logits="none")
+    step = DecodeGraph(model, static, tokens=T, capture_layers=(2,), kernels=kernels, rollback=True)
+    step.step(ids[6:6 + T])
+    step.rollback(keep)
+    model.forward(ids[6:6 + keep], eager, logits="none")
+    assert_same_state(eager, static)
+    nxt = ids[6 + keep:6 + keep + T]
+    ref = model.forward(nxt, eager, capture_layers=(2,), logits="all")
+    assert rel_err(step.step(nxt), ref.logits) <= LOGITS_TOL
+    assert rel_err(step.hidden[2], ref.hidden[2]) <= LOGITS_TOL
+    step.rollback(T)  # everything kept: nothing moves
+    assert_same_state(eager, static, tol=5e-5)  # two steps of differently sized float32 matmuls apart
+    a = model.forward(ids[-1:], eager, logits="last").logits
+    assert rel_err(model.forward(ids[-1:], static, logits="last").logits, a) <= LOGITS_TOL
+
+
+def test_rollback_needs_the_option_and_a_valid_keep(engine_model):
+    model = engine_model
+    state = model.new_state(12)
+    model.forward(tokens(model.cfg.vocab, 4), state, logits="none")
+    step = DecodeGraph(model, state, tokens=3)
+    step.step(tokens(model.cfg.vocab, 3, seed=1))
+    with pytest.raises(ValueError, match="without rollback=True"):
+        step.rollback(1)
+    step = DecodeGraph(model, state, tokens=3, rollback=True)
+    with pytest.raises(ValueError, match="keep must be 1..3"):
+        step.rollback(0)
+
+
 def test_static_step_follows_positions_that_skip(engine_model):
     """After a prefill of kept tokens at their original positions (as PFlash leaves a state),
     the cache holds fewer tokens than the next position: both advance correctly."""
