@@ -45,8 +45,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rotated, x[..., 2 * half:]], dim=-1)
 
 
-def _project(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor,
-             cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [T, rope_dim // 2] of a step's positions
+
+
+def _project(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
+             rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, n_head, D] and k [T, n_head_kv, D] normed and rotated, v [T, n_head_kv, D], gate [T, n_head * D]."""
     T = x.shape[0]
     D = cfg.head_dim
@@ -56,15 +59,16 @@ def _project(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor,
     v = linear(x, w.v).view(T, cfg.n_head_kv, D)
     q = rms_norm(q, w.q_norm, cfg.rms_eps)
     k = rms_norm(k, w.k_norm, cfg.rms_eps)
-    cos, sin = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)
+    cos, sin = rope if rope is not None else rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
 
 def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                      cfg: ModelConfig) -> torch.Tensor:
-    """x [T, hidden] (already normed), positions [T] -> [T, hidden]; appends to ``cache``."""
+                      cfg: ModelConfig, rope: Rope | None = None) -> torch.Tensor:
+    """x [T, hidden] (already normed), positions [T] -> [T, hidden]; appends to ``cache``.
+    ``rope``: the positions' (cos, sin) when the caller computed them once for every layer."""
     T = x.shape[0]
-    q, k, v, gate = _project(w, x, positions, cfg)
+    q, k, v, gate = _project(w, x, positions, cfg, rope)
     past = cache.length
     keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))  # [n_head_kv, past + T, D]
     if past == 0:  # a prompt from the start: causal attention, the backend's own choice
@@ -95,7 +99,7 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def attention_static(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     visible: torch.Tensor, cache: KVCache, cfg: ModelConfig) -> torch.Tensor:
+                     visible: torch.Tensor, cache: KVCache, cfg: ModelConfig, rope: Rope | None = None) -> torch.Tensor:
     """``attention_forward`` with every index on the device, for a decode step of fixed shapes.
 
     x [T, hidden] (already normed), positions [T]; ``slots`` [T] int64 are the cache indices
@@ -103,7 +107,7 @@ def attention_static(w: AttentionWeights, x: torch.Tensor, positions: torch.Tens
     query sees. Attention runs over the whole preallocated cache; ``cache.length`` is left
     to the caller.
     """
-    q, k, v, gate = _project(w, x, positions, cfg)
+    q, k, v, gate = _project(w, x, positions, cfg, rope)
     cache.k.index_copy_(1, slots, k.transpose(0, 1).to(cache.k.dtype))
     cache.v.index_copy_(1, slots, v.transpose(0, 1).to(cache.v.dtype))
     out = grouped_attention(q, cache.k, cache.v, visible)

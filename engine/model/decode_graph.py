@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
-from engine.model.attention import attention_static
+from engine.model.attention import attention_static, rope_cos_sin
 from engine.model.gated_deltanet import GDNRecord, decode_delta_rule
 from engine.model.linear import linear
 from engine.model.moe import ExpertExecutor, FusedExpertExecutor, TorchExpertExecutor
@@ -215,8 +215,11 @@ class DecodeGraph:
         slots = self.cache_len + self._offsets  # [T] cache index of each token
         visible = self._keys[None, :] <= slots[:, None]  # [T, max_len]: causal inside the block
 
+        cfg = model.cfg
+        rope = rope_cos_sin(self.positions, cfg.rope_dim, cfg.rope_theta) if state.kv else None
+
         def attend(i: int, mixer: AttentionWeights, x: torch.Tensor) -> torch.Tensor:
-            return attention_static(mixer, x, self.positions, slots, visible, state.kv[i], model.cfg)
+            return attention_static(mixer, x, self.positions, slots, visible, state.kv[i], cfg, rope)
 
         if self.records:
             torch.stack([state.recurrent[i] for i in self.records], out=self._start)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
-from engine.model.attention import attention_forward
+from engine.model.attention import attention_forward, rope_cos_sin
 from engine.model.config import ModelConfig
 from engine.model.gated_deltanet import DeltaRule, DeltaRuleFn, GDNRecord, gdn_forward
 from engine.model.moe import ExpertExecutor, RoutingObserver, TorchExpertExecutor, moe_forward
@@ -112,8 +112,10 @@ class Qwen35MoE:
                 raise ValueError(f"positions must have shape ({T},), got {tuple(pos.shape)}")
             next_position = int(pos[-1]) + 1
 
+        rope = rope_cos_sin(pos, cfg.rope_dim, cfg.rope_theta) if state.kv else None  # once for every layer
+
         def attend(i: int, mixer: AttentionWeights, x: torch.Tensor) -> torch.Tensor:
-            return attention_forward(mixer, x, pos, state.kv[i], cfg)
+            return attention_forward(mixer, x, pos, state.kv[i], cfg, rope)
 
         h = F.embedding(ids.to(self.device), self.weights.embed)
         final, hidden = self.run_layers(h, state, attend, delta_rule=self.delta_rule, executor=self.executor,
