@@ -32,9 +32,28 @@ DeltaRuleFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Unit-length rows in float32 (``x / sqrt(sum x^2 + eps)``, the convention of HF and fla)."""
+    """Unit-length rows in float32 (``x / sqrt(sum x^2 + eps)``, the convention of HF and fla).
+
+    On CUDA this is the one-launch RMSNorm with weight ``1 / sqrt(D)`` and epsilon ``eps / D``
+    (the same quantity: ``x sqrt(D) / sqrt(sum x^2 + eps) / sqrt(D)``) where its kernel applies.
+    """
+    if x.is_cuda:
+        D = x.shape[-1]
+        return rms_norm(x, _unit_weight(D, x.device), eps / D, out_dtype=torch.float32)
     x = x.float()
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+_UNIT_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _unit_weight(dim: int, device: torch.device) -> torch.Tensor:
+    """A constant [dim] tensor of ``1 / sqrt(dim)`` on ``device``, made once (a CUDA graph may hold it)."""
+    key = (dim, device)
+    if key not in _UNIT_WEIGHTS:
+        with torch.inference_mode(False), torch.no_grad():
+            _UNIT_WEIGHTS[key] = torch.full((dim,), dim ** -0.5, dtype=torch.float32, device=device)
+    return _UNIT_WEIGHTS[key]
 
 
 def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -87,3 +87,24 @@ def test_cuda_dispatch_matches_reference(shape):
     with torch.inference_mode():
         out = rms_norm(x, w, 1e-6)
     assert rel_err(out.float(), rms_norm_reference(x, w, 1e-6).float()) < BF16_TOL
+
+
+def test_l2norm_is_an_rms_norm_with_a_scaled_weight():
+    """What ``l2norm`` runs on CUDA: weight 1/sqrt(D), epsilon eps/D, through the kernel."""
+    from engine.model.gated_deltanet import l2norm
+
+    x, _ = case((3, 4, 64), seed=8, wide=True)
+    w = torch.full((64,), 64 ** -0.5, device=DEVICE)
+    out = kernels.rms_norm_triton(x, w, 1e-6 / 64, out_dtype=torch.float32)
+    assert rel_err(out, l2norm(x.cpu()).to(DEVICE)) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_l2norm_matches_the_definition():
+    from engine.model.gated_deltanet import l2norm
+
+    x = torch.randn(5, 16, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = l2norm(x.cuda())
+    assert out.dtype == torch.float32 and rel_err(out.cpu(), l2norm(x)) < 1e-6
