@@ -22,6 +22,7 @@ from typing import Iterator, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.model.gated_deltanet import replay_prefix
 from engine.model.norm import rms_norm
 from engine.model.qwen35moe import ForwardOutput, Qwen35MoE
 from engine.model.state import ModelState
@@ -133,12 +134,7 @@ class CaptureRollback(_Base):
         self._restore_conv(keep)
 
     def _restore_recurrent(self, keep: int) -> None:
-        calls = self.recorder.calls
-        # stack layers into the head dimension: the delta rule is independent per head
-        q, k, v, g, beta = (torch.cat([c[j][:keep] for c in calls], dim=1) for j in range(5))
-        s0 = self.recurrent0.reshape(-1, *self.recurrent0.shape[2:])
-        _, s = self.model.delta_rule(q, k, v, g, beta, s0, self.recorder.scale)
-        s = s.reshape(self.recurrent0.shape)
+        s = replay_prefix(self.model.delta_rule, self.recurrent0, self.recorder.calls, keep, self.recorder.scale)
         for j, i in enumerate(self.gdn_layers):
             self.state.recurrent[i].copy_(s[j])
 

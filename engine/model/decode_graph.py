@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.errors import ConfigError
 from engine.model.attention import attention_static, rope_cos_sin
-from engine.model.gated_deltanet import GDNRecord, decode_delta_rule
+from engine.model.gated_deltanet import GDNRecord, decode_delta_rule, replay_prefix
 from engine.model.linear import linear
 from engine.model.moe import ExpertExecutor, FusedExpertExecutor, TorchExpertExecutor
 from engine.model.qwen35moe import Qwen35MoE
@@ -190,14 +190,9 @@ class DecodeGraph:
         state.next_position -= drop
         if not self.records:
             return
-        recs = list(self.records.values())
-        # the layers' heads side by side: the delta rule is independent per head
-        q, k, v, g, beta = (torch.cat([getattr(r, f)[:keep] for r in recs], dim=1)
-                            for f in ("q", "k", "v", "g", "beta"))
-        start = self._start.reshape(-1, *self._start.shape[2:])
         cfg = self.model.cfg
-        _, s = self.model.delta_rule(q, k, v, g, beta, start, cfg.gdn_head_k ** -0.5)
-        s = s.reshape(self._start.shape)
+        inputs = [(r.q, r.k, r.v, r.g, r.beta) for r in self.records.values()]
+        s = replay_prefix(self.model.delta_rule, self._start, inputs, keep, cfg.gdn_head_k ** -0.5)
         tail = cfg.conv_kernel - 1
         for j, (i, r) in enumerate(self.records.items()):
             state.recurrent[i].copy_(s[j])

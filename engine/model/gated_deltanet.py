@@ -240,6 +240,20 @@ class GDNRecord:
                    g=torch.zeros(tokens, hv, **f32), beta=torch.zeros(tokens, hv, **f32))
 
 
+def replay_prefix(delta_rule: DeltaRuleFn, start: torch.Tensor, inputs: "list[tuple[torch.Tensor, ...]]", keep: int,
+                  scale: float) -> torch.Tensor:
+    """The recurrent states of several GDN layers after the first ``keep`` tokens of a step.
+
+    ``start`` [layers, v_heads, head_k, head_v] are the states before the step and ``inputs``
+    each layer's (q, k, v, g, beta) for the step's tokens. The layers' heads go side by side
+    into one delta-rule call (the rule is independent per head). Returns the new states,
+    shaped like ``start``.
+    """
+    q, k, v, g, beta = (torch.cat([x[j][:keep] for x in inputs], dim=1) for j in range(5))
+    _, s = delta_rule(q, k, v, g, beta, start.reshape(-1, *start.shape[2:]), scale)
+    return s.reshape(start.shape)
+
+
 def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
                 cfg: ModelConfig, delta_rule: DeltaRuleFn, record: GDNRecord | None = None) -> torch.Tensor:
     """x [T, hidden] (already normed) -> [T, hidden]; updates both states in place and, with
