@@ -3,7 +3,8 @@
     python bench/vs_llamacpp.py --model M.gguf (--llama-bench BIN | --llama-src SRC | --fetch-sdist DIR)
         [--build-dir build/llama.cpp] [--cuda auto|on|off] [--cuda-arch 90] [--jobs N] [--cmake-arg -DX=Y]
         [--prompts 512,8192] [--gen 128] [--depths 0,16384] [--repeats 3] [--ncmoe N]
-        [--weights dense|quantized] [--device auto] [--threads N] [--json out.json]
+        [--weights dense|quantized] [--experts dense|quantized] [--cuda-graph] [--device auto]
+        [--threads N] [--json out.json]
 
 llama.cpp comes from an existing llama-bench binary, or is built (llama-bench target only,
 CUDA when nvcc and a GPU are there) from a llama.cpp tree or the llama-cpp-python sdist, which
@@ -88,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ncmoe", type=int, default=None, help="also compare with the first N layers' experts on the CPU")
     ap.add_argument("--weights", default="dense", choices=("dense", "quantized"))
+    ap.add_argument("--experts", default="dense", choices=("dense", "quantized"),
+                    help="quantized: routed experts stay Q4_0 blocks on both tiers (GPU slots and CPU), every "
+                    "expert placed on the GPU for the all-GPU rows")
+    ap.add_argument("--cuda-graph", action="store_true", help="our decoding replays a captured CUDA graph where it can")
     ap.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (cpu: llama.cpp gets -ngl 0)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both")
     ap.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth (default 1024 GPU, 256 CPU)")
@@ -217,10 +222,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             llama_info.setdefault("backends", result.record.backends)
             print(f"  {result.record.median_ts:,.1f} tok/s", flush=True)
 
-    eng = Engine.from_gguf(args.model, device=dev, weights=args.weights, threads=args.threads)
+    quantized_experts = args.experts == "quantized"
+    eng = Engine.from_gguf(args.model, device=dev, weights=args.weights, threads=args.threads,
+                           cold_format=args.experts, hot_format=args.experts, cuda_graph=args.cuda_graph,
+                           expert_budget_mb=0 if quantized_experts else None)
+    if quantized_experts:  # every expert hot, as Q4_0 blocks
+        eng.set_expert_budget(ncmoe_budget_mb(eng, 0)[0])
     gen = torch.Generator().manual_seed(0)
     ours_info: dict[str, Any] = {"device": str(eng.device), "dtype": str(eng.dtype), "weights": args.weights,
-                                 "load_s": eng.load_s}
+                                 "experts": args.experts, "cuda_graph": args.cuda_graph, "load_s": eng.load_s}
     for ncmoe in passes:
         if ncmoe:
             budget, info = ncmoe_budget_mb(eng, ncmoe)
