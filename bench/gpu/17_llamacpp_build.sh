@@ -5,7 +5,7 @@
 source "$(dirname "$0")/env.sh"
 mkdir -p /tmp/llama-src
 [ -d /tmp/llama-src/llama.cpp ] || tar -xJf .snap/llama-src.tar.xz -C /tmp/llama-src
-nohup python3 - > /tmp/llbuild.out 2>&1 <<'PY' &
+setsid nohup python3 - > /tmp/llbuild.out 2>&1 <<'PY' &
 import sys
 from pathlib import Path
 sys.path.insert(0, "bench")
