@@ -259,7 +259,7 @@ def test_cuda_set_budget_moves_gigabytes_per_second(real_experts):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
 def test_cuda_model_with_hybrid_experts_matches_plain_model(tiny_model_file, fraction):
     plain = load_model(tiny_model_file, "cuda", torch.float32)
     ids = torch.randint(0, plain.cfg.vocab, (9,), generator=torch.Generator().manual_seed(0)).cuda()
