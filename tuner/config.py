@@ -68,6 +68,34 @@ class HardwareConfig:
         return int(self.device.split(":")[1]) if ":" in self.device else 0
 
 
+ENGINE_FORMATS = ("dense", "quantized")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How every trial's engine holds its weights and decodes (``Engine.from_gguf``'s options)."""
+
+    weights: str = "dense"  # projection matrices dequantized at load, or kept as GGUF blocks
+    experts: str = "dense"  # routed experts on both tiers dense, or as GGUF blocks (budgets in quantized bytes)
+    cuda_graph: bool = False  # plain decoding and DFlash verify blocks replayed from CUDA graphs where possible
+
+    def __post_init__(self) -> None:
+        for name in ("weights", "experts"):
+            if getattr(self, name) not in ENGINE_FORMATS:
+                raise ValueError(f"{name}: expected one of {', '.join(ENGINE_FORMATS)}, found {getattr(self, name)!r}")
+
+    def load_options(self) -> dict[str, Any]:
+        """The ``Engine.from_gguf`` keywords that differ from its defaults."""
+        out: dict[str, Any] = {}
+        if self.weights != "dense":
+            out["weights"] = self.weights
+        if self.experts != "dense":
+            out["cold_format"] = out["hot_format"] = self.experts
+        if self.cuda_graph:
+            out["cuda_graph"] = True
+        return out
+
+
 @dataclass(frozen=True)
 class SearchConfig:
     expert_budget_step_mb: int = 256
@@ -191,6 +219,7 @@ class ApplianceConfig:
     source: Path
     models: ModelsConfig
     hardware: HardwareConfig
+    engine: EngineConfig
     search: SearchConfig
     workload: WorkloadConfig
     objectives: ObjectivesConfig
@@ -385,6 +414,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Reader]]] = {
     "hardware": (HardwareConfig, {
         "device": _str, "dtype": _auto_str, "threads": _auto_int, "vram_cap_mb": _live_mb,
         "ram_cap_mb": _live_mb, "vram_reserve_mb": _int}),
+    "engine": (EngineConfig, {"weights": _str, "experts": _str, "cuda_graph": _bool}),
     "search": (SearchConfig, {
         "expert_budget_step_mb": _int, "expert_budget_max_mb": _live_mb, "spec_len": _int_pair,
         "pflash_keep_ratio": _float_pair, "pflash": _bool, "pflash_threshold": _auto_int}),

@@ -76,7 +76,8 @@ def probe_models(worker: EngineWorker, study: Any, c: ApplianceConfig,
                         draft=str(path) if role != "drafter" else None,
                         drafter=str(drafter) if drafter else None,
                         pflash_threshold=c.search.pflash_threshold,
-                        device=c.hardware.device, dtype=c.hardware.dtype, threads=c.hardware.threads)
+                        device=c.hardware.device, dtype=c.hardware.dtype, threads=c.hardware.threads,
+                        options=tuple(sorted(c.engine.load_options().items())))
         try:
             worker.request(Load(spec), timeout_s=c.study.load_timeout_s,
                            load_timeout_s=c.study.load_timeout_s)

@@ -17,6 +17,7 @@ class LoadSpec:
     device: str = "auto"
     dtype: str | None = None
     threads: int | None = None
+    options: tuple[tuple[str, Any], ...] = ()  # further Engine.from_gguf keywords ([engine] of the config)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ def build_profile(c: ApplianceConfig, model_files: Mapping[str, Any], number: in
         engine["dtype"] = c.hardware.dtype
     if c.hardware.threads is not None:
         engine["threads"] = c.hardware.threads
+    engine.update(c.engine.load_options())
     for key in ("expert_budget_mb", "spec_len", "pflash_keep_ratio"):
         if getattr(params, key) is not None:
             engine[key] = getattr(params, key)

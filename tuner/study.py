@@ -165,7 +165,8 @@ class Tuner:
                         draft=str(self.drafts[draft]) if draft else None,
                         drafter=str(self.drafter) if self.drafter else None,
                         pflash_threshold=self.config.search.pflash_threshold,
-                        device=h.device, dtype=h.dtype, threads=h.threads)
+                        device=h.device, dtype=h.dtype, threads=h.threads,
+                        options=tuple(sorted(self.config.engine.load_options().items())))
 
     def _build_space(self) -> None:
         c = self.config

@@ -210,7 +210,7 @@ class _EngineHost:
         self.engine = self.spec = None  # free the old engine before loading the next
         options = {"draft": spec.draft, "drafter": spec.drafter, "dtype": spec.dtype,
                    "threads": spec.threads, "expert_budget_mb": budget_mb,
-                   "pflash_threshold": spec.pflash_threshold if spec.drafter else None}
+                   "pflash_threshold": spec.pflash_threshold if spec.drafter else None, **dict(spec.options)}
         t0 = time.perf_counter()
         self.engine = self._load(spec.target, device=spec.device,
                                  **{k: v for k, v in options.items() if v is not None})

@@ -41,6 +41,7 @@ def test_minimal_config_takes_defaults(tmp_path):
     assert cfg.publish.profile == tmp_path / "out/profile.toml"
     assert cfg.study.storage == f"sqlite:///{tmp_path / 'runs/luce-tune.db'}"
     assert cfg.search.spec_len == (2, 8)
+    assert cfg.engine.load_options() == {}  # no [engine]: the engine's defaults
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -56,6 +57,8 @@ def test_minimal_config_takes_defaults(tmp_path):
     ("[constraints]\nniah_min_accuracy = 1.5\n", r"constraints\.niah_min_accuracy: expected a fraction in \[0, 1\], found 1.5"),
     ("[search]\nbogus = 1\n", r"search\.bogus is not a known key; allowed: expert_budget_step_mb"),
     ("[extra]\n", r"unknown section \[extra\]"),
+    ("[engine]\nexperts = \"int4\"\n", r"engine\.experts: expected one of dense, quantized, found 'int4'"),
+    ("[engine]\ncuda_graph = \"yes\"\n", r"engine\.cuda_graph: expected true or false, found 'yes'"),
 ])
 def test_bad_values_name_file_key_value_and_what_is_allowed(tmp_path, extra, message):
     path = _write(tmp_path, MINIMAL + extra)
@@ -104,3 +107,23 @@ def test_pflash_floor_needs_needle_cases(tmp_path):
     text += "[workload]\nniah_cases = 0\n[constraints]\nniah_min_accuracy = 0.5\n"
     with pytest.raises(ConfigError, match=r"constraints\.niah_min_accuracy 0.5 needs workload\.niah_cases"):
         load_config(_write(tmp_path, text))
+
+
+def test_engine_section_becomes_load_options(tmp_path):
+    cfg = load_config(_write(tmp_path, MINIMAL + "[engine]\nweights = \"quantized\"\nexperts = \"quantized\"\n"
+                                               "cuda_graph = true\n"))
+    assert cfg.engine.load_options() == {"weights": "quantized", "cold_format": "quantized",
+                                         "hot_format": "quantized", "cuda_graph": True}
+
+
+def test_engine_section_is_published_with_the_winner(tmp_path):
+    from tuner.publish import build_profile
+    from tuner.space import TrialParams
+
+    cfg = load_config(_write(tmp_path, MINIMAL + "[engine]\nexperts = \"quantized\"\ncuda_graph = true\n"))
+    fingerprint = {"gpu_name": "", "gpu_uuid": "", "gpu_driver": "", "gpu_vram_mb": 0, "cpu": "c", "cpu_count": 2,
+                   "ram_mb": 1}
+    files = {"target": {"path": str(cfg.models.target), "size": 1, "sha256": "0" * 64}}
+    profile = build_profile(cfg, files, 3, TrialParams(expert_budget_mb=512), {}, "cuda", fingerprint)
+    assert profile.load_options() == {"device": "cuda", "expert_budget_mb": 512, "cold_format": "quantized",
+                                      "hot_format": "quantized", "cuda_graph": True}

@@ -72,3 +72,17 @@ def test_torn_and_tampered_profiles_are_refused(tmp_path, profile):
         load_profile(path)
     with pytest.raises(ProfileError, match="profile not found"):
         load_profile(tmp_path / "none.toml")
+
+
+def test_engine_formats_and_graph_travel_to_the_load(tmp_path, profile):
+    """The config's [engine] settings are load options of the published profile."""
+    from dataclasses import replace
+
+    p = replace(profile, engine=dict(profile.engine, weights="quantized", cold_format="quantized",
+                                     hot_format="quantized", cuda_graph=True))
+    path = tmp_path / "p.toml"
+    write_profile(path, p)
+    loaded = load_profile(path)
+    assert loaded.load_options() == {"device": "cpu", "expert_budget_mb": 2048, "weights": "quantized",
+                                     "cold_format": "quantized", "hot_format": "quantized", "cuda_graph": True,
+                                     "draft": profile.models["draft"].path}

@@ -76,3 +76,21 @@ def test_crash_and_out_of_memory_restart_the_worker(target):
         with pytest.raises(WorkerError, match="exited with status 4") as info:
             w.request(Measure(spec=LoadSpec(target=crashing), jobs=JOBS), timeout_s=30, load_timeout_s=60)
         assert info.value.kind == "crash"
+
+
+def test_engine_options_reach_the_loader():
+    """A LoadSpec's options ([engine] of the config) are passed to the engine factory, and a
+    spec that differs only in them is a reload."""
+    from types import SimpleNamespace
+
+    from tuner.worker import _EngineHost
+
+    seen = []
+    host = _EngineHost(lambda path, **kw: seen.append((path, kw)) or SimpleNamespace(device="cpu"),
+                       SimpleNamespace(send=lambda message: None))
+    options = (("cold_format", "quantized"), ("cuda_graph", True), ("hot_format", "quantized"))
+    spec = LoadSpec(target="t.gguf", options=options)
+    assert host.ensure(spec, 512) and not host.ensure(spec, 512)
+    assert seen == [("t.gguf", {"device": "auto", "expert_budget_mb": 512, "cold_format": "quantized",
+                                "cuda_graph": True, "hot_format": "quantized"})]
+    assert host.ensure(LoadSpec(target="t.gguf"), 512) and seen[-1][1] == {"device": "auto", "expert_budget_mb": 512}
