@@ -1,7 +1,8 @@
 """Where does speculative decoding leave plain decoding? A step-by-step check of losslessness.
 
     python bench/dflash_lossless.py --target T.gguf --draft D.gguf [--device cuda] [--dtype bfloat16]
-        [--spec-lens 4,8] [--rollbacks capture,recompute] [--prompts 2] [--new-tokens 128] [--corpus HELD_OUT.txt]
+        [--spec-lens 4,8] [--rollbacks capture,recompute] [--verify-paths eager,static,graph] [--prompts 2]
+        [--new-tokens 128] [--corpus HELD_OUT.txt]
 
 Runs greedy DFlash on each prompt with a shadow state that plain-decodes every token the
 speculative state holds, one forward per token. After every verify step it compares the
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the engine's for the device)")
     ap.add_argument("--spec-lens", default="4,8")
     ap.add_argument("--rollbacks", default="capture,recompute")
+    ap.add_argument("--verify-paths", default="eager", help="eager, static, graph (comma-separated)")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -110,15 +112,17 @@ def main() -> None:
     draft = load_draft(args.draft, device=model.device, dtype=model.dtype)
     print(f"{args.target.name} on {model.device} {model.dtype}, delta rule {model.delta_rule.name}; "
           f"draft {args.draft.name}", flush=True)
-    for spec_len in [int(x) for x in args.spec_lens.split(",")]:
-        for rollback in args.rollbacks.split(","):
-            for p, prompt in enumerate(prompts):
-                opts = SpecOptions(spec_len=spec_len, rollback=rollback, fallback_threshold=0.0)
-                run = Shadowed(model, draft, prompt, args.new_tokens, opts, SamplingParams(), set(), None)
-                _, stats = run.run()
-                verdict = "; ".join(x for x in (run.token_fault, run.state_fault) if x) or "lossless, states agree"
-                print(f"spec {spec_len:>2} {rollback:>9} prompt {p}: accept {stats.acceptance_length:.2f}; {verdict}",
-                      flush=True)
+    runs = [(s, r, v) for v in args.verify_paths.split(",") for s in [int(x) for x in args.spec_lens.split(",")]
+            for r in (args.rollbacks.split(",") if v == "eager" else ["own"])]
+    for spec_len, rollback, verify in runs:
+        for p, prompt in enumerate(prompts):
+            opts = SpecOptions(spec_len=spec_len, rollback="capture" if rollback == "own" else rollback,
+                               fallback_threshold=0.0, verify_path=verify)
+            run = Shadowed(model, draft, prompt, args.new_tokens, opts, SamplingParams(), set(), None)
+            _, stats = run.run()
+            verdict = "; ".join(x for x in (run.token_fault, run.state_fault) if x) or "lossless, states agree"
+            print(f"spec {spec_len:>2} {stats.verify_path:>10} rollback {rollback:>9} prompt {p}: "
+                  f"accept {stats.acceptance_length:.2f}; {verdict}", flush=True)
 
 
 if __name__ == "__main__":
