@@ -84,6 +84,7 @@ class SpecStats:
     stop_reason: str = "length"
     verify_path: str = "eager"  # the path full verify blocks took (a shorter last block runs eagerly)
     verify_path_note: str | None = None  # why a requested graph was not captured
+    draft_path: str = "eager"  # the path full blocks' proposals took: eager, static or cuda_graph
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step
 
     @property
@@ -185,6 +186,7 @@ class _Generation:
         self.gen = make_generator(params, model.device)
         self.clock = _Clock(model.device)
         self.stats = SpecStats(spec_len=opts.spec_len, rollback=opts.rollback, prompt_tokens=len(ids))
+        self.draft_step: Any = None  # the fixed-shape proposal step, with the fixed-shape verify
         self.verify_step = self._verify_step(opts.verify_path)
         self.new: list[int] = []
         self.last_progress: float | None = None  # prefill time does not count as a stall
@@ -204,6 +206,11 @@ class _Generation:
         step = DecodeGraph(self.model, self.state, tokens=self.opts.spec_len, capture_layers=self.layer_ids,
                            graph=graph, rollback=True)
         self.stats.verify_path = step.path
+        from engine.dflash.draft_step import DraftStep
+
+        self.draft_step = DraftStep(self.draft, self.cache, self.model.weights.embed, self.model.weights.output,
+                                    tokens=self.opts.spec_len, graph=graph and self.draft.device.type == "cuda")
+        self.stats.draft_path = self.draft_step.path
         return step
 
     def run(self) -> tuple[list[int], SpecStats]:
@@ -237,10 +244,14 @@ class _Generation:
     def _spec_step(self, token: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
         model, start = self.model, self.state.next_position  # ``token`` goes at position ``start``, not yet run
         c0 = self.clock.mark()
-        block = torch.full((n,), self.mask, dtype=torch.long, device=model.device)
-        block[0] = token
-        hidden = block_hidden(self.draft, self.cache, F.embedding(block, model.weights.embed), start)
-        drafted = linear(hidden[1:], model.weights.output).argmax(-1)  # [n - 1]
+        if self.draft_step is not None and n == self.draft_step.tokens:
+            drafted = self.draft_step.step(token, start)  # [n - 1], a buffer the next step overwrites
+            block = torch.cat([token.reshape(1), drafted])
+        else:
+            block = torch.full((n,), self.mask, dtype=torch.long, device=model.device)
+            block[0] = token
+            hidden = block_hidden(self.draft, self.cache, F.embedding(block, model.weights.embed), start)
+            drafted = linear(hidden[1:], model.weights.output).argmax(-1)  # [n - 1]
         c1 = self.clock.mark()
         verify_ids = torch.cat([block[:1], drafted])
         if self.verify_step is not None and n == self.verify_step.tokens:

@@ -142,3 +142,28 @@ def test_rows_of_a_batch_equal_separate_calls(causal):
     for r in range(R):
         alone = draft(x[r], positions[r], draft.project_context(features[r], ctx_pos[r]), ctx_pos[r])
         torch.testing.assert_close(batched[r], alone, **TOL)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"causal": True}, {"sliding_window": 3}])
+@pytest.mark.parametrize("tokens", [2, 4])
+def test_fixed_shape_draft_step_proposes_the_eager_block(overrides, tokens):
+    """``DraftStep`` attends over the whole preallocated cache under a mask from its length: the
+    same proposals as ``block_hidden`` over the cache's rows, as the cache grows."""
+    from engine.dflash.draft_step import DraftStep
+
+    draft = _draft(**overrides)
+    gen = torch.Generator().manual_seed(7)
+    embed, output = torch.randn(50, 32, generator=gen), torch.randn(50, 32, generator=gen)
+    cache = DraftCache.empty(draft, 16)
+    step = DraftStep(draft, cache, embed, output, tokens=tokens, graph=False)
+    assert step.path == "static"
+    start = 0
+    for rows, token in ((5, 3), (1, 17), (3, 42)):
+        cache.extend(draft, torch.randn(rows, 64, generator=gen), torch.arange(start, start + rows))
+        start += rows
+        block = torch.full((tokens,), draft.cfg.mask_token_id)
+        block[0] = token
+        ref = F.linear(block_hidden(draft, cache, F.embedding(block, embed), start)[1:], output).argmax(-1)
+        assert torch.equal(step.step(torch.tensor(token), start), ref)
+    with pytest.raises(ValueError, match="a block of 2 to 4 tokens"):
+        DraftStep(draft, cache, embed, output, tokens=5, graph=False)

@@ -147,12 +147,13 @@ def test_distilled_rows_in_bf16_on_cuda(target_path, tmp_path):
 
 
 def test_graph_verify_matches_plain_on_cuda(cuda_target, prompt):
-    """Full verify blocks replayed from a CUDA graph with the step's own rollback, float32."""
+    """Full blocks' proposals and verification replayed from CUDA graphs, with the verify step's own
+    rollback, float32."""
     draft = _right_draft(cuda_target, prompt, _plain_cuda)
     ref = _plain_cuda(cuda_target, prompt, 64)
     for spec_len in (4, 8):
         new, stats = speculative_generate(cuda_target, draft, prompt, 64, spec_len=spec_len, fallback_threshold=0,
                                           verify_path="graph")
-        assert stats.verify_path == "cuda_graph", stats.verify_path_note
+        assert stats.verify_path == stats.draft_path == "cuda_graph", stats.verify_path_note
         assert new == ref
         assert stats.acceptance_length > 1.3 and stats.rollbacks > 0

@@ -47,11 +47,12 @@ def test_static_verify_step_matches_plain(target, right_draft, prompt, plain, sp
     new, stats = speculative_generate(target, right_draft, prompt, 61, spec_len=spec_len, fallback_threshold=0,
                                       verify_path="static")
     assert new == ref
-    assert stats.verify_path == "static" and stats.verify_path_note is None
+    assert stats.verify_path == "static" and stats.draft_path == "static" and stats.verify_path_note is None
     assert stats.rollbacks > 0 and max(stats.accept_lengths) == spec_len
     eager, eager_stats = speculative_generate(target, right_draft, prompt, 61, spec_len=spec_len,
                                               fallback_threshold=0)
-    assert eager_stats.accept_lengths == stats.accept_lengths and eager_stats.verify_path == "eager"
+    assert eager_stats.accept_lengths == stats.accept_lengths  # the fixed-shape draft proposed the same blocks
+    assert eager_stats.verify_path == eager_stats.draft_path == "eager"
 
 
 def test_graph_verify_falls_back_where_it_cannot_capture(target, random_draft, prompt, plain):
