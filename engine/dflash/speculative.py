@@ -11,6 +11,7 @@ the committed ids travel together).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
@@ -203,14 +204,24 @@ class _Generation:
             if blocker is not None:
                 self.stats.verify_path_note = f"verify blocks not captured: {blocker}"
                 graph = False
-        step = DecodeGraph(self.model, self.state, tokens=self.opts.spec_len, capture_layers=self.layer_ids,
-                           graph=graph, rollback=True)
-        self.stats.verify_path = step.path
         from engine.dflash.draft_step import DraftStep
 
-        self.draft_step = DraftStep(self.draft, self.cache, self.model.weights.embed, self.model.weights.output,
-                                    tokens=self.opts.spec_len, graph=graph and self.draft.device.type == "cuda")
-        self.stats.draft_path = self.draft_step.path
+        def build(graph: bool) -> tuple[Any, Any]:
+            step = DecodeGraph(self.model, self.state, tokens=self.opts.spec_len, capture_layers=self.layer_ids,
+                               graph=graph, rollback=True)
+            draft_step = DraftStep(self.draft, self.cache, self.model.weights.embed, self.model.weights.output,
+                                   tokens=self.opts.spec_len, graph=graph and self.draft.device.type == "cuda")
+            return step, draft_step
+
+        try:
+            step, self.draft_step = build(graph)
+        except RuntimeError as exc:  # an op that cannot be captured: the same steps, run eagerly
+            if not graph:
+                raise
+            self.stats.verify_path_note = f"capturing the verify or draft step failed: {exc}"
+            warnings.warn(self.stats.verify_path_note, stacklevel=4)
+            step, self.draft_step = build(False)
+        self.stats.verify_path, self.stats.draft_path = step.path, self.draft_step.path
         return step
 
     def run(self) -> tuple[list[int], SpecStats]:

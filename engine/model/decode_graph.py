@@ -235,20 +235,22 @@ class DecodeGraph:
         self.positions.copy_(self._offsets)
         self.cache_len.zero_()
         device = self.model.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    self._run()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 self._run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._run()
-        for i, (k, v) in saved_kv.items():
-            state.kv[i].k[:, :T] = k
-            state.kv[i].v[:, :T] = v
-        for t, copy in saved:
-            t.copy_(copy)
+        finally:  # the state as it was, whether the capture worked or raised
+            for i, (k, v) in saved_kv.items():
+                state.kv[i].k[:, :T] = k
+                state.kv[i].v[:, :T] = v
+            for t, copy in saved:
+                t.copy_(copy)
         return graph
 
 
