@@ -109,7 +109,8 @@ def generate(
     if "acceptance_length" in extra:
         err.print(f"[dim]dflash spec_len {extra['spec_len']} | acceptance length {extra['acceptance_length']:.2f} "
                   f"tokens per target forward | draft {extra['draft_s'] * 1000:.1f} ms, verify "
-                  f"{extra['verify_s'] * 1000:.1f} ms, rollback {extra['rollback_s'] * 1000:.1f} ms"
+                  f"{extra['verify_s'] * 1000:.1f} ms, rollback {extra['rollback_s'] * 1000:.1f} ms | paths: draft "
+                  f"{extra.get('draft_path', 'eager')}, verify {extra.get('verify_path', 'eager')}"
                   f"{' | fell back to plain decoding' if extra['fallback'] else ''}[/dim]")
     if "pflash_kept_tokens" in extra:
         err.print(f"[dim]pflash kept {extra['pflash_kept_tokens']}/{extra['pflash_total_tokens']} tokens | "
