@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.dflash.draft import DFlashDraft, DraftCache
+from engine.model.decode_graph import capture_graph
 from engine.model.linear import Weight, linear
-
-WARMUP_RUNS = 2
 
 
 class DraftStep:
@@ -75,14 +74,4 @@ class DraftStep:
 
     @torch.inference_mode()
     def _capture(self) -> torch.cuda.CUDAGraph:
-        device = self.draft.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self._run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._run()
-        return graph
+        return capture_graph(self._run, self.draft.device)

@@ -257,14 +257,13 @@ class _Generation:
         c0 = self.clock.mark()
         if self.draft_step is not None and n == self.draft_step.tokens:
             drafted = self.draft_step.step(token, start)  # [n - 1], a buffer the next step overwrites
-            block = torch.cat([token.reshape(1), drafted])
         else:
             block = torch.full((n,), self.mask, dtype=torch.long, device=model.device)
             block[0] = token
             hidden = block_hidden(self.draft, self.cache, F.embedding(block, model.weights.embed), start)
             drafted = linear(hidden[1:], model.weights.output).argmax(-1)  # [n - 1]
         c1 = self.clock.mark()
-        verify_ids = torch.cat([block[:1], drafted])
+        verify_ids = torch.cat([token.reshape(1), drafted])
         if self.verify_step is not None and n == self.verify_step.tokens:
             logits, hidden, rollback = self.verify_step.step(verify_ids), self.verify_step.hidden, \
                 self.verify_step.rollback

@@ -21,7 +21,7 @@ the same object runs the static step eagerly.
 from __future__ import annotations
 
 import importlib.util
-from typing import Collection
+from typing import Callable, Collection
 
 import torch
 import torch.nn.functional as F
@@ -234,24 +234,29 @@ class DecodeGraph:
         self.ids.zero_()
         self.positions.copy_(self._offsets)
         self.cache_len.zero_()
-        device = self.model.device
         try:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_RUNS):
-                    self._run()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._run()
+            return capture_graph(self._run, self.model.device)
         finally:  # the state as it was, whether the capture worked or raised
             for i, (k, v) in saved_kv.items():
                 state.kv[i].k[:, :T] = k
                 state.kv[i].v[:, :T] = v
             for t, copy in saved:
                 t.copy_(copy)
-        return graph
+
+
+def capture_graph(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``run`` captured in a CUDA graph, after ``WARMUP_RUNS`` runs on a side stream (the first
+    compiles the Triton kernels, the next runs as the graph will)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
 
 
 def _placement_version(executor: ExpertExecutor) -> int:
