@@ -38,6 +38,25 @@ from tuner.worker import ENGINE_FACTORY, EngineWorker, WorkerError
 FAILURE_ATTR = "failure"  # user attr of trials this service failed on purpose, with the reason
 
 
+class TrialDurations:
+    """How long the next trial may take, from the trials timed so far: the slowest of those
+    that found the worker warm, or of the cold ones while there is no warm one yet."""
+
+    def __init__(self) -> None:
+        self.warm = 0.0
+        self.cold = 0.0
+
+    def add(self, seconds: float, *, cold: bool) -> None:
+        if cold:
+            self.cold = max(self.cold, seconds)
+        else:
+            self.warm = max(self.warm, seconds)
+
+    @property
+    def estimate(self) -> float:
+        return self.warm if self.warm > 0 else self.cold
+
+
 @dataclass(frozen=True)
 class Outcome:
     """One measured point: what the study was told and why."""
@@ -217,16 +236,20 @@ class Tuner:
 
     def _loop(self, t_end: float) -> list[Outcome]:
         """Trials until the count is reached, or until the next trial and the final
-        re-measurement would no longer fit in the time limit (judged by the slowest trial)."""
+        re-measurement would no longer fit in the time limit (judged by the slowest trial).
+
+        A trial that met a cold worker also paid the process start, the engine load and the
+        GPU kernels' first compilation (minutes on a fresh machine at the 35B shapes); once a
+        trial on a warm worker has been timed, cold ones no longer set the estimate."""
         c = self.config
         target = 1 if self.space.is_empty else c.study.trials
         if self.n_points is not None:
             target = self.n_points
         outcomes = []
-        slowest = 0.0
+        durations = TrialDurations()
         finals = 2 * c.study.remeasure_repeats / c.workload.repeats
         while target is None or self._finished() < target:
-            if time.monotonic() + slowest * (1 + finals) > t_end:
+            if time.monotonic() + durations.estimate * (1 + finals) > t_end:
                 break
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -235,7 +258,7 @@ class Tuner:
                 trial = self.study.ask()
             trial.set_user_attr("hardware", self.hardware_key)
             trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-            started = time.monotonic()
+            started, cold = time.monotonic(), self.worker.cold
             with _Heartbeat(self.storage, self.study.study_name, trial.number, c.study.heartbeat_s):
                 try:
                     params = self.space.suggest(trial)
@@ -246,7 +269,7 @@ class Tuner:
                     self.study.tell(trial, state=TrialState.FAIL)
                     raise
                 self._tell(trial, outcome)
-            slowest = max(slowest, time.monotonic() - started)
+            durations.add(time.monotonic() - started, cold=cold)
             outcomes.append(outcome)
             self.observer.trial_finished(outcome, self._best())
         return outcomes

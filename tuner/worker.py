@@ -48,6 +48,13 @@ class EngineWorker:
         self.factory = factory
         self._proc: mp.process.BaseProcess | None = None
         self._conn: Connection | None = None
+        self.answered = 0  # measurements answered since the process started
+
+    @property
+    def cold(self) -> bool:
+        """True until the running process answers a measurement: the next one also pays the
+        process start, the engine load and the GPU kernels' first compilation."""
+        return not self.alive or self.answered == 0
 
     @property
     def pid(self) -> int | None:
@@ -65,6 +72,7 @@ class EngineWorker:
         self._proc.start()
         child.close()
         self._conn = parent
+        self.answered = 0
 
     def ensure_started(self) -> None:
         if not self.alive:
@@ -111,6 +119,8 @@ class EngineWorker:
                 if reply.kind == "oom":
                     self.kill()
                 raise WorkerError(reply.message, kind=reply.kind)
+            if isinstance(reply, Measured):
+                self.answered += 1
             return reply
 
     def _crashed(self) -> WorkerError:

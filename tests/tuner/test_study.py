@@ -9,7 +9,7 @@ from tuner.config import ConfigError, load_config
 from engine.hardware import detect_hardware
 from tuner.observer import RunObserver
 from engine.profile import load_profile, model_hashes, verify_profile
-from tuner.study import Tuner
+from tuner.study import TrialDurations, Tuner
 from tuner.telemetry import SW_THERMAL, TelemetrySampler
 
 from .conftest import FAKE
@@ -127,3 +127,17 @@ def test_throttled_measurements_are_repeated_then_flagged(appliance, monkeypatch
     assert rows[-1].throttled == flagged
     (trial,) = _trials(cfg)
     assert trial.user_attrs.get("throttled", False) == flagged
+
+
+def test_the_time_limit_is_judged_by_warm_trials_once_there_is_one():
+    d = TrialDurations()
+    assert d.estimate == 0.0
+    d.add(140.0, cold=True)  # process start, load and kernel compilation
+    assert d.estimate == 140.0  # nothing better known yet
+    d.add(12.0, cold=False)
+    d.add(9.0, cold=False)
+    assert d.estimate == 12.0  # the slowest warm trial, not the cold one
+    d.add(150.0, cold=True)  # a worker restarted after a failure
+    assert d.estimate == 12.0
+    d.add(30.0, cold=False)
+    assert d.estimate == 30.0

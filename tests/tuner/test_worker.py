@@ -21,11 +21,13 @@ def target(appliance, tmp_path):
 def test_measure_reuses_the_engine_and_reloads_only_for_a_new_draft(target, tmp_path):
     spec = LoadSpec(target=target())
     with EngineWorker(FAKE) as w:
+        assert w.cold
         loaded = w.request(Load(spec), timeout_s=30, load_timeout_s=60)
         assert isinstance(loaded, Loaded) and loaded.device == "cpu"
+        assert w.cold  # loaded, but no measurement has warmed it yet
         pid = w.pid
         m = w.request(Measure(spec=spec, jobs=JOBS, warmup=1, repeats=2), timeout_s=30, load_timeout_s=60)
-        assert isinstance(m, Measured)
+        assert isinstance(m, Measured) and not w.cold
         assert [(o.key, o.repeat) for o in m.outputs] == [("code/a", 0), ("long/0", 0), ("code/a", 1), ("long/0", 1)]
         assert m.outputs[0].ids == m.outputs[2].ids and len(m.outputs[0].ids) == 4
         assert m.outputs[0].timings["new_tokens"] == 4
@@ -57,9 +59,9 @@ def test_a_hung_request_is_killed_and_the_next_one_gets_a_fresh_worker(target):
         with pytest.raises(WorkerError, match="no answer within 2 s") as info:
             w.request(Measure(spec=spec, jobs=JOBS, hang_s=600), timeout_s=2, load_timeout_s=60)
         assert info.value.kind == "timeout" and time.monotonic() - t0 < 10
-        assert not w.alive
+        assert not w.alive and w.cold
         m = w.request(Measure(spec=spec, jobs=JOBS), timeout_s=30, load_timeout_s=60)
-        assert isinstance(m, Measured) and w.pid != first
+        assert isinstance(m, Measured) and w.pid != first and not w.cold
 
 
 def test_crash_and_out_of_memory_restart_the_worker(target):
