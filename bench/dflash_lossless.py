@@ -2,7 +2,7 @@
 
     python bench/dflash_lossless.py --target T.gguf --draft D.gguf [--device cuda] [--dtype bfloat16]
         [--spec-lens 4,8] [--rollbacks capture,recompute] [--verify-paths eager,static,graph] [--prompts 2]
-        [--new-tokens 128] [--corpus HELD_OUT.txt]
+        [--new-tokens 128] [--corpus HELD_OUT.txt] [--short-kernel on|off]
 
 Runs greedy DFlash on each prompt with a shadow state that plain-decodes every token the
 speculative state holds, one forward per token. After every verify step it compares the
@@ -10,12 +10,14 @@ speculative state with the shadow (KV caches up to their length, Gated DeltaNet 
 conv states) and the committed tokens with the shadow's greedy choices, and prints the first
 step where either departs, with the shadow's top-2 logit margin there: a margin near zero is a
 numerical near-tie, a large one a fault in the verify or the rollback. Prompts are long-form
-windows of ``--corpus`` (default: random token ids).
+windows of ``--corpus`` (default: random token ids). ``--short-kernel off`` sends short Gated
+DeltaNet calls back to the chunk and recurrent kernels (on CUDA: fla's), to compare the two.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--corpus", type=Path, default=None)
+    ap.add_argument("--short-kernel", choices=("on", "off"), default="on")
     args = ap.parse_args()
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -109,6 +112,8 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(1000, model.cfg.vocab, (args.prompts * args.prompt_tokens,), generator=gen).tolist()
     prompts = [ids[i * args.prompt_tokens:(i + 1) * args.prompt_tokens] for i in range(args.prompts)]
+    if args.short_kernel == "off":
+        model.delta_rule = dataclasses.replace(model.delta_rule, short=None, short_head_dim=0)
     draft = load_draft(args.draft, device=model.device, dtype=model.dtype)
     print(f"{args.target.name} on {model.device} {model.dtype}, delta rule {model.delta_rule.name}; "
           f"draft {args.draft.name}", flush=True)

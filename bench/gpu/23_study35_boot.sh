@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 7 on the 35B shapes: `luce-tune run` under the appliance's 24 GB cap with the experts in
+# their Q4_0 blocks on both tiers (budgets in quantized bytes) and graph decoding, on a workload
+# cut down so that a trial with every expert on the CPU fits its box (one code and one
+# long-form prompt of 128 tokens, 16 new tokens, two repeats); then `luce-tune boot` on the
+# published profile. Then issue 4's shadow-state check with the graph verify path, in float32.
+source "$(dirname "$0")/env.sh"
+[ -f /tmp/q35.gguf ] || { t0=$(date +%s); luce make-model --preset qwen3.6-35b-a3b --quant q4_0 -o /tmp/q35.gguf \
+  > "$OUT/make.log" 2>&1; echo "make-model $(( $(date +%s) - t0 )) s"; }
+sed -e 's#^target = .*#target = "/tmp/q35.gguf"#' -e 's#^drafts = .*#drafts = []#' -e 's#^drafter = .*#drafter = ""#' \
+  -e 's#^vram_cap_mb = .*#vram_cap_mb = 24576#' -e 's#^weights = .*#weights = "quantized"#' \
+  -e 's#^experts = .*#experts = "quantized"#' -e 's#^cuda_graph = .*#cuda_graph = true#' \
+  -e 's#^long_prompt_tokens = .*#long_prompt_tokens = 128#' -e 's#^max_new_tokens = .*#max_new_tokens = 16#' \
+  -e 's#^repeats = .*#repeats = 2#' -e 's#^trial_timeout_s = .*#trial_timeout_s = 150#' \
+  -e 's#^load_timeout_s = .*#load_timeout_s = 200#' -e 's#^niah_cases = .*#niah_cases = 0#' \
+  -e "s#^profile = .*#profile = \"$OUT/profile_q35.toml\"#" appliance.toml > /tmp/q35.toml
+t0=$(date +%s)
+timeout ${STUDY_S:-330} python3 -m tuner.cli run --config /tmp/q35.toml --trials ${TRIALS:-4} --timeout ${RUN_S:-300} \
+  --storage "sqlite:///$OUT/study_q35.db" > "$OUT/run_q35.log" 2>&1 || echo "study rc=$?"
+echo "study $(( $(date +%s) - t0 )) s"
+tail -40 "$OUT/run_q35.log"
+python3 -m tuner.cli status --config /tmp/q35.toml --storage "sqlite:///$OUT/study_q35.db" 2>&1 | tail -30 || true
+[ -f "$OUT/profile_q35.toml" ] && { timeout ${BOOT_S:-120} python3 -m tuner.cli boot --config /tmp/q35.toml \
+  --profile "$OUT/profile_q35.toml" 2>&1 | tail -15 || echo "boot rc=$?"; }
+timeout ${CHECK_S:-90} python3 bench/dflash_lossless.py --target models/luce-target.gguf --draft models/luce-draft.gguf \
+  --dtype float32 --spec-lens 4,8 --prompts 1 --new-tokens 96 --prompt-tokens 192 --verify-paths graph \
+  --corpus engine/dflash/speculative.py 2>&1 | grep -v Warn || echo "check rc=$?"
