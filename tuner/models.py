@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -12,6 +13,26 @@ from tuner.protocol import Load, LoadSpec
 from tuner.worker import EngineWorker, WorkerError
 
 Warn = Callable[[str], None]
+
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def experts_mb(target: Path, *, experts: str, dtype: str | None, gpu: bool) -> int:
+    """The routed experts' size as a trial's engine holds them, in MB: the GGUF blocks' bytes
+    when ``experts`` is "quantized", else their element count at the engine's dtype (``None``:
+    bfloat16 on a GPU, float32 on the CPU), which for a quantized file is several times the
+    file. The expert budget has nothing to place beyond it."""
+    from engine.gguf.reader import GGUFFile
+
+    width = DTYPE_BYTES[dtype or ("bfloat16" if gpu else "float32")]
+    total = 0
+    with GGUFFile(target) as f:
+        for info in f.tensors.values():
+            if info.name.split(".")[-2] not in EXPERT_TENSORS:
+                continue
+            total += info.nbytes if experts == "quantized" else math.prod(info.shape) * width
+    return math.ceil(total / 2**20)
 
 
 def present_models(c: ApplianceConfig, warn: Warn) -> ApplianceConfig:

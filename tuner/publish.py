@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import tomllib
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -23,9 +24,16 @@ if TYPE_CHECKING:
 
 
 def luce_tune_version() -> str:
+    """The installed package's version; run from a source tree that is not installed, the
+    tree's ``pyproject.toml`` version marked ``+source``; "unknown" when neither is found."""
     try:
         return metadata.version("luce-tune")
     except metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        return f"{tomllib.loads(pyproject.read_text())['project']['version']}+source"
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
         return "unknown"
 
 

@@ -60,8 +60,9 @@ class SearchSpace:
 
     @classmethod
     def build(cls, config: ApplianceConfig, hardware: Hardware, *, drafts: tuple[Path, ...],
-              drafter_ok: bool, target_mb: int) -> "SearchSpace":
-        """``drafts`` are the compatible candidates; ``target_mb`` bounds the useful budget."""
+              drafter_ok: bool, experts_mb: int) -> "SearchSpace":
+        """``drafts`` are the compatible candidates; ``experts_mb``, the routed experts' size as
+        the engine holds them, bounds the useful budget."""
         search = config.search
         budget_max = None
         full = None
@@ -73,7 +74,7 @@ class SearchSpace:
             if search.expert_budget_max_mb is not None:
                 upper = min(upper, search.expert_budget_max_mb)
             step = search.expert_budget_step_mb
-            whole = math.ceil(target_mb / step) * step  # no expert set is larger than the file
+            whole = max(1, math.ceil(experts_mb / step)) * step  # every expert on the GPU
             full = whole if whole <= upper else None
             budget_max = min(upper, whole) // step * step
         threshold = search.pflash_threshold

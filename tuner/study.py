@@ -28,7 +28,7 @@ from storage.repository import Repository, hardware_key
 from tuner.config import ApplianceConfig, ConfigError
 from tuner.jobs import Workload, build_workload
 from tuner.metrics import TrialMetrics, aggregate, constraints
-from tuner.models import present_models, probe_models, record_model_files
+from tuner.models import experts_mb, present_models, probe_models, record_model_files
 from tuner.observer import RunObserver
 from tuner.protocol import LoadSpec, Measure, Measured
 from tuner.space import SearchSpace, TrialParams
@@ -189,9 +189,10 @@ class Tuner:
 
     def _build_space(self) -> None:
         c = self.config
-        target_mb = math.ceil(c.models.target.stat().st_size / 2**20)
+        held_mb = experts_mb(c.models.target, experts=c.engine.experts, dtype=c.hardware.dtype,
+                             gpu=self.hardware.gpu is not None and not c.hardware.device.startswith("cpu"))
         self.space = SearchSpace.build(c, self.hardware, drafts=tuple(self.drafts.values()),
-                                       drafter_ok=self.drafter is not None, target_mb=target_mb)
+                                       drafter_ok=self.drafter is not None, experts_mb=held_mb)
         stored = self.study.user_attrs.get("space")
         if stored is None:
             self.study.set_user_attr("space", self.space.describe())

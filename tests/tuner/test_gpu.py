@@ -48,5 +48,5 @@ def test_live_gpu_telemetry_and_budget_dimension(tmp_path):
     cfg_path = tmp_path / "appliance.toml"
     cfg_path.write_text('[models]\ntarget = "t.gguf"\n[study]\ntrials = 2\n[publish]\nprofile = "p.toml"\n'
                         "[hardware]\nvram_cap_mb = 9000\nvram_reserve_mb = 1000\n")
-    space = SearchSpace.build(load_config(cfg_path), hw, drafts=(), drafter_ok=False, target_mb=20000)
+    space = SearchSpace.build(load_config(cfg_path), hw, drafts=(), drafter_ok=False, experts_mb=20000)
     assert space.budget_max_mb == 7936  # min(live VRAM, 9000 cap) - 1000 reserve, in 256 MB steps

@@ -86,3 +86,19 @@ def test_engine_formats_and_graph_travel_to_the_load(tmp_path, profile):
     assert loaded.load_options() == {"device": "cpu", "expert_budget_mb": 2048, "weights": "quantized",
                                      "cold_format": "quantized", "hot_format": "quantized", "cuda_graph": True,
                                      "draft": profile.models["draft"].path}
+
+
+def test_the_version_falls_back_to_the_source_tree(monkeypatch):
+    from importlib import metadata
+
+    from tuner import publish
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(publish.metadata, "version", missing)
+    import tomllib
+    from pathlib import Path
+
+    expected = tomllib.loads((Path(publish.__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert publish.luce_tune_version() == expected["project"]["version"] + "+source"

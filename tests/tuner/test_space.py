@@ -43,7 +43,7 @@ def _sample(space, n=40, seed=0):
 
 
 def test_cpu_only_without_draft_or_drafter_has_no_dimension(tmp_path):
-    space = SearchSpace.build(_config(tmp_path), CPU_ONLY, drafts=(), drafter_ok=False, target_mb=100)
+    space = SearchSpace.build(_config(tmp_path), CPU_ONLY, drafts=(), drafter_ok=False, experts_mb=100)
     assert space.budget_max_mb is None and space.drafts == () and space.keep_ratio is None
     for p, params in _sample(space, 5):
         assert p == TrialParams() and params == {}
@@ -53,12 +53,12 @@ def test_cpu_only_without_draft_or_drafter_has_no_dimension(tmp_path):
 def test_gpu_budget_bounds_from_live_memory_cap_reserve_and_model_size(tmp_path):
     cfg = _config(tmp_path, "[hardware]\nvram_cap_mb = 10000\nvram_reserve_mb = 1000\n"
                             "[search]\nexpert_budget_step_mb = 512\n")
-    big = SearchSpace.build(cfg, H200, drafts=(), drafter_ok=False, target_mb=20000)
+    big = SearchSpace.build(cfg, H200, drafts=(), drafter_ok=False, experts_mb=20000)
     assert big.budget_max_mb == 8704  # (10000 - 1000) rounded down to the 512 MB step
     assert big.full_model_mb is None  # the whole model does not fit
-    small = SearchSpace.build(cfg, H200, drafts=(), drafter_ok=False, target_mb=3000)
-    assert small.budget_max_mb == small.full_model_mb == 3072  # nothing gained past the file size
-    live = SearchSpace.build(_config(tmp_path), H200, drafts=(), drafter_ok=False, target_mb=10**6)
+    small = SearchSpace.build(cfg, H200, drafts=(), drafter_ok=False, experts_mb=3000)
+    assert small.budget_max_mb == small.full_model_mb == 3072  # nothing gained past the experts' size
+    live = SearchSpace.build(_config(tmp_path), H200, drafts=(), drafter_ok=False, experts_mb=10**6)
     assert live.budget_max_mb == (143771 - 1024) // 256 * 256
     for p, params in _sample(big):
         assert 0 <= p.expert_budget_mb <= 8704 and p.expert_budget_mb % 512 == 0
@@ -67,7 +67,7 @@ def test_gpu_budget_bounds_from_live_memory_cap_reserve_and_model_size(tmp_path)
 
 def test_draft_and_spec_len_are_conditional(tmp_path):
     space = SearchSpace.build(_config(tmp_path), CPU_ONLY, drafts=(DRAFT,), drafter_ok=False,
-                              target_mb=100)
+                              experts_mb=100)
     seen = set()
     for p, params in _sample(space, 60):
         if params["draft"] == NO_DRAFT:
@@ -83,11 +83,11 @@ def test_draft_and_spec_len_are_conditional(tmp_path):
 
 def test_pflash_needs_a_compatible_drafter_and_long_prompts(tmp_path):
     cfg = _config(tmp_path)
-    assert SearchSpace.build(cfg, CPU_ONLY, drafts=(), drafter_ok=False, target_mb=1).keep_ratio is None
+    assert SearchSpace.build(cfg, CPU_ONLY, drafts=(), drafter_ok=False, experts_mb=1).keep_ratio is None
     no_long = _config(tmp_path, "[workload]\nlong_form_prompts = 0\nniah_cases = 0\n"
                                 "[constraints]\nniah_min_accuracy = 0.0\n")
-    assert SearchSpace.build(no_long, CPU_ONLY, drafts=(), drafter_ok=True, target_mb=1).keep_ratio is None
-    space = SearchSpace.build(cfg, CPU_ONLY, drafts=(), drafter_ok=True, target_mb=1)
+    assert SearchSpace.build(no_long, CPU_ONLY, drafts=(), drafter_ok=True, experts_mb=1).keep_ratio is None
+    space = SearchSpace.build(cfg, CPU_ONLY, drafts=(), drafter_ok=True, experts_mb=1)
     assert space.keep_ratio == (0.05, 0.5)
     states = set()
     for p, params in _sample(space, 60):
@@ -101,7 +101,7 @@ def test_pflash_needs_a_compatible_drafter_and_long_prompts(tmp_path):
 
 
 def test_warm_start_points_are_enqueued_as_given(tmp_path):
-    space = SearchSpace.build(_config(tmp_path), H200, drafts=(DRAFT,), drafter_ok=True, target_mb=2000)
+    space = SearchSpace.build(_config(tmp_path), H200, drafts=(DRAFT,), drafter_ok=True, experts_mb=2000)
     points = space.warm_start()
     assert points[0] == TrialParams(expert_budget_mb=2048)  # every expert on the GPU, plain decoding
     assert points[1] == TrialParams(expert_budget_mb=2048, draft="luce-draft.gguf", spec_len=5)
@@ -126,7 +126,7 @@ def test_trial_params_refuse_inconsistent_points():
 def test_coarse_grid_covers_every_combination_the_space_allows(tmp_path):
     cfg = _config(tmp_path, "[hardware]\nvram_cap_mb = 10000\nvram_reserve_mb = 1000\n"
                             "[search]\nexpert_budget_step_mb = 512\n")
-    space = SearchSpace.build(cfg, H200, drafts=(DRAFT,), drafter_ok=True, target_mb=20000)
+    space = SearchSpace.build(cfg, H200, drafts=(DRAFT,), drafter_ok=True, experts_mb=20000)
     grid = space.coarse_grid(budget_points=4)
     budgets = sorted({p.expert_budget_mb for p in grid})
     assert budgets[0] == 0 and budgets[-1] == space.budget_max_mb and len(budgets) == 4
@@ -139,5 +139,19 @@ def test_coarse_grid_covers_every_combination_the_space_allows(tmp_path):
     assert len(grid) == len(set(grid)) == 4 * (1 + 3) * 4
     for p in grid:  # every point round-trips through Optuna's parameters
         assert space.params_of(space.to_params(p)) == p
-    cpu = SearchSpace.build(_config(tmp_path), CPU_ONLY, drafts=(), drafter_ok=False, target_mb=100)
+    cpu = SearchSpace.build(_config(tmp_path), CPU_ONLY, drafts=(), drafter_ok=False, experts_mb=100)
     assert cpu.coarse_grid() == [TrialParams()]
+
+
+def test_the_budget_bound_is_the_experts_size_as_the_engine_holds_them(tmp_path):
+    from engine.gguf.make_model import make_model
+    from tuner.models import experts_mb
+
+    q4 = make_model(tmp_path / "q4.gguf", "tiny", expert_quant="q4_0", n_expert=64)
+    blocks = experts_mb(q4, experts="quantized", dtype=None, gpu=True)
+    f32 = experts_mb(q4, experts="dense", dtype="float32", gpu=True)
+    assert experts_mb(q4, experts="dense", dtype=None, gpu=False) == f32  # the CPU's default dtype
+    bf16 = experts_mb(q4, experts="dense", dtype=None, gpu=True)  # the GPU's
+    assert bf16 == experts_mb(q4, experts="dense", dtype="bfloat16", gpu=True)
+    assert abs(f32 - 2 * bf16) <= 1
+    assert f32 >= 5 * blocks and blocks <= q4.stat().st_size / 2**20 < bf16  # dequantized experts outgrow the file
