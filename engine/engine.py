@@ -277,6 +277,27 @@ class Engine:
         return self.model.forward(x, state, logits="all").logits.float()
 
     @torch.inference_mode()
+    def greedy_margins(self, ids: Sequence[int], new: Sequence[int]) -> list[float]:
+        """How close each greedy choice of a continuation was to a tie.
+
+        For each token of ``new`` (a continuation of the prompt ``ids``), the gap between the
+        two largest logits at its position, in units of the model dtype's rounding step at the
+        largest logit (its ulp): 0 is an exact tie, a few units is a tie that rounding
+        differences between a block forward and a one-token forward can break either way.
+        One teacher-forced forward; logits only for ``new``'s positions.
+        """
+        if not ids or not new:
+            raise ConfigError("greedy_margins needs a prompt and at least one continuation token")
+        state = self.model.new_state(len(ids) + len(new))
+        if len(ids) > 1:
+            self.model.forward(self._ids_tensor(ids[:-1]), state, logits="none")
+        logits = self.model.forward(self._ids_tensor([ids[-1], *new[:-1]]), state, logits="all").logits
+        top = logits.float().topk(2, dim=-1).values
+        exponent = torch.floor(torch.log2(top[:, 0].abs().clamp_min(torch.finfo(torch.float32).tiny)))
+        ulp = torch.finfo(self.model.dtype).eps * torch.exp2(exponent)
+        return ((top[:, 0] - top[:, 1]) / ulp).tolist()
+
+    @torch.inference_mode()
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[str] | None = None, ignore_eos: bool = False,

@@ -170,8 +170,13 @@ class ObjectivesConfig:
 class ConstraintsConfig:
     greedy_identical: bool = True  # speculative greedy output must equal plain decoding
     niah_min_accuracy: float = 1.0  # PFlash retrieval accuracy floor
+    # a first difference where plain decoding's two best logits were within this many rounding
+    # steps (ulps of the model dtype) is a numerical tie, counted apart, not a mismatch
+    greedy_tie_ulps: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.greedy_tie_ulps < 0:
+            raise ValueError(f"greedy_tie_ulps: expected 0 or more, found {self.greedy_tie_ulps}")
         if not 0.0 <= self.niah_min_accuracy <= 1.0:
             raise ValueError(f"niah_min_accuracy: expected a fraction in [0, 1], found {self.niah_min_accuracy}")
 
@@ -423,7 +428,8 @@ _SECTIONS: dict[str, tuple[type, dict[str, Reader]]] = {
         "long_prompt_tokens": _int, "max_new_tokens": _int, "warmup": _int, "repeats": _int,
         "seed": _int, "corpus": _optional_path}),
     "objectives": (ObjectivesConfig, {"metrics": _names}),
-    "constraints": (ConstraintsConfig, {"greedy_identical": _bool, "niah_min_accuracy": _float}),
+    "constraints": (ConstraintsConfig, {"greedy_identical": _bool, "niah_min_accuracy": _float,
+                                        "greedy_tie_ulps": _float}),
     "study": (StudyConfig, {
         "storage": _storage_url, "name": _str, "trials": _optional_count,
         "timeout_s": _optional_seconds, "trial_timeout_s": _float, "load_timeout_s": _float,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -39,6 +40,7 @@ class TrialMetrics:
     peak_mem_mb: float  # the engine's peak (GPU allocator on CUDA, process RSS on the CPU)
     extras: Mapping[str, float] = field(default_factory=dict)  # means of optional timings
     greedy_mismatches: int | None = None  # prompts whose greedy ids differ from the baseline
+    greedy_ties: int | None = None  # prompts that first differ at a numerical tie of the baseline
     niah_accuracy: float | None = None
 
     def objective(self, name: str) -> float:
@@ -51,10 +53,15 @@ class TrialMetrics:
 
 
 def aggregate(outputs: Sequence[Output], *, baseline: Mapping[str, Sequence[int]] | None = None,
+              baseline_margins: Mapping[str, Sequence[float]] | None = None, tie_ulps: float = 0.0,
               score: Callable[[str, str], float] | None = None,
               niah_keys: Sequence[str] = ()) -> TrialMetrics:
     """Medians over repeats; the greedy check against ``baseline`` (prompt key -> ids, for the
-    prompts it holds) and the retrieval score ``score(key, text)`` of the ``niah_keys``."""
+    prompts it holds) and the retrieval score ``score(key, text)`` of the ``niah_keys``.
+
+    A prompt whose ids first differ from the baseline's where the baseline's top-2 logit gap
+    (``baseline_margins``, in ulps) was at most ``tie_ulps`` is a tie, not a mismatch: the
+    two decodings rounded a tie differently, and nothing after it can be compared."""
     repeats = sorted({o.repeat for o in outputs})
     if not repeats:
         raise ValueError("no outputs to aggregate")
@@ -71,10 +78,15 @@ def aggregate(outputs: Sequence[Output], *, baseline: Mapping[str, Sequence[int]
                   and not isinstance(o.timings.get(key), bool)]
         if values:
             extras[key] = float(statistics.fmean(values))
-    mismatches = None
+    mismatches = ties = None
     if baseline is not None:
-        mismatches = len({o.key for o in outputs
-                          if o.key in baseline and tuple(o.ids) != tuple(baseline[o.key])})
+        gaps: dict[str, list[float]] = {}  # per differing prompt, the gap at each repeat's departure
+        for o in outputs:
+            if o.key in baseline and tuple(o.ids) != tuple(baseline[o.key]):
+                gaps.setdefault(o.key, []).append(
+                    _first_gap(o.ids, baseline[o.key], (baseline_margins or {}).get(o.key, ())))
+        tied = {k for k, g in gaps.items() if max(g) <= tie_ulps}
+        mismatches, ties = len(gaps) - len(tied), len(tied)
     accuracy = None
     if score is not None and niah_keys:
         scored = [score(o.key, o.text) for o in outputs if o.key in niah_keys]
@@ -82,7 +94,13 @@ def aggregate(outputs: Sequence[Output], *, baseline: Mapping[str, Sequence[int]
     return TrialMetrics(
         decode_tok_s=Stat.of(tok_s), ttft_s=Stat.of(ttft),
         peak_mem_mb=max(float(o.timings.get("peak_mem_mb", 0.0)) for o in outputs),
-        extras=extras, greedy_mismatches=mismatches, niah_accuracy=accuracy)
+        extras=extras, greedy_mismatches=mismatches, greedy_ties=ties, niah_accuracy=accuracy)
+
+
+def _first_gap(ids: Sequence[int], reference: Sequence[int], margins: Sequence[float]) -> float:
+    """The reference's top-2 gap where ``ids`` first departs from it (infinite when unknown)."""
+    i = next((j for j, (a, b) in enumerate(zip(ids, reference)) if a != b), min(len(ids), len(reference)))
+    return float(margins[i]) if i < len(margins) else math.inf
 
 
 def _decode_seconds(t: Mapping[str, Any]) -> float:

@@ -48,6 +48,7 @@ class Measure:
     warmup: int = 1
     repeats: int = 1
     seed: int = 0
+    margins: bool = False  # also report each greedy token's top-2 logit gap (Engine.greedy_margins)
     hang_s: float = 0.0  # test hook: sleep this long before measuring, to exercise the timeout
 
 
@@ -74,6 +75,7 @@ class Output:
     ids: tuple[int, ...]
     text: str
     timings: dict[str, Any]
+    margins: tuple[float, ...] = ()  # with Measure.margins: top-2 logit gap per new token, in ulps
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,7 @@ class Tuner:
         self.space: SearchSpace | None = None
         self.workload: Workload | None = None
         self.baseline: dict[str, list[int]] | None = None
+        self.baseline_margins: dict[str, list[float]] | None = None  # top-2 gaps in ulps, per token
         self.drafts: dict[str, Path] = {}
         self.drafter: Path | None = None
 
@@ -207,8 +208,9 @@ class Tuner:
                 f"{c.study.name!r} was created with ({stored}); use another study.name")
 
     def _ensure_baseline(self) -> None:
-        """Greedy ids of plain decoding for the code prompts: what speculative decoding must
-        reproduce. Measured once per study and kept with it."""
+        """Greedy ids of plain decoding for the code prompts, what speculative decoding must
+        reproduce, with each token's top-2 logit gap (where a difference is a numerical tie).
+        Measured once per study and kept with it."""
         c = self.config
         if not (self.space.drafts and c.constraints.greedy_identical and self.workload.code_jobs):
             return
@@ -216,10 +218,11 @@ class Tuner:
         keys = sorted(j.key for j in self.workload.code_jobs)
         if stored is not None and sorted(stored) == keys:
             self.baseline = stored
+            self.baseline_margins = self.study.user_attrs.get("baseline_margins")
             return
         top = self.space.warm_start()[0].expert_budget_mb
         request = Measure(spec=self._load_spec(), jobs=self.workload.code_jobs, expert_budget_mb=top,
-                          warmup=0, repeats=1, seed=c.workload.seed)
+                          warmup=0, repeats=1, seed=c.workload.seed, margins=True)
         try:
             reply = self.worker.request(request, timeout_s=c.study.trial_timeout_s,
                                         load_timeout_s=c.study.load_timeout_s)
@@ -227,6 +230,8 @@ class Tuner:
             raise ConfigError(f"{c.source}: the greedy baseline (target alone, no draft) could not "
                               f"be measured: {exc.reason}") from None
         self.baseline = {o.key: list(o.ids) for o in reply.outputs}
+        self.baseline_margins = {o.key: [round(m, 3) for m in o.margins] for o in reply.outputs}
+        self.study.set_user_attr("baseline_margins", self.baseline_margins)
         self.study.set_user_attr("baseline", self.baseline)
 
     def _finished(self) -> int:
@@ -289,6 +294,8 @@ class Tuner:
             trial.set_user_attr("throttled", True)
         for key, value in o.metrics.extras.items():
             trial.set_user_attr(key, value)
+        if o.metrics.greedy_ties:
+            trial.set_user_attr("greedy_ties", o.metrics.greedy_ties)
         self.study.tell(trial, list(o.values))
 
     def measure(self, number: int, params: TrialParams, *, phase: str, repeats: int) -> Outcome:
@@ -326,6 +333,7 @@ class Tuner:
                            reason=f"{exc.kind}: {exc.reason}", telemetry=summary), sampler.samples
         summary = sampler.stop()
         metrics = aggregate(reply.outputs, baseline=self.baseline if params.draft else None,
+                            baseline_margins=self.baseline_margins, tie_ulps=c.constraints.greedy_tie_ulps,
                             score=self.workload.score if params.pflash_keep_ratio else None,
                             niah_keys=tuple(self.workload.niah))
         gpu = self.hardware.gpu

@@ -242,8 +242,9 @@ class _EngineHost:
         for r in range(m.repeats):
             for job, ids in zip(m.jobs, prompts):
                 gen = self._generate(m, job, ids, job.max_new_tokens)
+                margins = tuple(self.engine.greedy_margins(ids, gen.ids)) if m.margins else ()
                 outputs.append(Output(key=job.key, repeat=r, ids=tuple(gen.ids), text=gen.text,
-                                      timings=gen.timings.as_dict()))
+                                      timings=gen.timings.as_dict(), margins=margins))
         return Measured(outputs=tuple(outputs), device=self.device)
 
     def _generate(self, m: Measure, job: Job, ids: list[int], n: int) -> Any:

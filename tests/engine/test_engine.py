@@ -38,6 +38,23 @@ def test_greedy_generate_matches_argmax_of_full_recomputation(eng):
         seq.append(tok)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_margins_are_top2_gaps_in_ulps(tiny, dtype):
+    e = Engine.from_gguf(tiny, device="cpu", dtype=dtype)
+    ids = e.tokenizer.encode("for i in range(3):\n")
+    new = e.generate(ids, 6, ignore_eos=True).ids
+    margins = e.greedy_margins(ids, new)
+    assert len(margins) == len(new) and all(m >= 0 for m in margins)
+    full = e.logits(list(ids) + list(new[:-1]))[len(ids) - 1:]  # the positions choosing each new token
+    top = full.topk(2, dim=-1).values
+    ulp = torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(top[:, 0].abs()))
+    # a prefix-then-block forward and one whole forward round apart: 1e-4 of a float32 logit, 2 bf16 ulps
+    slack = 2.0 if dtype == torch.bfloat16 else 1e-4 / torch.finfo(dtype).eps
+    assert margins == pytest.approx(((top[:, 0] - top[:, 1]) / ulp).tolist(), rel=1e-3, abs=slack)
+    with pytest.raises(ConfigError, match="continuation"):
+        e.greedy_margins(ids, [])
+
+
 def test_seeded_sampling_is_reproducible(eng):
     ids = eng.tokenizer.encode("hello")
     a = eng.generate(ids, 10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)

@@ -5,7 +5,8 @@ spec_len and pflash_keep_ratio, ``set_expert_budget``, ``tokenizer``) and the re
 tokenizer of the target file, but no model: greedy ids are a fixed function of the prompt,
 and time per token falls with the expert budget and speculation, so a search has something
 to find. A JSON file next to the target (``<target>.fake.json``) says which drafts are
-incompatible or lossy, and whether to crash, so tests can provoke every failure path.
+incompatible, lossy or tied (their last token flipped where plain decoding's margin is
+``last_margin_ulps``), and whether to crash, so tests can provoke every failure path.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class FakeEngine:
         vocab = self.tokenizer.vocab_size
         base = sum(ids) * 31 + len(ids)
         new = [(base + 7 * i) % vocab for i in range(max_new_tokens)]
-        if spec_len and self.draft and Path(self.draft).name in self.behaviour.get("lossy", []):
+        if spec_len and self.draft and Path(self.draft).name in self.behaviour.get("lossy", []) + self.behaviour.get("tied", []):
             new[-1] = (new[-1] + 1) % vocab
         ms = float(self.behaviour.get("ms_per_token", 2.0))
         ms /= 1.0 + self.budget_mb / 1024.0
@@ -104,3 +105,8 @@ class FakeEngine:
                           extra={"acceptance_length": 1.0 + spec_len / 2} if spec_len else {})
         return Generation(ids=new, text=self.tokenizer.decode(new), timings=timings,
                           stop_reason="length")
+
+    def greedy_margins(self, ids: Sequence[int], new: Sequence[int]) -> list[float]:
+        """Every gap wide (100 ulps) except the last token's, ``last_margin_ulps`` (default 100):
+        a "tied" draft's flip of the last token then falls on a tie when it is 0."""
+        return [100.0] * (len(new) - 1) + [float(self.behaviour.get("last_margin_ulps", 100.0))]

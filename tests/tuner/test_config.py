@@ -55,6 +55,7 @@ def test_minimal_config_takes_defaults(tmp_path):
     ("[workload]\nmax_new_tokens = true\n", r"workload\.max_new_tokens: expected an integer, found True"),
     ("[objectives]\nmetrics = [\"speed\"]\n", r"objectives\.metrics: 'speed' is not one of decode_tok_s"),
     ("[constraints]\nniah_min_accuracy = 1.5\n", r"constraints\.niah_min_accuracy: expected a fraction in \[0, 1\], found 1.5"),
+    ("[constraints]\ngreedy_tie_ulps = -1\n", r"constraints\.greedy_tie_ulps: expected 0 or more, found -1"),
     ("[search]\nbogus = 1\n", r"search\.bogus is not a known key; allowed: expert_budget_step_mb"),
     ("[extra]\n", r"unknown section \[extra\]"),
     ("[engine]\nexperts = \"int4\"\n", r"engine\.experts: expected one of dense, quantized, found 'int4'"),

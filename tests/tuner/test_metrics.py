@@ -45,6 +45,24 @@ def test_greedy_check_and_niah_score_and_extras():
     assert m.extras == {"acceptance_length": pytest.approx(2.5)}
 
 
+def test_a_first_difference_at_a_numerical_tie_is_counted_apart():
+    base = {"tie": [1, 2, 3, 4], "wide": [1, 2, 3, 4], "mixed": [1, 2, 3, 4]}
+    margins = {"tie": [50.0, 0.0, 50.0, 50.0], "wide": [50.0, 50.0, 50.0, 50.0],
+               "mixed": [50.0, 0.5, 50.0, 9.0]}
+    outputs = [_out("tie", 0, 4, 1.0, 0.1, ids=(1, 7, 7, 7)),  # departs at a 0-ulp gap
+               _out("wide", 0, 4, 1.0, 0.1, ids=(1, 2, 9, 9)),  # departs at a 50-ulp gap
+               _out("mixed", 0, 4, 1.0, 0.1, ids=(1, 5, 3, 4)),  # a tie in one repeat...
+               _out("mixed", 1, 4, 1.0, 0.1, ids=(1, 2, 3, 8))]  # ...a 9-ulp departure in the other
+    m = aggregate(outputs, baseline=base, baseline_margins=margins, tie_ulps=1.0)
+    assert (m.greedy_mismatches, m.greedy_ties) == (2, 1)
+    m = aggregate(outputs, baseline=base, baseline_margins=margins, tie_ulps=10.0)
+    assert (m.greedy_mismatches, m.greedy_ties) == (1, 2)
+    m = aggregate(outputs, baseline=base, tie_ulps=1.0)  # no margins known: every difference counts
+    assert (m.greedy_mismatches, m.greedy_ties) == (3, 0)
+    short = [_out("tie", 0, 2, 1.0, 0.1, ids=(1, 2))]  # a prefix of the baseline differs at its end
+    assert aggregate(short, baseline=base, baseline_margins=margins, tie_ulps=1.0).greedy_mismatches == 1
+
+
 def test_constraints_are_feasible_at_or_below_zero():
     m = aggregate([_out("code-0", 0, 5, 1.0, 0.1)], baseline={"code-0": [7]})
     c = constraints(m, vram_cap_mb=1000.0, vram_peak_mb=1200.0, ram_cap_mb=500.0, rss_peak_mb=400.0,

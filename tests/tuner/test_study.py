@@ -58,6 +58,21 @@ def test_study_measures_checks_constraints_and_publishes(appliance):
     assert [p.trial_number for p in reader.profiles(cfg.study.name)] == [winner.number]
 
 
+def test_a_draft_that_differs_only_at_a_tie_of_plain_decoding_stays_feasible(appliance):
+    cfg = load_config(appliance(
+        sections={"study": {"trials": 2}},
+        behaviour={"tied": ["tied.gguf"], "last_margin_ulps": 0.0}, drafts=("tied.gguf",)))
+    Tuner(cfg, factory=FAKE).run()
+    study = optuna.load_study(study_name=cfg.study.name, storage=cfg.study.storage)
+    assert all(m[-1] == 0.0 and m[0] == 100.0 for m in study.user_attrs["baseline_margins"].values())
+    spec = [t for t in study.get_trials() if t.params.get("draft") == "tied.gguf"]
+    assert spec and all(t.user_attrs["greedy_ties"] == 2 for t in spec)  # both code prompts
+    rows = [r for r in Reader.open(cfg.study.storage).measurements(cfg.study.name)
+            if r.params.get("draft") == "tied.gguf"]
+    assert rows and all(r.status == "complete" and r.metrics["greedy_mismatches"] == 0
+                        and r.metrics["greedy_ties"] == 2 for r in rows)
+
+
 def test_a_hanging_trial_is_killed_and_the_study_goes_on(appliance):
     cfg = load_config(appliance(sections={"study": {"trials": 3, "trial_timeout_s": 3}},
                                 drafts=("draft.gguf",), drafter=None))
