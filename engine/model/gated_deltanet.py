@@ -254,18 +254,21 @@ def replay_prefix(delta_rule: DeltaRuleFn, start: torch.Tensor, inputs: "list[tu
     return s.reshape(start.shape)
 
 
-def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
-                cfg: ModelConfig, delta_rule: DeltaRuleFn, record: GDNRecord | None = None) -> torch.Tensor:
-    """x [T, hidden] (already normed) -> [T, hidden]; updates both states in place and, with
-    ``record``, copies what rebuilding a shorter prefix's state needs into its buffers."""
-    T = x.shape[0]
+# ``gdn_forward`` takes the fused Triton prologue (``engine.kernels.gdn_prologue``) on CUDA for
+# calls of up to this many tokens. FUSED_PROLOGUE None: where it applies; True: for every call
+# of up to that many tokens, whatever the device (tests, with TRITON_INTERPRET=1); False: never.
+PROLOGUE_MAX_TOKENS = 16
+FUSED_PROLOGUE: bool | None = None
+
+
+def gdn_prologue_reference(qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+                           b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor,
+                           cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """The delta rule's inputs from the projections: (q, k [T, hv, dk] unit rows, v [T, hv, dv],
+    g, beta [T, hv] float32). ``conv_state`` is updated in place."""
+    T = qkv.shape[0]
     hk, hv, dk, dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
-    qkv = linear(x, w.qkv)
-    if record is not None:
-        tail = conv_state.shape[1]
-        record.window[:, :tail].copy_(conv_state)
-        record.window[:, tail:].copy_(qkv.transpose(0, 1))
-    mixed, new_conv = causal_conv(qkv, conv_state, w.conv)
+    mixed, new_conv = causal_conv(qkv, conv_state, conv_weight)
     conv_state.copy_(new_conv)
     mixed = F.silu(mixed)
     q, k, v = mixed.split([cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
@@ -273,11 +276,50 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     q = _per_value_head(l2norm(q.reshape(T, hk, dk)), hv)
     k = _per_value_head(l2norm(k.reshape(T, hk, dk)), hv)
     v = v.reshape(T, hv, dv)
-    beta = torch.sigmoid(linear(x, w.beta).float())
-    g = w.a * F.softplus(linear(x, w.alpha).float() + w.dt_bias)
-    if record is not None:
-        for buf, t in zip((record.q, record.k, record.v, record.g, record.beta), (q, k, v, g, beta)):
-            buf.copy_(t)
+    beta = torch.sigmoid(b.float())
+    g = a * F.softplus(alpha.float() + dt_bias)
+    return q, k, v, g, beta
+
+
+def _fused_prologue(qkv: torch.Tensor, w: GDNWeights, cfg: ModelConfig) -> bool:
+    if FUSED_PROLOGUE is not None:
+        return FUSED_PROLOGUE and qkv.shape[0] <= PROLOGUE_MAX_TOKENS
+    return (qkv.is_cuda and qkv.shape[0] <= PROLOGUE_MAX_TOKENS and _prologue_kernel() is not None
+            and cfg.gdn_v_heads % cfg.gdn_k_heads == 0 and max(cfg.gdn_head_k, cfg.gdn_head_v) <= 256
+            and not (torch.is_grad_enabled() and (qkv.requires_grad or w.conv.requires_grad)))
+
+
+def _prologue_kernel():
+    try:
+        from engine.kernels.gdn_prologue import gdn_prologue_triton
+    except ImportError:
+        return None
+    return gdn_prologue_triton
+
+
+def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                cfg: ModelConfig, delta_rule: DeltaRuleFn, record: GDNRecord | None = None) -> torch.Tensor:
+    """x [T, hidden] (already normed) -> [T, hidden]; updates both states in place and, with
+    ``record``, copies what rebuilding a shorter prefix's state needs into its buffers."""
+    T = x.shape[0]
+    hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
+    qkv = linear(x, w.qkv)
+    b, alpha = linear(x, w.beta), linear(x, w.alpha)
+    if _fused_prologue(qkv, w, cfg):  # one launch; with a record, straight into its buffers
+        out = (record.q, record.k, record.v, record.g, record.beta) if record is not None else None
+        q, k, v, g, beta = _prologue_kernel()(
+            qkv.contiguous(), conv_state, w.conv, b.contiguous(), alpha.contiguous(), w.a, w.dt_bias,
+            k_heads=cfg.gdn_k_heads, v_heads=hv, head_k=dk, head_v=dv, out=out,
+            window=record.window if record is not None else None)
+    else:
+        if record is not None:
+            tail = conv_state.shape[1]
+            record.window[:, :tail].copy_(conv_state)
+            record.window[:, tail:].copy_(qkv.transpose(0, 1))
+        q, k, v, g, beta = gdn_prologue_reference(qkv, conv_state, w.conv, b, alpha, w.a, w.dt_bias, cfg)
+        if record is not None:
+            for buf, t in zip((record.q, record.k, record.v, record.g, record.beta), (q, k, v, g, beta)):
+                buf.copy_(t)
     o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5)
     recurrent_state.copy_(s)
 

@@ -99,14 +99,21 @@ def test_static_steps_match_eager_forward_and_eager_continues(engine_model, kern
     assert static.seq_len == 5 + 4 * T + 2 and static.kv[3].length == static.seq_len
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+prologue"])
 @pytest.mark.parametrize("keep", [1, 3, 5])
-def test_rollback_leaves_the_state_of_the_kept_prefix(engine_model, kernels, keep):
+def test_rollback_leaves_the_state_of_the_kept_prefix(engine_model, kernels, keep, monkeypatch):
     """A verify step of 5 tokens, rolled back to ``keep``: KV, conv and recurrent states equal
     those of an eager forward over the kept tokens only; the next step and eager tokens then
-    continue from there as they would from the eager state."""
-    if kernels == "triton":
+    continue from there as they would from the eager state. ``triton+prologue``: the GDN
+    inputs of every short call (the step's, filling the rollback's record, and eager ones)
+    come from the fused prologue kernel."""
+    if kernels.startswith("triton"):
         pytest.importorskip("triton")
+    if kernels == "triton+prologue":
+        from engine.model import gated_deltanet
+
+        monkeypatch.setattr(gated_deltanet, "FUSED_PROLOGUE", True)
+        kernels = "triton"
     model = engine_model
     T = 5
     ids = tokens(model.cfg.vocab, 6 + T + T + 1, seed=keep)
