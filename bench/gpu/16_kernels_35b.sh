@@ -2,7 +2,7 @@
 # Issue 9 after the kernel work: the blockwise Q4_0/Q8_0 GEMV and expert kernels at the real shapes,
 # the captured 35B decode step (quantized and dense projections) with its kernel table, and
 # `luce-tune generate --cuda-graph` streaming from the real-shape file with its timings, then the GPU
-# tests of the fused Gated DeltaNet prologue and the one-launch RMSNorm.
+# tests of the fused Gated DeltaNet prologue, the MoE gate kernels and the one-launch RMSNorm.
 source "$(dirname "$0")/env.sh"
 timeout ${KERNELS_S:-90} python3 bench/quant_matmul.py --qtypes Q4_0,Q8_0 --m 1,4 --json "$OUT/quant_matmul.json" \
   > "$OUT/quant_matmul.log" 2>&1 || echo "quant_matmul rc=$?"
@@ -17,5 +17,5 @@ tail -5 "$OUT/bench35b_dense.log"
 timeout ${GENERATE_S:-90} python3 -m tuner.cli generate --model /tmp/q35.gguf --prompt "def fibonacci(n):" -n 64 \
   --weights quantized --cuda-graph > "$OUT/generate.log" 2>&1 || echo "generate rc=$?"
 tail -6 "$OUT/generate.log"
-FILES="tests/engine/kernels/test_gdn_prologue.py tests/engine/kernels/test_rms_norm.py" FILE_S=${TESTS_S:-60} \
+FILES="tests/engine/kernels/test_gdn_prologue.py tests/engine/kernels/test_moe_gate.py tests/engine/kernels/test_rms_norm.py" FILE_S=${TESTS_S:-60} \
   bash "$(dirname "$0")/10_tests_per_file.sh"

@@ -5,15 +5,7 @@
 # long-form prompt of 128 tokens, 16 new tokens, two repeats); then `luce-tune boot` on the
 # published profile. Then issue 4's shadow-state check with the graph verify path, in float32.
 source "$(dirname "$0")/env.sh"
-[ -f /tmp/q35.gguf ] || { t0=$(date +%s); luce make-model --preset qwen3.6-35b-a3b --quant q4_0 -o /tmp/q35.gguf \
-  > "$OUT/make.log" 2>&1; echo "make-model $(( $(date +%s) - t0 )) s"; }
-sed -e 's#^target = .*#target = "/tmp/q35.gguf"#' -e 's#^drafts = .*#drafts = []#' -e 's#^drafter = .*#drafter = ""#' \
-  -e 's#^vram_cap_mb = .*#vram_cap_mb = 24576#' -e 's#^weights = .*#weights = "quantized"#' \
-  -e 's#^experts = .*#experts = "quantized"#' -e 's#^cuda_graph = .*#cuda_graph = true#' \
-  -e 's#^long_prompt_tokens = .*#long_prompt_tokens = 128#' -e 's#^max_new_tokens = .*#max_new_tokens = 16#' \
-  -e 's#^repeats = .*#repeats = 2#' -e 's#^trial_timeout_s = .*#trial_timeout_s = 150#' \
-  -e 's#^load_timeout_s = .*#load_timeout_s = 200#' -e 's#^niah_cases = .*#niah_cases = 0#' \
-  -e "s#^profile = .*#profile = \"$OUT/profile_q35.toml\"#" appliance.toml > /tmp/q35.toml
+capped35_toml /tmp/q35.toml -e "s#^profile = .*#profile = \"$OUT/profile_q35.toml\"#"
 t0=$(date +%s)
 timeout ${STUDY_S:-330} python3 -m tuner.cli run --config /tmp/q35.toml --trials ${TRIALS:-4} --timeout ${RUN_S:-300} \
   --storage "sqlite:///$OUT/study_q35.db" > "$OUT/run_q35.log" 2>&1 || echo "study rc=$?"

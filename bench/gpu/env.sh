@@ -8,3 +8,20 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export LUCE_TUNE_VOCAB=${LUCE_TUNE_VOCAB:-$PWD/.vocab/ggml-vocab-qwen35.gguf}
 luce() { python3 -m tuner.cli "$@"; }
+# The Q4_0 file of the 35B shapes (made once per machine) and an appliance config for it under the
+# appliance's 24 GB cap: experts and projections in their Q4_0 blocks, graph decoding, no draft
+# or drafter, and a workload cut down so that a trial with every expert on the CPU fits its box
+# (one code and one long-form prompt of 128 tokens, 16 new tokens, two repeats). Extra sed
+# expressions may follow. Usage: capped35_toml /tmp/q35.toml [-e 's#...#...#' ...]
+capped35_toml() {
+  local out=$1; shift
+  [ -f /tmp/q35.gguf ] || { local t0; t0=$(date +%s); luce make-model --preset qwen3.6-35b-a3b --quant q4_0 \
+    -o /tmp/q35.gguf > "$OUT/make.log" 2>&1; echo "make-model $(( $(date +%s) - t0 )) s"; }
+  sed -e 's#^target = .*#target = "/tmp/q35.gguf"#' -e 's#^drafts = .*#drafts = []#' -e 's#^drafter = .*#drafter = ""#' \
+    -e 's#^vram_cap_mb = .*#vram_cap_mb = 24576#' -e 's#^weights = .*#weights = "quantized"#' \
+    -e 's#^experts = .*#experts = "quantized"#' -e 's#^cuda_graph = .*#cuda_graph = true#' \
+    -e 's#^long_prompt_tokens = .*#long_prompt_tokens = 128#' -e 's#^max_new_tokens = .*#max_new_tokens = 16#' \
+    -e 's#^repeats = .*#repeats = 2#' -e 's#^trial_timeout_s = .*#trial_timeout_s = 200#' \
+    -e 's#^load_timeout_s = .*#load_timeout_s = 200#' -e 's#^niah_cases = .*#niah_cases = 0#' "$@" \
+    appliance.toml > "$out"
+}
