@@ -1,4 +1,5 @@
-"""RMSNorm in one Triton launch: ``x / rms(x) * weight``, optionally times ``silu(gate)``.
+"""RMSNorm in one Triton launch: ``x / rms(x) * weight``, optionally times ``silu(gate)``; and
+the residual add before a norm, ``h + r`` and its RMSNorm, in one launch too.
 
 One program per row of the last dimension, the row held in registers: float32 inside, the
 output cast once. Rows may be strided in the two leading dimensions (the query and key heads
@@ -31,6 +32,39 @@ def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, B, D, eps,
         z = tl.load(g_ptr + a * stride_ga + b * stride_gb + o, mask=m, other=0.0).to(tl.float32)
         y = y * z * tl.sigmoid(z)
     tl.store(out_ptr + row * D + o, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, h_out_ptr, out_ptr, D, eps, stride_h, stride_r,
+                         BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    o = tl.arange(0, BLOCK_D)
+    m = o < D
+    h = tl.load(h_ptr + row * stride_h + o, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + o, mask=m, other=0.0).to(tl.float32)
+    s = (h + r).to(h_out_ptr.dtype.element_ty)  # the residual stream, rounded as ``h + r`` is
+    tl.store(h_out_ptr + row * D + o, s, mask=m)
+    x = s.to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * tl.load(w_ptr + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + o, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def add_rms_norm_triton(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h, r [A, D] (contiguous last dimension), weight [D] -> (h + r, rms_norm(h + r) * weight),
+    both new contiguous tensors in h's dtype, the sum rounded to it before the norm."""
+    if h.dim() != 2 or h.shape != r.shape or h.stride(-1) != 1 or r.stride(-1) != 1:
+        raise ValueError(f"h and r must be one [A, D] shape with contiguous rows, got {tuple(h.shape)} and "
+                         f"{tuple(r.shape)}")
+    A, D = h.shape
+    if weight.shape != (D,) or not 1 <= D <= MAX_DIM:
+        raise ValueError(f"weight must be [{D}] with 1 <= D <= {MAX_DIM}, got {tuple(weight.shape)}")
+    h_out, out = torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(
+        h, memory_format=torch.contiguous_format)
+    if h.numel():
+        _add_rms_norm_kernel[(A,)](h, r, weight.contiguous(), h_out, out, D, float(eps), h.stride(0), r.stride(0),
+                                   BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8)
+    return h_out, out
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:

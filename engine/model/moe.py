@@ -3,6 +3,7 @@ behind an executor, and a shared expert scaled by a sigmoid gate."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
@@ -15,6 +16,22 @@ from engine.model.linear import linear
 
 # Called with (layer index, top-k expert ids [T, k]) on every MoE layer: calibration statistics.
 RoutingObserver = Callable[[int, torch.Tensor], None]
+
+# Calls of up to this many tokens on CUDA take ``engine.kernels.moe_gate``'s one-launch router
+# top-k, SwiGLU and shared-expert sum. FUSED_GATE None: where they apply; True: for every call of
+# up to that many tokens, whatever the device (tests, with TRITON_INTERPRET=1); False: never.
+GATE_MAX_TOKENS = 16
+FUSED_GATE: bool | None = None
+_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _fused_gate(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    if x.shape[0] > GATE_MAX_TOKENS:
+        return False
+    if FUSED_GATE is not None:
+        return FUSED_GATE
+    return (_TRITON and x.is_cuda
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))))
 
 
 class ExpertExecutor(Protocol):
@@ -89,7 +106,13 @@ class FusedExpertExecutor:
 
 def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in float32, top-k, weights renormalised to sum 1: (ids [T, k], weights [T, k])."""
-    probs = torch.softmax(F.linear(x.float(), router.float()), dim=-1)
+    logits = F.linear(x.float(), router.float())
+    E = logits.shape[-1]
+    if _fused_gate(x, router) and top_k & (top_k - 1) == 0 and top_k <= E <= 1024:
+        from engine.kernels.moe_gate import route_topk_triton
+
+        return route_topk_triton(logits, top_k)
+    probs = torch.softmax(logits, dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     return ids, weights / weights.sum(-1, keepdim=True)
 
@@ -104,5 +127,11 @@ def moe_forward(w: MoEWeights, x: torch.Tensor, layer_idx: int, cfg: ModelConfig
     if w.shared is None:
         return y
     s = w.shared
+    if _fused_gate(x, s.gate_inp):
+        from engine.kernels.moe_gate import shared_combine_triton, swiglu_triton
+
+        act = swiglu_triton(linear(x, s.gate).contiguous(), linear(x, s.up).contiguous())
+        return shared_combine_triton(y.contiguous(), linear(act, s.down).contiguous(), x.contiguous(), s.gate_inp,
+                                     x.dtype)
     gate = torch.sigmoid(x.float() @ s.gate_inp)  # [T]
     return (y.float() + gate[:, None] * expert_ffn(x, s.gate, s.up, s.down).float()).to(x.dtype)

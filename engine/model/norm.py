@@ -36,3 +36,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: torch.T
         if x.shape[-1] <= MAX_DIM:
             return rms_norm_triton(x, weight, eps, gate=gate, out_dtype=out_dtype)
     return rms_norm_reference(x, weight, eps, gate=gate, out_dtype=out_dtype)
+
+
+# None: ``add_rms_norm`` takes its Triton kernel where it applies (CUDA); True: off CUDA too
+# (tests, with TRITON_INTERPRET=1); False: never.
+FUSED_ADD_NORM: bool | None = None
+
+
+def add_rms_norm(h: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream ``h + r`` (``h`` itself when ``r`` is None) and its ``rms_norm``; one
+    Triton launch where it applies (CUDA rows outside autograd), the same values as the add
+    (rounded to h's dtype) followed by ``rms_norm``."""
+    if r is None:
+        return h, rms_norm(h, weight, eps)
+    on_device = h.is_cuda if FUSED_ADD_NORM is None else FUSED_ADD_NORM
+    if (_TRITON and on_device and h.dim() == 2 and h.shape == r.shape and h.dtype == r.dtype
+            and h.stride(-1) == 1 and r.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (h.requires_grad or r.requires_grad or weight.requires_grad))):
+        from engine.kernels.rms_norm import MAX_DIM, add_rms_norm_triton
+
+        if h.shape[-1] <= MAX_DIM:
+            return add_rms_norm_triton(h, r, weight, eps)
+    h = h + r
+    return h, rms_norm(h, weight, eps)

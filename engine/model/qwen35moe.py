@@ -17,7 +17,7 @@ from engine.model.attention import attention_forward, rope_cos_sin
 from engine.model.config import ModelConfig
 from engine.model.gated_deltanet import DeltaRule, DeltaRuleFn, GDNRecord, gdn_forward
 from engine.model.moe import ExpertExecutor, RoutingObserver, TorchExpertExecutor, moe_forward
-from engine.model.norm import rms_norm
+from engine.model.norm import add_rms_norm
 from engine.model.state import ModelState
 from engine.model.weights import AttentionWeights, ModelWeights, TensorSource, load_weights
 from engine.model.linear import linear
@@ -141,15 +141,19 @@ class Qwen35MoE:
         """
         cfg = self.cfg
         hidden: dict[int, torch.Tensor] = {}
+        pending = None  # the last MoE output, added into h together with the next norm
         for i, layer in enumerate(self.weights.layers):
-            x = rms_norm(h, layer.attn_norm, cfg.rms_eps)
+            h, x = add_rms_norm(h, pending, layer.attn_norm, cfg.rms_eps)
+            if i - 1 in capture:
+                hidden[i - 1] = h
             if isinstance(layer.mixer, AttentionWeights):
-                h = h + attend(i, layer.mixer, x)
+                mixed = attend(i, layer.mixer, x)
             else:
-                h = h + gdn_forward(layer.mixer, x, state.conv[i], state.recurrent[i], cfg, delta_rule,
+                mixed = gdn_forward(layer.mixer, x, state.conv[i], state.recurrent[i], cfg, delta_rule,
                                     record[i] if record else None)
-            x = rms_norm(h, layer.post_norm, cfg.rms_eps)
-            h = h + moe_forward(layer.moe, x, i, cfg, executor, observer)
-            if i in capture:
-                hidden[i] = h
-        return rms_norm(h, self.weights.output_norm, cfg.rms_eps), hidden
+            h, x = add_rms_norm(h, mixed, layer.post_norm, cfg.rms_eps)
+            pending = moe_forward(layer.moe, x, i, cfg, executor, observer)
+        h, final = add_rms_norm(h, pending, self.weights.output_norm, cfg.rms_eps)
+        if len(self.weights.layers) - 1 in capture:
+            hidden[len(self.weights.layers) - 1] = h
+        return final, hidden

@@ -108,3 +108,55 @@ def test_cuda_l2norm_matches_the_definition():
     with torch.inference_mode():
         out = l2norm(x.cuda())
     assert out.dtype == torch.float32 and rel_err(out.cpu(), l2norm(x)) < 1e-6
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 130), (2, 2048)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_add_then_norm(shape, dtype):
+    """The residual add before a layer's norm: ``h + r`` rounded to h's dtype, then its norm."""
+    h, w = case(shape, seed=sum(shape), dtype=dtype)
+    r = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 2).to(DEVICE, dtype)
+    h_new, out = kernels.add_rms_norm_triton(h, r, w, 1e-6)
+    ref_h = h + r
+    # exact, except that the interpreter rounds to bf16 by truncation: one bf16 step there
+    step = 2 ** -7 if dtype == torch.bfloat16 and DEVICE == "cpu" else 0.0
+    torch.testing.assert_close(h_new, ref_h, rtol=step, atol=0)
+    ref = rms_norm_reference(h_new, w, 1e-6)  # the norm of the stored sum
+    assert out.dtype == dtype
+    assert rel_err(out.float(), ref.float()) < (BF16_TOL if dtype == torch.bfloat16 else 1e-6)
+    with pytest.raises(ValueError, match="one \\[A, D\\] shape"):
+        kernels.add_rms_norm_triton(h, r[:0], w, 1e-6)
+
+
+def test_add_rms_norm_dispatch_without_residual_and_under_autograd():
+    from engine.model.norm import add_rms_norm
+
+    h, w = case((3, 16), seed=2)
+    same, out = add_rms_norm(h, None, w, 1e-6)
+    assert same is h and rel_err(out, rms_norm_reference(h, w, 1e-6)) < 1e-6
+    r = torch.randn(3, 16, device=DEVICE, requires_grad=True)
+    h_new, out = add_rms_norm(h, r, w, 1e-6)  # a tensor that needs gradients: the torch path
+    out.sum().backward()
+    assert r.grad is not None and rel_err(h_new.detach(), h + r.detach()) == 0
+
+
+def test_model_logits_with_the_fused_residual_norms(tmp_path, monkeypatch):
+    """Every layer's two residual adds and the final one through the kernel, hidden captures too."""
+    from engine.gguf.make_model import make_model
+    from engine.gguf.reader import GGUFFile
+    from engine.model import norm
+    from engine.model.qwen35moe import Qwen35MoE
+
+    with GGUFFile(make_model(tmp_path / "tiny.gguf", "tiny", seed=4)) as f:
+        model = Qwen35MoE.from_gguf(f, device=DEVICE, dtype=torch.float32)
+    ids = torch.arange(12, device=DEVICE) * 29 % model.cfg.vocab
+    last = model.cfg.n_layers - 1
+    outs = []
+    for fused in (False, True):
+        monkeypatch.setattr(norm, "FUSED_ADD_NORM", fused)
+        outs.append(model.forward(ids, model.new_state(16), capture_layers={0, last}, logits="all"))
+    ref, out = outs
+    assert set(out.hidden) == {0, last}
+    assert rel_err(out.logits, ref.logits) < 1e-5
+    for i in (0, last):
+        assert rel_err(out.hidden[i], ref.hidden[i]) < 1e-5

@@ -1,0 +1,108 @@
+"""The one-launch router top-k, SwiGLU and shared-expert sum against the torch definitions: odd
+expert counts and widths, ties, strided rows, bf16; then a model's logits with the fused path
+against the reference path. On the CPU through the Triton interpreter, on CUDA compiled."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is decorated
+
+from engine.model import moe  # noqa: E402
+
+kernels = pytest.importorskip("engine.kernels.moe_gate")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference_route(logits, k):
+    probs = torch.softmax(logits, dim=-1)
+    w, ids = probs.topk(k, dim=-1)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("T, E, k", [(1, 8, 2), (3, 37, 4), (16, 256, 8), (5, 130, 1), (2, 1000, 8), (4, 8, 8)])
+def test_route_topk_matches_softmax_topk_renormalised(T, E, k):
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(E + k)).to(DEVICE) * 4
+    ids, w = kernels.route_topk_triton(logits, k)
+    ref_ids, ref_w = reference_route(logits, k)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32
+    torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+
+
+def test_route_ties_go_to_the_lower_id_and_strided_rows_are_read():
+    wide = torch.zeros(3, 40, device=DEVICE)
+    wide[:, 5] = wide[:, 9] = wide[:, 2] = 3.0  # a three-way tie at the top
+    logits = wide[:, :20]  # rows strided by 40
+    ids, w = kernels.route_topk_triton(logits, 2)
+    assert ids.tolist() == [[2, 5]] * 3
+    torch.testing.assert_close(w, torch.full((3, 2), 0.5, device=DEVICE))
+
+
+def test_route_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.route_topk_triton(torch.randn(2, 16, device=DEVICE), 3)
+    with pytest.raises(ValueError, match="k <= E"):
+        kernels.route_topk_triton(torch.randn(2, 4, device=DEVICE), 8)
+
+
+@pytest.mark.parametrize("T, N", [(1, 7), (4, 512), (3, 1500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_and_shared_combine(T, N, dtype):
+    g = torch.Generator().manual_seed(T * N)
+    gate, up, y, s = (torch.randn(T, N, generator=g).to(DEVICE, dtype) * 3 for _ in range(4))
+    x = torch.randn(T, 97, generator=g).to(DEVICE, dtype)
+    gate_inp = torch.randn(97, generator=g).to(DEVICE) * 0.3
+    gl = x.float() @ gate_inp
+    tol = dict(rtol=2 ** -7, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    act = kernels.swiglu_triton(gate, up)
+    assert act.dtype == dtype
+    torch.testing.assert_close(act.float(), F.silu(gate.float()) * up.float(), **tol)
+    out = kernels.shared_combine_triton(y, s, x, gate_inp, dtype)
+    torch.testing.assert_close(out.float(), y.float() + torch.sigmoid(gl)[:, None] * s.float(), **tol)
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.swiglu_triton(gate, up[:, :1])
+    with pytest.raises(ValueError, match="gate_inp"):
+        kernels.shared_combine_triton(y, s, x, gate_inp[:-1], dtype)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from engine.gguf.make_model import make_model
+    from engine.gguf.reader import GGUFFile
+    from engine.model.qwen35moe import Qwen35MoE
+
+    path = make_model(tmp_path_factory.mktemp("moe_gate") / "tiny.gguf", "tiny", seed=9)
+    with GGUFFile(path) as f:
+        return Qwen35MoE.from_gguf(f, device=DEVICE, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_model_logits_with_the_fused_gate(tiny_model, monkeypatch, T):
+    model = tiny_model
+    ids = torch.arange(20 + T, device=DEVICE) * 53 % model.cfg.vocab
+    outs = []
+    for fused in (False, True):
+        monkeypatch.setattr(moe, "FUSED_GATE", False)
+        state = model.new_state(64)
+        model.forward(ids[:20], state, logits="none")
+        monkeypatch.setattr(moe, "FUSED_GATE", fused)
+        outs.append(model.forward(ids[20:], state, logits="all").logits)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_shapes_on_cuda():
+    """Qwen3.6-35B-A3B: 256 experts, top 8, hidden 2048, shared expert FFN 512."""
+    logits = torch.randn(16, 256, device=DEVICE) * 4
+    ids, w = kernels.route_topk_triton(logits, 8)
+    ref_ids, ref_w = reference_route(logits, 8)
+    torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+    gate, up = (torch.randn(16, 512, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    torch.testing.assert_close(kernels.swiglu_triton(gate, up).float(), F.silu(gate.float()) * up.float(),
+                               rtol=2 ** -7, atol=1e-2)
