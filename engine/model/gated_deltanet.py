@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import fused
 from engine.model.config import ModelConfig
 from engine.model.weights import GDNWeights
 from engine.model.linear import linear
@@ -259,6 +260,7 @@ def replay_prefix(delta_rule: DeltaRuleFn, start: torch.Tensor, inputs: "list[tu
 # of up to that many tokens, whatever the device (tests, with TRITON_INTERPRET=1); False: never.
 PROLOGUE_MAX_TOKENS = 16
 FUSED_PROLOGUE: bool | None = None
+PROLOGUE = "Gated DeltaNet prologue"
 
 
 def gdn_prologue_reference(qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
@@ -284,7 +286,8 @@ def gdn_prologue_reference(qkv: torch.Tensor, conv_state: torch.Tensor, conv_wei
 def _fused_prologue(qkv: torch.Tensor, w: GDNWeights, cfg: ModelConfig) -> bool:
     if FUSED_PROLOGUE is not None:
         return FUSED_PROLOGUE and qkv.shape[0] <= PROLOGUE_MAX_TOKENS
-    return (qkv.is_cuda and qkv.shape[0] <= PROLOGUE_MAX_TOKENS and _prologue_kernel() is not None
+    return (qkv.is_cuda and qkv.shape[0] <= PROLOGUE_MAX_TOKENS and fused.allowed(PROLOGUE)
+            and _prologue_kernel() is not None
             and cfg.gdn_v_heads % cfg.gdn_k_heads == 0 and max(cfg.gdn_head_k, cfg.gdn_head_v) <= 256
             and not (torch.is_grad_enabled() and (qkv.requires_grad or w.conv.requires_grad)))
 
@@ -305,13 +308,20 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
     qkv = linear(x, w.qkv)
     b, alpha = linear(x, w.beta), linear(x, w.alpha)
-    if _fused_prologue(qkv, w, cfg):  # one launch; with a record, straight into its buffers
+    use_kernel = _fused_prologue(qkv, w, cfg)
+    if use_kernel:  # one launch; with a record, straight into its buffers
         out = (record.q, record.k, record.v, record.g, record.beta) if record is not None else None
-        q, k, v, g, beta = _prologue_kernel()(
-            qkv.contiguous(), conv_state, w.conv, b.contiguous(), alpha.contiguous(), w.a, w.dt_bias,
-            k_heads=cfg.gdn_k_heads, v_heads=hv, head_k=dk, head_v=dv, out=out,
-            window=record.window if record is not None else None)
-    else:
+        try:
+            q, k, v, g, beta = _prologue_kernel()(
+                qkv.contiguous(), conv_state, w.conv, b.contiguous(), alpha.contiguous(), w.a, w.dt_bias,
+                k_heads=cfg.gdn_k_heads, v_heads=hv, head_k=dk, head_v=dv, out=out,
+                window=record.window if record is not None else None)
+        except Exception as exc:  # it did not build here: nothing was written yet
+            if FUSED_PROLOGUE:
+                raise
+            fused.switch_off(PROLOGUE, exc)
+            use_kernel = False
+    if not use_kernel:
         if record is not None:
             tail = conv_state.shape[1]
             record.window[:, :tail].copy_(conv_state)

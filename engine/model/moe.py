@@ -9,6 +9,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import fused
 from engine.kernels.moe import fused_moe, resolve_impl
 from engine.model.config import ModelConfig
 from engine.model.weights import ExpertWeights, MoEWeights
@@ -22,6 +23,7 @@ RoutingObserver = Callable[[int, torch.Tensor], None]
 # up to that many tokens, whatever the device (tests, with TRITON_INTERPRET=1); False: never.
 GATE_MAX_TOKENS = 16
 FUSED_GATE: bool | None = None
+GATE = "MoE gate"
 _TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -30,7 +32,7 @@ def _fused_gate(x: torch.Tensor, *params: torch.Tensor) -> bool:
         return False
     if FUSED_GATE is not None:
         return FUSED_GATE
-    return (_TRITON and x.is_cuda
+    return (_TRITON and x.is_cuda and fused.allowed(GATE)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))))
 
 
@@ -109,9 +111,14 @@ def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tens
     logits = F.linear(x.float(), router.float())
     E = logits.shape[-1]
     if _fused_gate(x, router) and top_k & (top_k - 1) == 0 and top_k <= E <= 1024:
-        from engine.kernels.moe_gate import route_topk_triton
+        try:
+            from engine.kernels.moe_gate import route_topk_triton
 
-        return route_topk_triton(logits, top_k)
+            return route_topk_triton(logits, top_k)
+        except Exception as exc:  # it did not build here
+            if FUSED_GATE:
+                raise
+            fused.switch_off(GATE, exc)
     probs = torch.softmax(logits, dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     return ids, weights / weights.sum(-1, keepdim=True)
@@ -128,10 +135,15 @@ def moe_forward(w: MoEWeights, x: torch.Tensor, layer_idx: int, cfg: ModelConfig
         return y
     s = w.shared
     if _fused_gate(x, s.gate_inp):
-        from engine.kernels.moe_gate import shared_combine_triton, swiglu_triton
+        try:
+            from engine.kernels.moe_gate import shared_combine_triton, swiglu_triton
 
-        act = swiglu_triton(linear(x, s.gate).contiguous(), linear(x, s.up).contiguous())
-        return shared_combine_triton(y.contiguous(), linear(act, s.down).contiguous(), x.contiguous(), s.gate_inp,
-                                     x.dtype)
+            act = swiglu_triton(linear(x, s.gate).contiguous(), linear(x, s.up).contiguous())
+            return shared_combine_triton(y.contiguous(), linear(act, s.down).contiguous(), x.contiguous(),
+                                         s.gate_inp, x.dtype)
+        except Exception as exc:  # they did not build here
+            if FUSED_GATE:
+                raise
+            fused.switch_off(GATE, exc)
     gate = torch.sigmoid(x.float() @ s.gate_inp)  # [T]
     return (y.float() + gate[:, None] * expert_ffn(x, s.gate, s.up, s.down).float()).to(x.dtype)

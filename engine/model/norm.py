@@ -11,6 +11,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import fused
+
 _TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -41,6 +43,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: torch.T
 # None: ``add_rms_norm`` takes its Triton kernel where it applies (CUDA); True: off CUDA too
 # (tests, with TRITON_INTERPRET=1); False: never.
 FUSED_ADD_NORM: bool | None = None
+ADD_NORM = "residual add + RMSNorm"
+
+
+def _picks_kernel(h: torch.Tensor) -> bool:
+    return h.is_cuda and fused.allowed(ADD_NORM)
 
 
 def add_rms_norm(h: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -50,13 +57,18 @@ def add_rms_norm(h: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, 
     (rounded to h's dtype) followed by ``rms_norm``."""
     if r is None:
         return h, rms_norm(h, weight, eps)
-    on_device = h.is_cuda if FUSED_ADD_NORM is None else FUSED_ADD_NORM
+    on_device = _picks_kernel(h) if FUSED_ADD_NORM is None else FUSED_ADD_NORM
     if (_TRITON and on_device and h.dim() == 2 and h.shape == r.shape and h.dtype == r.dtype
             and h.stride(-1) == 1 and r.stride(-1) == 1
             and not (torch.is_grad_enabled() and (h.requires_grad or r.requires_grad or weight.requires_grad))):
         from engine.kernels.rms_norm import MAX_DIM, add_rms_norm_triton
 
         if h.shape[-1] <= MAX_DIM:
-            return add_rms_norm_triton(h, r, weight, eps)
+            try:
+                return add_rms_norm_triton(h, r, weight, eps)
+            except Exception as exc:  # it did not build here
+                if FUSED_ADD_NORM:
+                    raise
+                fused.switch_off(ADD_NORM, exc)
     h = h + r
     return h, rms_norm(h, weight, eps)
