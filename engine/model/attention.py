@@ -53,10 +53,14 @@ def _project(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cfg:
     """q [T, n_head, D] and k [T, n_head_kv, D] normed and rotated, v [T, n_head_kv, D], gate [T, n_head * D]."""
     T = x.shape[0]
     D = cfg.head_dim
-    qg = linear(x, w.q).view(T, cfg.n_head, 2 * D)
+    if w.qkv is not None:  # one matrix product, split by columns
+        qg, k, v = linear(x, w.qkv).split([cfg.n_head * 2 * D, cfg.n_head_kv * D, cfg.n_head_kv * D], dim=-1)
+    else:
+        qg, k, v = linear(x, w.q), linear(x, w.k), linear(x, w.v)
+    qg = qg.view(T, cfg.n_head, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(T, cfg.n_head * D)
-    k = linear(x, w.k).view(T, cfg.n_head_kv, D)
-    v = linear(x, w.v).view(T, cfg.n_head_kv, D)
+    k = k.view(T, cfg.n_head_kv, D)
+    v = v.view(T, cfg.n_head_kv, D)
     q = rms_norm(q, w.q_norm, cfg.rms_eps)
     k = rms_norm(k, w.k_norm, cfg.rms_eps)
     cos, sin = rope if rope is not None else rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)

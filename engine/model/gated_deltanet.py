@@ -306,14 +306,16 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     ``record``, copies what rebuilding a shorter prefix's state needs into its buffers."""
     T = x.shape[0]
     hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
-    qkv = linear(x, w.qkv)
-    b, alpha = linear(x, w.beta), linear(x, w.alpha)
+    if w.in_proj is not None:  # the four input projections in one matrix product, split by columns
+        qkv, z, b, alpha = linear(x, w.in_proj).split([cfg.gdn_conv_dim, cfg.gdn_value_dim, hv, hv], dim=-1)
+    else:
+        qkv, z, b, alpha = linear(x, w.qkv), linear(x, w.z), linear(x, w.beta), linear(x, w.alpha)
     use_kernel = _fused_prologue(qkv, w, cfg)
     if use_kernel:  # one launch; with a record, straight into its buffers
         out = (record.q, record.k, record.v, record.g, record.beta) if record is not None else None
         try:
             q, k, v, g, beta = _prologue_kernel()(
-                qkv.contiguous(), conv_state, w.conv, b.contiguous(), alpha.contiguous(), w.a, w.dt_bias,
+                qkv, conv_state, w.conv, b, alpha, w.a, w.dt_bias,
                 k_heads=cfg.gdn_k_heads, v_heads=hv, head_k=dk, head_v=dv, out=out,
                 window=record.window if record is not None else None)
         except Exception as exc:  # it did not build here: nothing was written yet
@@ -333,6 +335,6 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5)
     recurrent_state.copy_(s)
 
-    z = linear(x, w.z).view(T, hv, dv)
+    z = z.view(T, hv, dv)
     o = rms_norm(o, w.norm, cfg.rms_eps, gate=z, out_dtype=x.dtype)  # gated RMSNorm, float32 inside
     return linear(o.reshape(T, hv * dv), w.out)

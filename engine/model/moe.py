@@ -54,6 +54,18 @@ def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
+def _gate_up(x: torch.Tensor, s) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert's gate and up projections: one matrix product when they share a matrix."""
+    if s.gate_up is not None:
+        g, u = linear(x, s.gate_up).split([_rows(s.gate), _rows(s.up)], dim=-1)
+        return g, u
+    return linear(x, s.gate), linear(x, s.up)
+
+
+def _rows(w) -> int:
+    return w.shape[0] if isinstance(w, torch.Tensor) else w.n
+
+
 class TorchExpertExecutor:
     """Reference executor: gathers the tokens of each routed expert and runs only those experts.
 
@@ -138,7 +150,7 @@ def moe_forward(w: MoEWeights, x: torch.Tensor, layer_idx: int, cfg: ModelConfig
         try:
             from engine.kernels.moe_gate import shared_combine_triton, swiglu_triton
 
-            act = swiglu_triton(linear(x, s.gate).contiguous(), linear(x, s.up).contiguous())
+            act = swiglu_triton(*_gate_up(x, s))
             return shared_combine_triton(y.contiguous(), linear(act, s.down).contiguous(), x.contiguous(),
                                          s.gate_inp, x.dtype)
         except Exception as exc:  # they did not build here
@@ -146,4 +158,6 @@ def moe_forward(w: MoEWeights, x: torch.Tensor, layer_idx: int, cfg: ModelConfig
                 raise
             fused.switch_off(GATE, exc)
     gate = torch.sigmoid(x.float() @ s.gate_inp)  # [T]
-    return (y.float() + gate[:, None] * expert_ffn(x, s.gate, s.up, s.down).float()).to(x.dtype)
+    g, u = _gate_up(x, s)
+    shared = linear(F.silu(g) * u, s.down)
+    return (y.float() + gate[:, None] * shared.float()).to(x.dtype)

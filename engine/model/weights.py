@@ -41,6 +41,7 @@ class AttentionWeights:
     o: torch.Tensor  # [hidden, n_head * head_dim]
     q_norm: torch.Tensor  # [head_dim] float32
     k_norm: torch.Tensor  # [head_dim] float32
+    qkv: Any = None  # [q; k; v] in one matrix when they can share one (q, k, v are then its row views)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class GDNWeights:
     alpha: torch.Tensor  # [v_heads, hidden]
     norm: torch.Tensor  # [head_v] float32
     out: torch.Tensor  # [hidden, value_dim]
+    in_proj: Any = None  # [qkv; z; beta; alpha] in one matrix when they can share one (row views)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class SharedExpertWeights:
     up: torch.Tensor  # [shared_ffn, hidden]
     down: torch.Tensor  # [hidden, shared_ffn]
     gate_inp: torch.Tensor  # [hidden] float32, sigmoid gate of the shared expert's output
+    gate_up: Any = None  # [gate; up] in one matrix when they can share one (row views)
 
 
 @dataclass(frozen=True)
@@ -201,16 +204,18 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         if cfg.is_attention(i):
+            qkv, (q, k, v) = merge_rows([projection(p + f"attn_{n}.weight") for n in "qkv"])
             mixer: AttentionWeights | GDNWeights = AttentionWeights(
-                q=projection(p + "attn_q.weight"), k=projection(p + "attn_k.weight"),
-                v=projection(p + "attn_v.weight"), o=projection(p + "attn_output.weight"),
-                q_norm=vector(p + "attn_q_norm.weight"), k_norm=vector(p + "attn_k_norm.weight"))
+                q=q, k=k, v=v, o=projection(p + "attn_output.weight"),
+                q_norm=vector(p + "attn_q_norm.weight"), k_norm=vector(p + "attn_k_norm.weight"), qkv=qkv)
         else:
+            in_proj, (qkv, z, beta, alpha) = merge_rows(
+                [gdn(p + n) for n in ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")])
             mixer = GDNWeights(
-                qkv=gdn(p + "attn_qkv.weight"), z=gdn(p + "attn_gate.weight"), conv=gdn(p + "ssm_conv1d.weight"),
+                qkv=qkv, z=z, conv=gdn(p + "ssm_conv1d.weight"),
                 a=gdn(p + "ssm_a", keep_float32=True), dt_bias=gdn(p + "ssm_dt.bias", keep_float32=True),
-                beta=gdn(p + "ssm_beta.weight"), alpha=gdn(p + "ssm_alpha.weight"),
-                norm=vector(p + "ssm_norm.weight"), out=gdn(p + "ssm_out.weight"))
+                beta=beta, alpha=alpha, norm=vector(p + "ssm_norm.weight"), out=gdn(p + "ssm_out.weight"),
+                in_proj=in_proj)
         if fused:
             gate_up = expert(p + "ffn_gate_up_exps.weight")
             gate = gate_up[:, :cfg.expert_ffn].contiguous()
@@ -221,9 +226,11 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
         experts = ExpertWeights(gate=gate, up=up, down=expert(p + "ffn_down_exps.weight"))
         shared = None
         if cfg.shared_ffn:
+            gate_up, (gate_s, up_s) = merge_rows([projection(p + "ffn_gate_shexp.weight"),
+                                                  projection(p + "ffn_up_shexp.weight")])
             shared = SharedExpertWeights(
-                gate=projection(p + "ffn_gate_shexp.weight"), up=projection(p + "ffn_up_shexp.weight"),
-                down=projection(p + "ffn_down_shexp.weight"), gate_inp=vector(p + "ffn_gate_inp_shexp.weight"))
+                gate=gate_s, up=up_s, down=projection(p + "ffn_down_shexp.weight"),
+                gate_inp=vector(p + "ffn_gate_inp_shexp.weight"), gate_up=gate_up)
         moe = MoEWeights(router=source.load(p + "ffn_gate_inp.weight", dtype=torch.float32, device=device),
                          experts=experts, shared=shared)
         layers.append(LayerWeights(attn_norm=vector(p + "attn_norm.weight"),
@@ -232,6 +239,32 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
     embed = matrix("token_embd.weight")
     return ModelWeights(embed=embed, output_norm=vector("output_norm.weight"),
                         output=embed if tied else projection("output.weight"), layers=tuple(layers))
+
+
+def merge_rows(parts: list) -> tuple[Any, list]:
+    """``parts`` (matrices of one input width, each multiplied by the same input) stacked into one
+    matrix, and the parts again as row views of it: one matrix product then serves them all.
+    Dense parts need one dtype and device, quantized ones (``QuantMatrix``) one type and device.
+    Returns (None, ``parts``) when they cannot share a matrix."""
+    from engine.kernels.quant import QuantMatrix
+
+    first = parts[0]
+    if all(isinstance(p, torch.Tensor) and p.dim() == 2 for p in parts):
+        if any((p.dtype, p.device, p.shape[1]) != (first.dtype, first.device, first.shape[1]) for p in parts):
+            return None, parts
+        merged = torch.cat(parts)
+        return merged, list(merged.split([p.shape[0] for p in parts]))
+    if all(isinstance(p, QuantMatrix) for p in parts):
+        if any((p.qtype, p.k, p.device) != (first.qtype, first.k, first.device) for p in parts):
+            return None, parts
+        raw = torch.cat([p.raw for p in parts])
+        merged = QuantMatrix(raw, first.qtype, raw.shape[0], first.k)
+        views, start = [], 0
+        for p in parts:
+            views.append(QuantMatrix(raw[start:start + p.n], p.qtype, p.n, p.k))
+            start += p.n
+        return merged, views
+    return None, parts
 
 
 def quant_matrix(source: TensorSource, name: str, cfg: ModelConfig, device: torch.device | str):

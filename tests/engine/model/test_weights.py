@@ -86,3 +86,42 @@ def test_bf16_weights_keep_vectors_in_float32(gguf_path, engine_model):
     # later layers of this random model amplify rounding, so they are compared on the GPU
     h, h_ref = out.hidden[0].float(), ref.hidden[0]
     assert float((h - h_ref).abs().max() / h_ref.abs().max()) < 0.1
+
+
+def test_projections_fed_the_same_input_share_one_matrix(gguf_path):
+    """GDN's qkv, z, beta and alpha, attention's q, k and v, the shared expert's gate and up: one
+    matrix each, the parts its row views (no second copy), and the same products."""
+    model = load(gguf_path)
+    gdn_layer = next(layer.mixer for layer in model.weights.layers if hasattr(layer.mixer, "in_proj"))
+    attn = next(layer.mixer for layer in model.weights.layers if hasattr(layer.mixer, "qkv")
+                and hasattr(layer.mixer, "q"))
+    shared = model.weights.layers[0].moe.shared
+    for merged, parts in ((gdn_layer.in_proj, (gdn_layer.qkv, gdn_layer.z, gdn_layer.beta, gdn_layer.alpha)),
+                          (attn.qkv, (attn.q, attn.k, attn.v)), (shared.gate_up, (shared.gate, shared.up))):
+        assert merged.shape[0] == sum(p.shape[0] for p in parts)
+        assert all(p.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr() for p in parts)
+        torch.testing.assert_close(torch.cat(parts), merged, rtol=0, atol=0)
+
+
+def test_merge_rows_keeps_apart_what_cannot_share_a_matrix():
+    from engine.kernels.quant import QuantMatrix
+    from engine.gguf.quants import quantize
+    from engine.model.weights import merge_rows
+
+    a, b = torch.randn(3, 64), torch.randn(5, 64)
+    merged, (va, vb) = merge_rows([a, b])
+    assert merged.shape == (8, 64) and torch.equal(va, a) and torch.equal(vb, b)
+    assert merge_rows([a, b.double()])[0] is None  # dtypes differ
+    assert merge_rows([a, torch.randn(5, 32)])[0] is None  # input widths differ
+
+    def q(n, qtype=Q.Q4_0):
+        w = torch.randn(n, 64)
+        return QuantMatrix.from_gguf_bytes(quantize(w.numpy(), qtype), qtype, n, 64)
+
+    qa, qb = q(3), q(5)
+    merged, (va, vb) = merge_rows([qa, qb])
+    x = torch.randn(2, 64)
+    assert merged.n == 8 and torch.equal(merged.matmul(x), torch.cat([qa.matmul(x), qb.matmul(x)], dim=1))
+    assert torch.equal(va.matmul(x), qa.matmul(x)) and torch.equal(vb.matmul(x), qb.matmul(x))
+    assert merge_rows([qa, q(5, Q.Q8_0)])[0] is None  # quant types differ
+    assert merge_rows([qa, b])[0] is None  # one dense, one quantized
