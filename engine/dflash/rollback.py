@@ -146,7 +146,10 @@ class CaptureRollback(_Base):
         for j, i in enumerate(self.gdn_layers):
             layer = w.layers[i]
             h = self.hidden[i - 1][rows] if i > 0 else F.embedding(self.ids[rows], w.embed)
-            qkv = linear(rms_norm(h, layer.attn_norm, cfg.rms_eps), layer.mixer.qkv)  # [r, conv_dim]
+            x = rms_norm(h, layer.attn_norm, cfg.rms_eps)
+            mixer = layer.mixer  # the product the forward ran: the merged one where there is one
+            qkv = (linear(x, mixer.in_proj)[:, :cfg.gdn_conv_dim] if mixer.in_proj is not None
+                   else linear(x, mixer.qkv))  # [r, conv_dim]
             window = torch.cat([self.conv0[j], qkv.transpose(0, 1).to(self.conv0.dtype)], dim=1)
             self.state.conv[i].copy_(window[:, window.shape[1] - tail:])
 
