@@ -19,5 +19,5 @@ timeout ${GENERATE_S:-90} python3 -m tuner.cli generate --model /tmp/q35.gguf --
 tail -6 "$OUT/generate.log"
 timeout ${MERGED_S:-120} python3 bench/merged_projections.py --model /tmp/q35.gguf --weights quantized --cuda-graph \
   --tokens 64 --repeats 3 --json "$OUT/merged_projections.json" 2>&1 | tail -3 || echo "merged rc=$?"
-FILES="tests/engine/kernels/test_gdn_prologue.py tests/engine/kernels/test_moe_gate.py tests/engine/kernels/test_rms_norm.py" FILE_S=${TESTS_S:-60} \
+FILES="tests/engine/kernels/test_gdn_prologue.py tests/engine/kernels/test_moe_gate.py tests/engine/kernels/test_rms_norm.py tests/engine/kernels/test_rope_norm.py tests/engine/kernels/test_fused_fallback.py" FILE_S=${TESTS_S:-60} \
   bash "$(dirname "$0")/10_tests_per_file.sh"

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from engine.kernels import fused
 from engine.model.config import ModelConfig
 from engine.model.norm import rms_norm
 from engine.model.state import KVCache
@@ -47,6 +48,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [T, rope_dim // 2] of a step's positions
 
+# Calls of up to this many tokens on CUDA norm and rotate each query and key head in one launch
+# (``engine.kernels.rope_norm``). FUSED_ROPE None: where it applies; True: for every call of up
+# to that many tokens, whatever the device (tests, with TRITON_INTERPRET=1); False: never.
+ROPE_MAX_TOKENS = 16
+FUSED_ROPE: bool | None = None
+NORM_ROPE = "attention q/k norm + RoPE"
+
+
+def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """An attention head's RMSNorm, then its rotary embedding: x [T, heads, D] -> [T, heads, D]."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
+def _picks_kernel(x: torch.Tensor) -> bool:
+    return x.is_cuda and fused.allowed(NORM_ROPE) and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               eps: float) -> torch.Tensor:
+    shaped = x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1 and x.shape[0] <= ROPE_MAX_TOKENS
+    forced = FUSED_ROPE
+    if shaped and (forced or (forced is None and _picks_kernel(x))):
+        try:
+            from engine.kernels.rope_norm import norm_rope_triton
+
+            return norm_rope_triton(x, weight, cos, sin, eps)
+        except Exception as exc:  # it did not build here
+            if forced:
+                raise
+            fused.switch_off(NORM_ROPE, exc)
+    return norm_rope_reference(x, weight, cos, sin, eps)
+
 
 def _project(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
              rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,10 +95,9 @@ def _project(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cfg:
     q, gate = qg[..., :D], qg[..., D:].reshape(T, cfg.n_head * D)
     k = k.view(T, cfg.n_head_kv, D)
     v = v.view(T, cfg.n_head_kv, D)
-    q = rms_norm(q, w.q_norm, cfg.rms_eps)
-    k = rms_norm(k, w.k_norm, cfg.rms_eps)
     cos, sin = rope if rope is not None else rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+    return (_norm_rope(q, w.q_norm, cos, sin, cfg.rms_eps), _norm_rope(k, w.k_norm, cos, sin, cfg.rms_eps),
+            v, gate)
 
 
 def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,

@@ -8,7 +8,7 @@ from engine.gguf.make_model import make_model
 from engine.gguf.reader import GGUFFile
 from engine.kernels import fused
 from engine.model import gated_deltanet as gdn
-from engine.model import moe, norm
+from engine.model import attention, moe, norm
 from engine.model.qwen35moe import Qwen35MoE
 
 
@@ -43,12 +43,16 @@ def test_a_kernel_that_fails_is_switched_off_once_and_the_torch_path_answers(mod
     monkeypatch.setattr(norm, "_TRITON", True)
     monkeypatch.setattr(norm, "_picks_kernel", lambda h: fused.allowed(norm.ADD_NORM))  # as on CUDA
     monkeypatch.setattr(norm_kernels, "add_rms_norm_triton", broken)
+    import engine.kernels.rope_norm as rope_kernels
+
+    monkeypatch.setattr(attention, "_picks_kernel", lambda x: fused.allowed(attention.NORM_ROPE))
+    monkeypatch.setattr(rope_kernels, "norm_rope_triton", broken)
     with pytest.warns(RuntimeWarning, match="failed on this machine") as caught:
         out = logits(model)
         again = logits(model)
-    assert set(fused.failures()) == {gdn.PROLOGUE, moe.GATE, norm.ADD_NORM}
+    assert set(fused.failures()) == {gdn.PROLOGUE, moe.GATE, norm.ADD_NORM, attention.NORM_ROPE}
     monkeypatch.undo()
-    assert len(caught) == 3  # one warning per kernel family, not per call
+    assert len(caught) == 4  # one warning per kernel family, not per call
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     torch.testing.assert_close(again, ref, rtol=0, atol=0)
 
@@ -57,7 +61,7 @@ def test_the_environment_switches_them_off_and_forced_kernels_raise(monkeypatch)
     monkeypatch.setattr(fused, "_failed", {})
     assert fused.allowed(gdn.PROLOGUE)
     monkeypatch.setenv(fused.ENV, "0")
-    assert not any(fused.allowed(n) for n in (gdn.PROLOGUE, moe.GATE, norm.ADD_NORM))
+    assert not any(fused.allowed(n) for n in (gdn.PROLOGUE, moe.GATE, norm.ADD_NORM, attention.NORM_ROPE))
     monkeypatch.delenv(fused.ENV)
     monkeypatch.setattr(norm, "FUSED_ADD_NORM", True)
     import engine.kernels.rms_norm as norm_kernels
