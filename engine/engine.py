@@ -390,7 +390,7 @@ class Engine:
         timings = Timings(
             prompt_tokens=len(ids), new_tokens=len(new), prefill_s=t1 - t0, decode_s=decode_s,
             decode_tok_s=(len(new) - 1) / decode_s if len(new) > 1 and decode_s > 0 else 0.0,
-            peak_mem_mb=_peak_mb(self.device), extra=extra)
+            peak_mem_mb=_peak_mb(self.device), extra=_with_fallbacks(extra))
         if self.hybrid is not None:
             timings.extra.update(self.hybrid.stats_snapshot().as_dict())
         return Generation(ids=new, text=text, timings=timings, stop_reason=reason or "length")
@@ -461,7 +461,7 @@ class Engine:
         timings = Timings(
             prompt_tokens=len(ids), new_tokens=len(new), prefill_s=prefill_s, decode_s=stats.decode_s,
             decode_tok_s=(len(new) - 1) / stats.decode_s if len(new) > 1 and stats.decode_s > 0 else 0.0,
-            peak_mem_mb=_peak_mb(self.device), extra=extra)
+            peak_mem_mb=_peak_mb(self.device), extra=_with_fallbacks(extra))
         if self.hybrid is not None:
             timings.extra.update(self.hybrid.stats_snapshot().as_dict())
         return Generation(ids=new, text=text, timings=timings, stop_reason=stats.stop_reason)
@@ -514,6 +514,16 @@ def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def _with_fallbacks(extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` with the fused kernels this process switched off, when there are any: a
+    measurement then says that it ran their torch paths."""
+    from engine.kernels import fused
+
+    if fused.failures():
+        extra["fused_kernels_off"] = ", ".join(sorted(fused.failures()))
+    return extra
 
 
 def _peak_mb(device: torch.device) -> float:

@@ -71,3 +71,15 @@ def test_the_environment_switches_them_off_and_forced_kernels_raise(monkeypatch)
     with pytest.raises(RuntimeError, match="no kernel image"):
         norm.add_rms_norm(h, h, torch.ones(8), 1e-6)
     assert fused.failures() == {}
+
+
+def test_generation_timings_name_the_kernels_switched_off(tmp_path, monkeypatch):
+    from engine.engine import Engine
+
+    path = make_model(tmp_path / "tiny.gguf", "tiny", seed=6)
+    eng = Engine.from_gguf(path, device="cpu")
+    monkeypatch.setattr(fused, "_failed", {})
+    assert "fused_kernels_off" not in eng.generate([1, 2, 3], 3, ignore_eos=True).timings.extra
+    with pytest.warns(RuntimeWarning):
+        fused.switch_off(moe.GATE, RuntimeError("no kernel image"))
+    assert eng.generate([1, 2, 3], 3, ignore_eos=True).timings.extra["fused_kernels_off"] == moe.GATE
