@@ -46,12 +46,12 @@ def _gdn_prologue_kernel(
     stride_xt, stride_sc, stride_sk, stride_wc, stride_bt, stride_at,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_betat,
     stride_winc,
-    T: tl.constexpr, K: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    T: tl.constexpr, K: tl.constexpr, KM1: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
+    R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
+    # KM1 = K - 1 (the conv state's width), R = HV // HK (value heads per key head)
     pid = tl.program_id(0)
-    KM1: tl.constexpr = K - 1
-    R: tl.constexpr = HV // HK  # value heads per key head
     if pid == 2 * HK + HV:  # the gates, every value head and token
         h = tl.arange(0, BLOCK_H)
         mh = h < HV
@@ -64,12 +64,11 @@ def _gdn_prologue_kernel(
             tl.store(beta_ptr + t * stride_betat + h, tl.sigmoid(b), mask=mh)
             tl.store(g_ptr + t * stride_gt + h, a * softplus, mask=mh)
     else:
-        if pid < 2 * HK:  # a query (pid < HK) or key head: DK channels, L2-normed, spread
-            D = DK
-            c0 = pid * DK
-        else:  # a value head
-            D = DV
-            c0 = 2 * HK * DK + (pid - 2 * HK) * DV
+        # a query (pid < HK) or key head: DK channels, L2-normed, spread; else a value head
+        # (no branch assigns these: a compiled kernel cannot merge two different constexprs)
+        is_qk = pid < 2 * HK
+        D = tl.where(is_qk, DK, DV)
+        c0 = tl.where(is_qk, pid * DK, 2 * HK * DK + (pid - 2 * HK) * DV)
         d = tl.arange(0, BLOCK)
         m = d < D
         o = c0 + d
@@ -153,6 +152,6 @@ def gdn_prologue_triton(qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight
         qkv.stride(0), conv_state.stride(0), conv_state.stride(1), conv_weight.stride(0), b.stride(0),
         alpha.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), window.stride(0) if window is not None else 0,
-        T=T, K=K, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK=triton.next_power_of_2(max(dk, dv)),
+        T=T, K=K, KM1=K - 1, HK=hk, HV=hv, R=hv // hk, DK=dk, DV=dv, BLOCK=triton.next_power_of_2(max(dk, dv)),
         BLOCK_H=triton.next_power_of_2(hv), HAS_WINDOW=window is not None, num_warps=4)
     return q, k, v, g, beta
