@@ -14,7 +14,6 @@ from tuner.worker import EngineWorker, WorkerError
 
 Warn = Callable[[str], None]
 
-EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -23,13 +22,14 @@ def experts_mb(target: Path, *, experts: str, dtype: str | None, gpu: bool) -> i
     when ``experts`` is "quantized", else their element count at the engine's dtype (``None``:
     bfloat16 on a GPU, float32 on the CPU), which for a quantized file is several times the
     file. The expert budget has nothing to place beyond it."""
+    from engine.gguf.names import is_expert_tensor
     from engine.gguf.reader import GGUFFile
 
     width = DTYPE_BYTES[dtype or ("bfloat16" if gpu else "float32")]
     total = 0
     with GGUFFile(target) as f:
         for info in f.tensors.values():
-            if info.name.split(".")[-2] not in EXPERT_TENSORS:
+            if not is_expert_tensor(info.name):
                 continue
             total += info.nbytes if experts == "quantized" else math.prod(info.shape) * width
     return math.ceil(total / 2**20)

@@ -1,5 +1,6 @@
 """The switch over the fused decode kernels (the Gated DeltaNet prologue, the MoE gate kernels,
-the residual add + RMSNorm), and their fallback.
+the residual add + RMSNorm, the attention norm + RoPE), their fallback, and the device check
+every Triton kernel wrapper of the engine makes.
 
 Where a dispatcher picks one of them by itself (CUDA, short calls), a kernel that fails to
 build or launch on this machine is switched off for the rest of the process with one warning,
@@ -10,16 +11,32 @@ switches them all off from the start. A dispatcher told to use a kernel (its mod
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
+from typing import Any, Callable, TypeVar
 
 ENV = "LUCE_TUNE_FUSED_KERNELS"
+TRITON = importlib.util.find_spec("triton") is not None
 _failed: dict[str, str] = {}  # kernel family -> why it was switched off
+T = TypeVar("T")
 
 
 def allowed(name: str) -> bool:
     """Whether a dispatcher may pick the ``name`` kernels by itself."""
-    return os.environ.get(ENV, "1") != "0" and name not in _failed
+    return TRITON and os.environ.get(ENV, "1") != "0" and name not in _failed
+
+
+def attempt(name: str, forced: bool | None, kernel: Callable[[], T]) -> T | None:
+    """``kernel()``'s result. When it raises: the error itself if the caller was told to use the
+    kernel (``forced``), else None, with the ``name`` kernels switched off."""
+    try:
+        return kernel()
+    except Exception as exc:  # it did not build or launch here: it wrote nothing
+        if forced:
+            raise
+        switch_off(name, exc)
+        return None
 
 
 def switch_off(name: str, exc: BaseException) -> None:
@@ -27,9 +44,15 @@ def switch_off(name: str, exc: BaseException) -> None:
     if name not in _failed:
         _failed[name] = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"the fused {name} kernel failed on this machine ({_failed[name]}); "
-                      f"the torch path takes its calls from now on", RuntimeWarning, stacklevel=3)
+                      f"the torch path takes its calls from now on", RuntimeWarning, stacklevel=4)
 
 
 def failures() -> dict[str, str]:
     """The kernel families switched off so far, with the reason."""
     return dict(_failed)
+
+
+def check_device(x: Any, what: str) -> None:
+    """A Triton kernel wrapper's tensors must be on CUDA, or on the CPU under the interpreter."""
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{what} needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")

@@ -14,11 +14,11 @@ Importing this module needs Triton; ``decode_kernel_available`` says where it ru
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.fused import check_device
 
 MAX_HEAD_DIM = 128  # a [128, BLOCK_V] float32 slice of the state still fits in registers
 MAX_TOKENS = 16  # the token count is a compile-time constant: one compiled kernel per T
@@ -95,8 +95,7 @@ def _check(q, k, v, g, beta, state, out_state, block_v):
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
         if x is not None and x.device != q.device:
             raise ValueError(f"all tensors must be on {q.device}, {name} is on {x.device}")
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"the Triton decode kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
+    check_device(q, "the Triton decode kernel")
 
 
 def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -20,11 +20,11 @@ inputs) is written too. Importing this module needs Triton.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.fused import check_device
 
 MAX_TOKENS = 16  # the token count is a compile-time constant: one compiled kernel per T
 MAX_HEAD_DIM = 256
@@ -131,8 +131,7 @@ def gdn_prologue_triton(qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight
                              f"got {tuple(x.shape)}")
     if qkv.stride(-1) != 1 or conv_weight.stride(-1) != 1:
         raise ValueError("qkv and conv_weight need a contiguous last dimension")
-    if qkv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"the Triton prologue kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {qkv.device}")
+    check_device(qkv, "the Triton prologue kernel")
     dev, f32 = qkv.device, torch.float32
     if out is None:
         out = (torch.empty(T, hv, dk, device=dev, dtype=f32), torch.empty(T, hv, dk, device=dev, dtype=f32),

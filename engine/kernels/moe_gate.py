@@ -15,12 +15,13 @@ this module needs Triton.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.fused import check_device
+
+WHAT = "the Triton MoE gate kernels"
 MAX_EXPERTS = 1024  # one row of router logits in registers
 MAX_HIDDEN = 16384  # one row of the layer input in registers (the shared expert's gate)
 
@@ -69,11 +70,6 @@ def _shared_combine_kernel(y_ptr, s_ptr, x_ptr, gi_ptr, out_ptr, N, H, stride_y,
     tl.store(out_ptr + t * N + c, (y + gate * s).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _check_device(x: torch.Tensor) -> None:
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"the Triton MoE gate kernels need CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
-
-
 def _rows(name: str, x: torch.Tensor) -> None:
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"{name} must be 2-D with a contiguous last dimension, got {tuple(x.shape)} "
@@ -83,7 +79,7 @@ def _rows(name: str, x: torch.Tensor) -> None:
 def route_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (ids [T, k] int64, weights [T, k] float32 summing to 1)."""
     _rows("logits", logits)
-    _check_device(logits)
+    check_device(logits, WHAT)
     T, E = logits.shape
     if not 1 <= k <= E or E > MAX_EXPERTS or k & (k - 1):
         raise ValueError(f"top-k needs 1 <= k <= E <= {MAX_EXPERTS} with k a power of two, got k={k}, E={E}")
@@ -99,7 +95,7 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for [T, N] rows, in gate's dtype."""
     _rows("gate", gate)
     _rows("up", up)
-    _check_device(gate)
+    check_device(gate, WHAT)
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     T, N = gate.shape
@@ -116,7 +112,7 @@ def shared_combine_triton(y: torch.Tensor, shared: torch.Tensor, x: torch.Tensor
     the layer input ``x`` [T, H], in ``out_dtype``."""
     for name, t in (("y", y), ("shared", shared), ("x", x)):
         _rows(name, t)
-    _check_device(y)
+    check_device(y, WHAT)
     T, N = y.shape
     H = x.shape[1]
     if shared.shape != y.shape or x.shape[0] != T or gate_inp.shape != (H,) or H > MAX_HIDDEN:

@@ -11,11 +11,11 @@ Triton.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.fused import check_device
 
 MAX_HEAD_DIM = 1024
 
@@ -63,8 +63,7 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     if cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("cos and sin need a contiguous last dimension")
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"the Triton norm + RoPE kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
+    check_device(x, "the Triton norm + RoPE kernel")
     out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if half == 0:  # nothing turns: stand-ins the kernel never reads (an empty tensor has no address)
         cos = sin = torch.zeros(max(T, 1), 1, device=x.device)

@@ -71,14 +71,14 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: to
     shaped = x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1 and x.shape[0] <= ROPE_MAX_TOKENS
     forced = FUSED_ROPE
     if shaped and (forced or (forced is None and _picks_kernel(x))):
-        try:
+        def kernel() -> torch.Tensor:
             from engine.kernels.rope_norm import norm_rope_triton
 
             return norm_rope_triton(x, weight, cos, sin, eps)
-        except Exception as exc:  # it did not build here
-            if forced:
-                raise
-            fused.switch_off(NORM_ROPE, exc)
+
+        out = fused.attempt(NORM_ROPE, forced, kernel)
+        if out is not None:
+            return out
     return norm_rope_reference(x, weight, cos, sin, eps)
 
 

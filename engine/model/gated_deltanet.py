@@ -287,16 +287,13 @@ def _fused_prologue(qkv: torch.Tensor, w: GDNWeights, cfg: ModelConfig) -> bool:
     if FUSED_PROLOGUE is not None:
         return FUSED_PROLOGUE and qkv.shape[0] <= PROLOGUE_MAX_TOKENS
     return (qkv.is_cuda and qkv.shape[0] <= PROLOGUE_MAX_TOKENS and fused.allowed(PROLOGUE)
-            and _prologue_kernel() is not None
             and cfg.gdn_v_heads % cfg.gdn_k_heads == 0 and max(cfg.gdn_head_k, cfg.gdn_head_v) <= 256
             and not (torch.is_grad_enabled() and (qkv.requires_grad or w.conv.requires_grad)))
 
 
 def _prologue_kernel():
-    try:
-        from engine.kernels.gdn_prologue import gdn_prologue_triton
-    except ImportError:
-        return None
+    from engine.kernels.gdn_prologue import gdn_prologue_triton
+
     return gdn_prologue_triton
 
 
@@ -310,20 +307,15 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
         qkv, z, b, alpha = linear(x, w.in_proj).split([cfg.gdn_conv_dim, cfg.gdn_value_dim, hv, hv], dim=-1)
     else:
         qkv, z, b, alpha = linear(x, w.qkv), linear(x, w.z), linear(x, w.beta), linear(x, w.alpha)
-    use_kernel = _fused_prologue(qkv, w, cfg)
-    if use_kernel:  # one launch; with a record, straight into its buffers
+    inputs = None
+    if _fused_prologue(qkv, w, cfg):  # one launch; with a record, straight into its buffers
         out = (record.q, record.k, record.v, record.g, record.beta) if record is not None else None
-        try:
-            q, k, v, g, beta = _prologue_kernel()(
-                qkv, conv_state, w.conv, b, alpha, w.a, w.dt_bias,
-                k_heads=cfg.gdn_k_heads, v_heads=hv, head_k=dk, head_v=dv, out=out,
-                window=record.window if record is not None else None)
-        except Exception as exc:  # it did not build here: nothing was written yet
-            if FUSED_PROLOGUE:
-                raise
-            fused.switch_off(PROLOGUE, exc)
-            use_kernel = False
-    if not use_kernel:
+        inputs = fused.attempt(PROLOGUE, FUSED_PROLOGUE, lambda: _prologue_kernel()(
+            qkv, conv_state, w.conv, b, alpha, w.a, w.dt_bias, k_heads=cfg.gdn_k_heads, v_heads=hv,
+            head_k=dk, head_v=dv, out=out, window=record.window if record is not None else None))
+    if inputs is not None:
+        q, k, v, g, beta = inputs
+    else:
         if record is not None:
             tail = conv_state.shape[1]
             record.window[:, :tail].copy_(conv_state)

@@ -3,7 +3,6 @@ behind an executor, and a shared expert scaled by a sigmoid gate."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
@@ -24,7 +23,6 @@ RoutingObserver = Callable[[int, torch.Tensor], None]
 GATE_MAX_TOKENS = 16
 FUSED_GATE: bool | None = None
 GATE = "MoE gate"
-_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _fused_gate(x: torch.Tensor, *params: torch.Tensor) -> bool:
@@ -32,7 +30,7 @@ def _fused_gate(x: torch.Tensor, *params: torch.Tensor) -> bool:
         return False
     if FUSED_GATE is not None:
         return FUSED_GATE
-    return (_TRITON and x.is_cuda and fused.allowed(GATE)
+    return (x.is_cuda and fused.allowed(GATE)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))))
 
 
@@ -52,6 +50,12 @@ class ExpertExecutor(Protocol):
 def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """SwiGLU: ``down(silu(gate x) * up x)``."""
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def _gate_kernels():
+    from engine.kernels import moe_gate
+
+    return moe_gate
 
 
 def _gate_up(x: torch.Tensor, s) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,14 +127,9 @@ def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tens
     logits = F.linear(x.float(), router.float())
     E = logits.shape[-1]
     if _fused_gate(x, router) and top_k & (top_k - 1) == 0 and top_k <= E <= 1024:
-        try:
-            from engine.kernels.moe_gate import route_topk_triton
-
-            return route_topk_triton(logits, top_k)
-        except Exception as exc:  # it did not build here
-            if FUSED_GATE:
-                raise
-            fused.switch_off(GATE, exc)
+        routed = fused.attempt(GATE, FUSED_GATE, lambda: _gate_kernels().route_topk_triton(logits, top_k))
+        if routed is not None:
+            return routed
     probs = torch.softmax(logits, dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     return ids, weights / weights.sum(-1, keepdim=True)
@@ -147,16 +146,14 @@ def moe_forward(w: MoEWeights, x: torch.Tensor, layer_idx: int, cfg: ModelConfig
         return y
     s = w.shared
     if _fused_gate(x, s.gate_inp):
-        try:
-            from engine.kernels.moe_gate import shared_combine_triton, swiglu_triton
+        def kernels() -> torch.Tensor:
+            k = _gate_kernels()
+            act = linear(k.swiglu_triton(*_gate_up(x, s)), s.down)
+            return k.shared_combine_triton(y.contiguous(), act.contiguous(), x.contiguous(), s.gate_inp, x.dtype)
 
-            act = swiglu_triton(*_gate_up(x, s))
-            return shared_combine_triton(y.contiguous(), linear(act, s.down).contiguous(), x.contiguous(),
-                                         s.gate_inp, x.dtype)
-        except Exception as exc:  # they did not build here
-            if FUSED_GATE:
-                raise
-            fused.switch_off(GATE, exc)
+        out = fused.attempt(GATE, FUSED_GATE, kernels)
+        if out is not None:
+            return out
     gate = torch.sigmoid(x.float() @ s.gate_inp)  # [T]
     g, u = _gate_up(x, s)
     shared = linear(F.silu(g) * u, s.down)

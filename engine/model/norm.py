@@ -6,14 +6,10 @@ outside autograd, and the torch definition everywhere else (the CPU, draft train
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
 from engine.kernels import fused
-
-_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: torch.Tensor | None = None,
@@ -30,7 +26,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gat
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``rms_norm_reference``'s result; one Triton launch where it applies."""
-    if (_TRITON and x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1
+    if (fused.TRITON and x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and (gate is None or gate.stride(-1) == 1)):
         from engine.kernels.rms_norm import MAX_DIM, rms_norm_triton
@@ -58,17 +54,14 @@ def add_rms_norm(h: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, 
     if r is None:
         return h, rms_norm(h, weight, eps)
     on_device = _picks_kernel(h) if FUSED_ADD_NORM is None else FUSED_ADD_NORM
-    if (_TRITON and on_device and h.dim() == 2 and h.shape == r.shape and h.dtype == r.dtype
+    if (on_device and h.dim() == 2 and h.shape == r.shape and h.dtype == r.dtype
             and h.stride(-1) == 1 and r.stride(-1) == 1
             and not (torch.is_grad_enabled() and (h.requires_grad or r.requires_grad or weight.requires_grad))):
         from engine.kernels.rms_norm import MAX_DIM, add_rms_norm_triton
 
         if h.shape[-1] <= MAX_DIM:
-            try:
-                return add_rms_norm_triton(h, r, weight, eps)
-            except Exception as exc:  # it did not build here
-                if FUSED_ADD_NORM:
-                    raise
-                fused.switch_off(ADD_NORM, exc)
+            out = fused.attempt(ADD_NORM, FUSED_ADD_NORM, lambda: add_rms_norm_triton(h, r, weight, eps))
+            if out is not None:
+                return out
     h = h + r
     return h, rms_norm(h, weight, eps)

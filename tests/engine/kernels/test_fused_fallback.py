@@ -40,7 +40,6 @@ def test_a_kernel_that_fails_is_switched_off_once_and_the_torch_path_answers(mod
     monkeypatch.setattr(gate_kernels, "route_topk_triton", broken)
     monkeypatch.setattr(gate_kernels, "swiglu_triton", broken)
     monkeypatch.setattr(norm, "FUSED_ADD_NORM", None)
-    monkeypatch.setattr(norm, "_TRITON", True)
     monkeypatch.setattr(norm, "_picks_kernel", lambda h: fused.allowed(norm.ADD_NORM))  # as on CUDA
     monkeypatch.setattr(norm_kernels, "add_rms_norm_triton", broken)
     import engine.kernels.rope_norm as rope_kernels

@@ -116,31 +116,10 @@ def test_bad_shapes_are_refused(kwargs, message):
                                     head_k=s.dk, head_v=s.dv)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from engine.gguf.make_model import make_model
-    from engine.gguf.reader import GGUFFile
-    from engine.model.qwen35moe import Qwen35MoE
-
-    path = make_model(tmp_path_factory.mktemp("prologue") / "tiny.gguf", "tiny", seed=5)
-    with GGUFFile(path) as f:
-        return Qwen35MoE.from_gguf(f, device=DEVICE, dtype=torch.float32, force_torch_gdn=True)
-
-
 @pytest.mark.parametrize("T", [1, 4, 16])
-def test_model_logits_and_states_with_the_fused_prologue(tiny_model, monkeypatch, T):
+def test_model_logits_and_states_with_the_fused_prologue(tiny_float32_model, fused_against_reference, T):
     """Prefill 24 tokens on the reference path, then T tokens with and without the fused path."""
-    model = tiny_model
-    ids = torch.arange(24 + T, device=DEVICE) * 37 % model.cfg.vocab
-    runs = []
-    for fused in (False, True):
-        monkeypatch.setattr(gdn, "FUSED_PROLOGUE", False)
-        state = model.new_state(64)
-        model.forward(ids[:24], state, logits="none")
-        monkeypatch.setattr(gdn, "FUSED_PROLOGUE", fused)
-        logits = model.forward(ids[24:], state, logits="all").logits
-        runs.append((logits, state))
-    (ref, ref_state), (out, state) = runs
+    (ref, ref_state), (out, state) = fused_against_reference(tiny_float32_model, gdn, "FUSED_PROLOGUE", 24, T)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     first = min(ref_state.conv)  # its inputs are the same on both paths: copied values agree exactly
     torch.testing.assert_close(state.conv[first], ref_state.conv[first], rtol=0, atol=0)
@@ -166,12 +145,12 @@ def test_real_shapes_on_cuda(dtype, T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_dispatch_takes_the_fused_prologue(tiny_model, monkeypatch):
+def test_cuda_dispatch_takes_the_fused_prologue(tiny_float32_model, monkeypatch):
     """On CUDA a short call takes the kernel by itself (FUSED_PROLOGUE None), with the same logits."""
     calls = []
     real = gdn._prologue_kernel()
     monkeypatch.setattr(gdn, "_prologue_kernel", lambda: (lambda *a, **k: calls.append(1) or real(*a, **k)))
-    model = tiny_model
+    model = tiny_float32_model
     ids = torch.arange(20, device=DEVICE) * 11 % model.cfg.vocab
     outs = []
     for fused in (False, None):

@@ -69,29 +69,10 @@ def test_swiglu_and_shared_combine(T, N, dtype):
         kernels.shared_combine_triton(y, s, x, gate_inp[:-1], dtype)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from engine.gguf.make_model import make_model
-    from engine.gguf.reader import GGUFFile
-    from engine.model.qwen35moe import Qwen35MoE
-
-    path = make_model(tmp_path_factory.mktemp("moe_gate") / "tiny.gguf", "tiny", seed=9)
-    with GGUFFile(path) as f:
-        return Qwen35MoE.from_gguf(f, device=DEVICE, dtype=torch.float32)
-
-
 @pytest.mark.parametrize("T", [1, 5, 16])
-def test_model_logits_with_the_fused_gate(tiny_model, monkeypatch, T):
-    model = tiny_model
-    ids = torch.arange(20 + T, device=DEVICE) * 53 % model.cfg.vocab
-    outs = []
-    for fused in (False, True):
-        monkeypatch.setattr(moe, "FUSED_GATE", False)
-        state = model.new_state(64)
-        model.forward(ids[:20], state, logits="none")
-        monkeypatch.setattr(moe, "FUSED_GATE", fused)
-        outs.append(model.forward(ids[20:], state, logits="all").logits)
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+def test_model_logits_with_the_fused_gate(tiny_float32_model, fused_against_reference, T):
+    (ref, _), (out, _) = fused_against_reference(tiny_float32_model, moe, "FUSED_GATE", 20, T)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

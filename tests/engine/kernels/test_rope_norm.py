@@ -58,22 +58,9 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.parametrize("T", [1, 6])
-def test_model_logits_with_the_fused_attention_norms(tmp_path, monkeypatch, T):
-    from engine.gguf.make_model import make_model
-    from engine.gguf.reader import GGUFFile
-    from engine.model.qwen35moe import Qwen35MoE
-
-    with GGUFFile(make_model(tmp_path / "tiny.gguf", "tiny", seed=8)) as f:
-        model = Qwen35MoE.from_gguf(f, device=DEVICE, dtype=torch.float32)
-    ids = torch.arange(10 + T, device=DEVICE) * 31 % model.cfg.vocab
-    outs = []
-    for fused in (False, True):
-        monkeypatch.setattr(attention, "FUSED_ROPE", False)
-        state = model.new_state(32)
-        model.forward(ids[:10], state, logits="none")
-        monkeypatch.setattr(attention, "FUSED_ROPE", fused)
-        outs.append(model.forward(ids[10:], state, logits="all").logits)
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+def test_model_logits_with_the_fused_attention_norms(tiny_float32_model, fused_against_reference, T):
+    (ref, _), (out, _) = fused_against_reference(tiny_float32_model, attention, "FUSED_ROPE", 10, T)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
