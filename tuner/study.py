@@ -56,6 +56,15 @@ class TrialDurations:
     def estimate(self) -> float:
         return self.warm if self.warm > 0 else self.cold
 
+    def fits(self, remaining_s: float, finals: float) -> bool:
+        """Whether the next trial and the final re-measurement (``finals`` trials' worth of
+        repeats) fit in ``remaining_s``. While only cold trials are timed, their duration
+        bounds the next trial alone: it was mostly loading and compilation, which neither the
+        next warm trial nor the re-measurement pays again."""
+        if self.warm > 0:
+            return self.warm * (1 + finals) <= remaining_s
+        return self.cold <= remaining_s
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -245,8 +254,10 @@ class Tuner:
         re-measurement would no longer fit in the time limit (judged by the slowest trial).
 
         A trial that met a cold worker also paid the process start, the engine load and the
-        GPU kernels' first compilation (minutes on a fresh machine at the 35B shapes); once a
-        trial on a warm worker has been timed, cold ones no longer set the estimate."""
+        GPU kernels' first compilation (minutes on a fresh machine at the 35B shapes), and so
+        did the run's first trial (its settings' first graph capture and compilation). A cold
+        trial's time bounds the next trial alone; once a warm trial has been timed, cold ones
+        no longer set the estimate."""
         c = self.config
         target = 1 if self.space.is_empty else c.study.trials
         if self.n_points is not None:
@@ -255,7 +266,7 @@ class Tuner:
         durations = TrialDurations()
         finals = 2 * c.study.remeasure_repeats / c.workload.repeats
         while target is None or self._finished() < target:
-            if time.monotonic() + durations.estimate * (1 + finals) > t_end:
+            if not durations.fits(t_end - time.monotonic(), finals):
                 break
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -264,7 +275,9 @@ class Tuner:
                 trial = self.study.ask()
             trial.set_user_attr("hardware", self.hardware_key)
             trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-            started, cold = time.monotonic(), self.worker.cold
+            # The run's first trial is cold too: the baseline loaded the engine, but the
+            # trial's settings (graph capture, budget moves) meet their kernels' first compilation.
+            started, cold = time.monotonic(), self.worker.cold or not outcomes
             with _Heartbeat(self.storage, self.study.study_name, trial.number, c.study.heartbeat_s):
                 try:
                     params = self.space.suggest(trial)

@@ -156,3 +156,13 @@ def test_the_time_limit_is_judged_by_warm_trials_once_there_is_one():
     assert d.estimate == 12.0
     d.add(30.0, cold=False)
     assert d.estimate == 30.0
+
+
+def test_a_cold_trial_bounds_the_next_trial_alone():
+    d = TrialDurations()
+    assert d.fits(1.0, finals=3)
+    d.add(112.0, cold=True)  # the 35B shapes' first trial: graph capture and compilation
+    assert d.fits(185.0, finals=3)  # one more trial fits; its warm time then judges the rest
+    assert not d.fits(100.0, finals=3)
+    d.add(20.0, cold=False)
+    assert d.fits(80.0, finals=3) and not d.fits(79.0, finals=3)  # 20 s x (1 + 3 finals)
