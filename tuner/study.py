@@ -39,8 +39,8 @@ FAILURE_ATTR = "failure"  # user attr of trials this service failed on purpose, 
 
 
 class TrialDurations:
-    """How long the next trial may take, from the trials timed so far: the slowest of those
-    that found the worker warm, or of the cold ones while there is no warm one yet."""
+    """The slowest trial timed so far among those that found the worker warm, and among the
+    cold ones: what decides whether another trial fits in the run's time limit."""
 
     def __init__(self) -> None:
         self.warm = 0.0
@@ -52,15 +52,12 @@ class TrialDurations:
         else:
             self.warm = max(self.warm, seconds)
 
-    @property
-    def estimate(self) -> float:
-        return self.warm if self.warm > 0 else self.cold
-
     def fits(self, remaining_s: float, finals: float) -> bool:
         """Whether the next trial and the final re-measurement (``finals`` trials' worth of
-        repeats) fit in ``remaining_s``. While only cold trials are timed, their duration
-        bounds the next trial alone: it was mostly loading and compilation, which neither the
-        next warm trial nor the re-measurement pays again."""
+        repeats) fit in ``remaining_s``, judged by the slowest warm trial. While only cold
+        trials are timed, their duration bounds the next trial alone: it was mostly loading
+        and compilation, which neither the next warm trial nor the re-measurement pays again
+        (the re-measurement may then overrun the limit by at most its own warm length)."""
         if self.warm > 0:
             return self.warm * (1 + finals) <= remaining_s
         return self.cold <= remaining_s
