@@ -40,6 +40,9 @@ def generate(
     hot_format: str = typer.Option(
         "dense", "--hot-format", help="how GPU-side experts are held: dense or quantized (GGUF blocks, "
         "dequantized in the kernels; the budget then counts quantized bytes); quantized needs --cold-format quantized"),
+    cold_device: str = typer.Option(
+        "cpu", "--cold-device", help="what computes the cold experts: cpu (CPU threads) or gpu (the GPU reads "
+        "their pinned host copies over the bus; no host sync, so --cuda-graph captures such steps too)"),
     weights: str = typer.Option(
         "dense", "--weights", help="dense (dequantized at load) or quantized (projection matrices kept as GGUF "
         "blocks, dequantized in the matmul kernels)"),
@@ -72,9 +75,13 @@ def generate(
         raise ConfigError(f"--hot-format must be dense or quantized, got {hot_format!r}")
     if hot_format != "dense" and cold_format != "quantized":
         raise ConfigError("--hot-format quantized needs --cold-format quantized")
+    if cold_device not in ("cpu", "gpu"):
+        raise ConfigError(f"--cold-device must be cpu or gpu, got {cold_device!r}")
+    if cold_device != "cpu" and expert_budget is None:
+        raise ConfigError("--cold-device needs --expert-budget (without it every expert stays on the device)")
     eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads,
                            expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format,
-                           weights=weights, cuda_graph=cuda_graph, hot_format=hot_format)
+                           weights=weights, cuda_graph=cuda_graph, hot_format=hot_format, cold_device=cold_device)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:

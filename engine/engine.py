@@ -97,7 +97,8 @@ class Engine:
                  device: torch.device, dtype: torch.dtype, load_s: float,
                  stall_timeout_s: float, routing_stats_path: Path | None = None,
                  drafter: "Drafter | None" = None, pflash: "PFlashConfig | None" = None,
-                 cold_format: str = "dense", cuda_graph: bool = False, hot_format: str = "dense") -> None:
+                 cold_format: str = "dense", cuda_graph: bool = False, hot_format: str = "dense",
+                 cold_device: str = "cpu") -> None:
         self.path = path
         self.model = model
         self.tokenizer = tokenizer
@@ -108,6 +109,7 @@ class Engine:
         self.routing_stats_path = routing_stats_path
         self.cold_format = cold_format  # how hybrid placement holds cold experts: "dense" or "quantized"
         self.hot_format = hot_format  # how it holds hot experts on the device: "dense" or "quantized"
+        self.cold_device = cold_device  # what computes the cold experts: "cpu" threads or the "gpu" over the bus
         self.hybrid: "HybridExperts | None" = None
         self.drafter = drafter
         self.pflash = pflash
@@ -128,7 +130,7 @@ class Engine:
                   routing_stats: str | Path | None = None, drafter: str | Path | None = None,
                   pflash_threshold: int | None = None, draft: str | Path | None = None,
                   cold_format: str = "dense", weights: str = "dense", cuda_graph: bool = False,
-                  hot_format: str = "dense", **options: Any) -> "Engine":
+                  hot_format: str = "dense", cold_device: str = "cpu", **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
@@ -136,7 +138,9 @@ class Engine:
         ``routing_stats``); ``cold_format="quantized"`` keeps the cold experts in their GGUF
         quantized form on the host, computed by torch's CPU weight-only kernels, and
         ``hot_format="quantized"`` (with it) the hot experts on the device too, run by the
-        quantized-expert kernels, the budget then counting quantized bytes; ``drafter``
+        quantized-expert kernels, the budget then counting quantized bytes; ``cold_device="gpu"``
+        has the GPU compute the cold experts, reading their pinned host copies over the bus
+        (``engine.hybrid``), so a step with cold experts needs no host and can be captured; ``drafter``
         loads a PFlash drafter sharing the target's vocabulary;
         ``draft`` attaches a DFlash draft, checked against the target before any tensor loads.
         ``weights="quantized"`` keeps the block-quantized projection matrices (attention, Gated
@@ -157,6 +161,8 @@ class Engine:
             raise ConfigError(f"hot_format must be 'dense' or 'quantized', got {hot_format!r}")
         if hot_format == "quantized" and cold_format != "quantized":
             raise ConfigError("hot_format='quantized' needs cold_format='quantized' (both tiers read the GGUF blocks)")
+        if cold_device not in ("cpu", "gpu"):
+            raise ConfigError(f"cold_device must be 'cpu' or 'gpu', got {cold_device!r}")
         if threads is not None:
             if threads < 1:
                 raise ConfigError(f"threads must be at least 1, got {threads}")
@@ -197,7 +203,7 @@ class Engine:
                   stall_timeout_s=stall_timeout_s,
                   routing_stats_path=Path(routing_stats) if routing_stats is not None else None,
                   drafter=draft_model, pflash=pflash, cold_format=cold_format, cuda_graph=cuda_graph,
-                  hot_format=hot_format)
+                  hot_format=hot_format, cold_device=cold_device)
         if draft_file is not None:
             eng.draft = draft_file.load(device=dev, dtype=dt)
         if expert_budget_mb is not None:
@@ -248,12 +254,13 @@ class Engine:
 
             stats = load_routing_stats(self.path, self.model.cfg, self.routing_stats_path)
             if self.cold_format == "dense":
-                self.hybrid = attach_hybrid(self.model, budget_mb, stats)
+                self.hybrid = attach_hybrid(self.model, budget_mb, stats, cold_device=self.cold_device)
                 return self.hybrid.placement
             gguf_file = GGUFFile(self.path)  # owned by the executor from here: it views the raw blocks
             try:
                 self.hybrid = attach_hybrid(self.model, budget_mb, stats, cold_format="quantized",
-                                            gguf_file=gguf_file, hot_format=self.hot_format)
+                                            gguf_file=gguf_file, hot_format=self.hot_format,
+                                            cold_device=self.cold_device)
             except BaseException:
                 gguf_file.close()
                 raise

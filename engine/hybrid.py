@@ -1,4 +1,4 @@
-"""Hybrid expert executor: hot experts on the GPU, cold experts on CPU threads.
+"""Hybrid expert executor: hot experts on the GPU, cold experts in host memory.
 
 Every routed expert keeps a master copy in host memory: dense tensors (pinned when the device
 is CUDA), or with ``cold_format="quantized"`` the GGUF blocks packed for torch's CPU weight-only
@@ -8,11 +8,22 @@ the fused-MoE kernel runs them; pairs routed to cold experts are computed on a t
 from host memory while the GPU works, and the two partial sums are added on the device.
 ``set_budget`` re-plans the placement and moves only the experts that change tier.
 
-A layer with cold experts reads its routing back to the host once per call (the cold tier
-cannot start without it); a layer whose experts are all hot runs without host syncs, and a
-placement with every expert hot is ``graph_safe``: the hit counters are device tensors, so
-they also count inside a replayed CUDA graph. On a CPU-only machine both tiers live in host
-memory (hot experts are then held twice) and the same code paths run.
+Where the cold experts are computed is ``cold_device``:
+  ``cpu``  CPU threads, as above. A layer with cold experts reads its routing back to the host
+           once per call (the cold tier cannot start without it).
+  ``gpu``  the GPU, reading the pinned master copies over the bus (the host memory is mapped
+           into the device's address space; no expert of the cold tier takes device memory).
+           Calls of up to ``n_expert / top_k`` tokens read the routed cold experts in place:
+           each routed pair reads its expert once, so this costs no more bus traffic than
+           copying every cold expert. Longer calls (prefill) copy the layer's cold experts in
+           runs of ``STREAM_EXPERTS`` into a device buffer and compute each run there. Nothing
+           waits for the host, so with the Triton kernels a step with cold experts is captured
+           in a CUDA graph like an all-hot one.
+
+A layer whose experts are all hot runs without host syncs, and a placement that never waits
+for the host (every expert hot, or ``cold_device="gpu"``) is ``graph_safe``: the hit counters
+are device tensors, so they also count inside a replayed CUDA graph. On a CPU-only machine
+both tiers live in host memory (hot experts are then held twice) and the same code paths run.
 """
 
 from __future__ import annotations
@@ -41,6 +52,8 @@ if TYPE_CHECKING:
 RESERVED_CONTEXT_TOKENS = 32768  # state kept free for by default when placing experts
 COLD_FORMATS = ("dense", "quantized")
 HOT_FORMATS = ("dense", "quantized")
+COLD_DEVICES = ("cpu", "gpu")
+STREAM_EXPERTS = 32  # cold experts copied to the device at once for a long call with cold_device="gpu"
 _UPLOAD_EXPERTS = 16  # experts dequantized per step when filling device slots from raw blocks
 
 
@@ -87,6 +100,19 @@ class DenseExperts:
     def experts_sum(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: list[int]) -> torch.Tensor:
         return experts_sum(x, *self.tensors, ids, w, experts)
 
+    def mapped(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Every expert as ``device`` tensors over the host copies (``mapped_view``)."""
+        return tuple(mapped_view(t, device) for t in self.tensors)
+
+    def as_experts(self, slots: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Stacks of this layout (device slots, a mapped view) as the routed-expert kernel takes them."""
+        return slots
+
+    @staticmethod
+    def moe(x: torch.Tensor, experts: tuple[torch.Tensor, ...], ids: torch.Tensor, w: torch.Tensor, impl: str,
+            config: "MoEKernelConfig | None") -> torch.Tensor:
+        return fused_moe(x, *experts, ids, w, impl=impl, config=config)
+
 
 class QuantizedExperts:
     """One layer's master copies in their GGUF quantized form.
@@ -98,34 +124,75 @@ class QuantizedExperts:
     """
 
     def __init__(self, raw: "Sequence[RawExpertMatrix]", dtype: torch.dtype, *,
-                 cold_dtype: torch.dtype = torch.bfloat16, hot_format: str = "dense"):
+                 cold_dtype: torch.dtype = torch.bfloat16, hot_format: str = "dense", cold_device: str = "cpu",
+                 pin: bool = False):
         """``raw``: (gate, up, down); ``dtype``: the model's (and dense slots'); ``cold_dtype``: the
-        CPU kernels' compute dtype (bfloat16 is their fast path, float32 their exact one)."""
+        CPU kernels' compute dtype (bfloat16 is their fast path, float32 their exact one).
+
+        ``cold_device="cpu"`` packs every expert for the CPU kernels; ``"gpu"`` copies the blocks
+        into host memory (pinned with ``pin``, for the device to read) and packs nothing. Device
+        slots read from those copies when they exist, from the file otherwise."""
         if hot_format not in HOT_FORMATS:
             raise ConfigError(f"hot format must be one of {', '.join(HOT_FORMATS)}, got {hot_format!r}")
+        if cold_device not in COLD_DEVICES:
+            raise ConfigError(f"cold device must be one of {', '.join(COLD_DEVICES)}, got {cold_device!r}")
         self.raw = tuple(raw)
         self.n_expert = self.raw[0].data.shape[0]
         self.hot_quantized = hot_format == "quantized"
         self.dtype = torch.uint8 if self.hot_quantized else dtype  # of the device slots
         self.expert_shapes = tuple((r.rows, row_bytes(r.qtype, r.cols)) if self.hot_quantized else (r.rows, r.cols)
                                    for r in self.raw)
-        self.matrices = [tuple(CpuQuantMatrix.from_raw(r.expert(e), r.qtype, r.rows, r.cols, dtype=cold_dtype)
-                               for r in self.raw) for e in range(self.n_expert)]
+        self._cold_dtype = cold_dtype
+        self._matrices: list[tuple[CpuQuantMatrix, ...]] | None = None
+        self.blocks: tuple[torch.Tensor, ...] | None = None  # uint8 [E, rows, row_bytes] per matrix
+        if cold_device == "gpu":
+            self.blocks = tuple(_host_blocks(r, pin) for r in self.raw)
+        else:
+            self.matrices  # noqa: B018 (packed now, not in the first call that needs them)
+
+    @property
+    def matrices(self) -> list[tuple[CpuQuantMatrix, ...]]:
+        """Per expert (gate, up, down) packed for torch's CPU kernels, built on first use."""
+        if self._matrices is None:
+            self._matrices = [tuple(CpuQuantMatrix.from_raw(r.expert(e), r.qtype, r.rows, r.cols,
+                                                            dtype=self._cold_dtype)
+                                    for r in self.raw) for e in range(self.n_expert)]
+        return self._matrices
 
     def slot_experts(self, slots: tuple[torch.Tensor, ...]) -> tuple[QuantExperts, ...]:
-        """The quantized device slots as ``QuantExperts`` (gate, up, down) for the hot kernels."""
+        """Quantized stacks (device slots, a mapped view) as ``QuantExperts`` (gate, up, down)."""
         return tuple(QuantExperts(slot, r.qtype, slot.shape[0], r.rows, r.cols) for slot, r in zip(slots, self.raw))
+
+    def as_experts(self, slots: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | tuple[QuantExperts, ...]:
+        """Stacks of the slots' layout as the routed-expert kernels take them."""
+        return self.slot_experts(slots) if self.hot_quantized else slots
+
+    def mapped(self, device: torch.device) -> tuple[QuantExperts, ...]:
+        """Every expert's blocks as ``device`` tensors over the host copies (``mapped_view``)."""
+        if self.blocks is None:
+            raise ConfigError("quantized experts read in place by the device need cold_device='gpu'")
+        return self.slot_experts(tuple(mapped_view(b, device) for b in self.blocks))
+
+    def moe(self, x: torch.Tensor, experts: tuple[torch.Tensor, ...] | tuple[QuantExperts, ...], ids: torch.Tensor,
+            w: torch.Tensor, impl: str, config: "MoEKernelConfig | None") -> torch.Tensor:
+        if isinstance(experts[0], QuantExperts):
+            return quantized_moe(x, experts, ids, w, impl=impl)
+        return fused_moe(x, *experts, ids, w, impl=impl, config=config)
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for expert in self.matrices for m in expert)
+        held = sum(m.nbytes for expert in self._matrices for m in expert) if self._matrices else 0
+        return held + sum(b.numel() for b in self.blocks or ())
 
     def upload(self, slots: tuple[torch.Tensor, ...], dst: int, src: int, n: int) -> None:
         """Fill slots ``dst .. dst+n-1`` with experts ``src .. src+n-1`` (dequantized, or as raw blocks)."""
-        for slot, r in zip(slots, self.raw):
+        for i, (slot, r) in enumerate(zip(slots, self.raw)):
             for a in range(0, n, _UPLOAD_EXPERTS):
                 b = min(n, a + _UPLOAD_EXPERTS)
-                data = torch.from_numpy(r.data[src + a:src + b].copy()).to(slot.device)
+                if self.blocks is not None:  # pinned on CUDA: the copy is queued, not waited for
+                    data = self.blocks[i][src + a:src + b].to(slot.device, non_blocking=True)
+                else:
+                    data = torch.from_numpy(r.data[src + a:src + b].copy()).to(slot.device)
                 if self.hot_quantized:
                     slot[dst + a:dst + b].copy_(data.view(b - a, *slot.shape[1:]))
                 else:
@@ -156,9 +223,12 @@ class _LayerTiers:
         self.n_expert = host.n_expert
         self.hot: tuple[int, ...] = ()  # expert held in each slot
         self.slots: tuple[torch.Tensor, ...] | None = None  # (gate, up, down) [n_hot, ...] on device
-        self.quant_slots: tuple[QuantExperts, ...] | None = None  # the slots as quantized experts, if they are
+        self.slot_experts: tuple[Any, ...] | None = None  # the slots as the routed-expert kernel takes them
         self.host_hot = torch.zeros(self.n_expert, dtype=torch.bool)
         self.slot_of = torch.full((self.n_expert,), -1, dtype=torch.int64, device=device)
+        self.cold_of = torch.arange(self.n_expert, device=device)  # expert id where cold, -1 where hot
+        self.mapped: tuple[Any, ...] | None = None  # every expert in host memory, read by the device (cold_device="gpu")
+        self.cold_runs = _cold_runs([False] * self.n_expert)  # (first expert, count) of runs of cold experts
 
     @property
     def n_hot(self) -> int:
@@ -187,22 +257,20 @@ class _LayerTiers:
             for dst, src, n in _runs(incoming):
                 self.host.upload(slots, dst, src, n)
         self.slots = slots
-        self.quant_slots = (self.host.slot_experts(slots) if slots is not None and getattr(self.host, "hot_quantized",
-                                                                                              False) else None)
+        self.slot_experts = self.host.as_experts(slots) if slots is not None else None
         self.hot = tuple(order)
         slot_of = torch.full((self.n_expert,), -1, dtype=torch.int64)
         if order:
             slot_of[torch.tensor(order)] = torch.arange(len(order))
         self.slot_of.copy_(slot_of)
         self.host_hot = slot_of >= 0
-
+        self.cold_of.copy_(torch.where(self.host_hot, -1, torch.arange(self.n_expert)))
+        self.cold_runs = _cold_runs(self.host_hot.tolist())
 
     def hot_moe(self, x: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, impl: str,
                 config: "MoEKernelConfig | None") -> torch.Tensor:
         """The hot experts' output [T, H] in x's dtype; ``slots`` [T, k] index the device slots (-1: cold)."""
-        if self.quant_slots is not None:
-            return quantized_moe(x, self.quant_slots, slots, w, impl=impl)
-        return fused_moe(x, *self.slots, slots, w, impl=impl, config=config)
+        return self.host.moe(x, self.slot_experts, slots, w, impl, config)
 
 
 def quantized_moe(x: torch.Tensor, experts: Sequence[QuantExperts], ids: torch.Tensor, w: torch.Tensor, *,
@@ -229,11 +297,15 @@ class HybridExperts:
                  budget_mb: float, *, device: torch.device | str, stats: RoutingStats, min_hot: int,
                  reserve: GpuReserve | None = None, max_expert_mb: float | None = None,
                  threads: int | None = None, impl: str = "auto", kernel_config: "MoEKernelConfig | None" = None,
-                 gguf_file: "RawTensorSource | None" = None):
+                 gguf_file: "RawTensorSource | None" = None, cold_device: str = "cpu"):
         """``host_experts``: per layer (gate, up, down) in host memory (pinned for CUDA) or a
         ``QuantizedExperts``, placed for ``budget_mb``. ``max_expert_mb`` caps device memory for
         experts below what the live GPU allows; ``threads`` sizes the CPU pool; ``impl`` picks the
-        hot tier's kernel; ``gguf_file`` is the file the quantized experts view, closed by ``close``."""
+        device kernels; ``gguf_file`` is the file the quantized experts view, closed by ``close``;
+        ``cold_device`` computes the cold experts on CPU threads or on the device (module docstring)."""
+        if cold_device not in COLD_DEVICES:
+            raise ConfigError(f"cold device must be one of {', '.join(COLD_DEVICES)}, got {cold_device!r}")
+        self.cold_device = cold_device
         self.device = torch.device(device)
         if len(host_experts) != stats.n_layers:
             raise ValueError(f"{len(host_experts)} layers of experts but routing statistics for {stats.n_layers}")
@@ -252,6 +324,10 @@ class HybridExperts:
         self._gguf_file = gguf_file
         with torch.inference_mode(False):
             self._layers = [_LayerTiers(host, self.device) for host in hosts]
+            if cold_device == "gpu":
+                for layer in self._layers:
+                    layer.mapped = layer.host.mapped(self.device)
+            self._stream_buffers_by_layout: dict[Any, tuple[torch.Tensor, ...]] = {}
             self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
             self._pairs = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
         self.placement_version = 0  # bumped by every set_budget: device slots may have been reallocated
@@ -263,7 +339,7 @@ class HybridExperts:
     def from_model(cls, model: Any, budget_mb: float, stats: RoutingStats | None = None, *,
                    reserve: GpuReserve | None = None, cold_format: str = "dense",
                    gguf_file: "RawTensorSource | None" = None, cold_dtype: torch.dtype = torch.bfloat16,
-                   hot_format: str = "dense", **options: Any) -> "HybridExperts":
+                   hot_format: str = "dense", cold_device: str = "cpu", **options: Any) -> "HybridExperts":
         """Take over the routed experts of ``model`` (a ``Qwen35MoE``) and place them for ``budget_mb``.
 
         The budget is checked before anything moves. With ``cold_format="dense"`` the model's
@@ -273,6 +349,8 @@ class HybridExperts:
         (left as meta tensors of the same shapes). ``hot_format="quantized"`` (with the quantized
         cold format) keeps the hot experts' device slots in their GGUF blocks too, run by the
         quantized-expert kernels; the budget then counts quantized bytes, as on the appliance.
+        ``cold_device="gpu"`` has the device compute the cold experts from host memory (module
+        docstring).
         """
         if cold_format not in COLD_FORMATS:
             raise ConfigError(f"cold format must be one of {', '.join(COLD_FORMATS)}, got {cold_format!r}")
@@ -282,6 +360,8 @@ class HybridExperts:
             raise ConfigError(f"hot format must be one of {', '.join(HOT_FORMATS)}, got {hot_format!r}")
         if hot_format == "quantized" and cold_format != "quantized":
             raise ConfigError("quantized hot experts need the quantized cold format (cold_format='quantized')")
+        if cold_device not in COLD_DEVICES:
+            raise ConfigError(f"cold device must be one of {', '.join(COLD_DEVICES)}, got {cold_device!r}")
         cfg = model.cfg
         stats = stats or RoutingStats.uniform(cfg.n_layers, cfg.n_expert)
         if reserve is None:
@@ -306,7 +386,8 @@ class HybridExperts:
         host: list[Any] = []
         if raws is not None:
             for ew, raw in zip(experts, raws):
-                host.append(QuantizedExperts(raw, model.dtype, cold_dtype=cold_dtype, hot_format=hot_format))
+                host.append(QuantizedExperts(raw, model.dtype, cold_dtype=cold_dtype, hot_format=hot_format,
+                                             cold_device=cold_device, pin=pin))
                 ew.gate, ew.up, ew.down = (torch.empty(t.shape, dtype=t.dtype, device="meta")
                                            for t in (ew.gate, ew.up, ew.down))
         else:
@@ -316,7 +397,7 @@ class HybridExperts:
         if pin:
             torch.cuda.empty_cache()
         return cls(host, budget_mb, device=model.device, stats=stats, min_hot=cfg.n_expert_used, reserve=reserve,
-                   gguf_file=gguf_file, **options)
+                   gguf_file=gguf_file, cold_device=cold_device, **options)
 
     def set_budget(self, budget_mb: float) -> Placement:
         """Re-place the experts for ``budget_mb`` in place (only experts that change tier move)
@@ -338,8 +419,10 @@ class HybridExperts:
 
     @property
     def graph_safe(self) -> bool:
-        """Every expert hot and the Triton kernel in use: calls never wait for the host."""
-        return self.impl == "triton" and all(layer.n_hot == layer.n_expert for layer in self._layers)
+        """The Triton kernels in use and every expert hot, or the cold ones computed on the
+        device: calls never wait for the host."""
+        return self.impl == "triton" and (self.cold_device == "gpu"
+                                          or all(layer.n_hot == layer.n_expert for layer in self._layers))
 
     @property
     def expert_vram_bytes(self) -> int:
@@ -359,6 +442,11 @@ class HybridExperts:
         self._pairs[layer_idx].add_(topk_ids.numel())
         if layer.n_hot == layer.n_expert:
             return layer.hot_moe(x, slots, topk_w, self.impl, self.kernel_config)
+        if self.cold_device == "gpu":
+            out = self._cold_on_device(layer, x, topk_ids, topk_w).float()
+            if layer.n_hot:
+                out += layer.hot_moe(x, slots, topk_w, self.impl, self.kernel_config).float()
+            return out.to(x.dtype)
 
         host = torch.device("cpu")
         on_cpu = x.device == host
@@ -377,6 +465,32 @@ class HybridExperts:
         if hot is not None:
             cold += hot
         return cold.to(x.dtype)
+
+    def _cold_on_device(self, layer: _LayerTiers, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The cold experts' output [T, H] computed by the device from host memory: read in place
+        for short calls, copied to the device in runs of experts for long ones."""
+        cold_ids = layer.cold_of[ids]  # [T, k], -1 where the expert is hot
+        host, T, k = layer.host, *ids.shape
+        if T * k <= layer.n_expert:
+            return host.moe(x, layer.mapped, cold_ids, w, self.impl, self.kernel_config)
+        buffers = self._stream_buffers(layer)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for first, n in layer.cold_runs:
+            host.upload(buffers, 0, first, n)
+            in_run = (cold_ids >= first) & (cold_ids < first + n)
+            run_ids = torch.where(in_run, cold_ids - first, -1)
+            out += host.moe(x, host.as_experts(tuple(b[:n] for b in buffers)), run_ids, w, self.impl,
+                            self.kernel_config).float()
+        return out
+
+    def _stream_buffers(self, layer: _LayerTiers) -> tuple[torch.Tensor, ...]:
+        """Device buffers for ``STREAM_EXPERTS`` experts of ``layer``'s layout, shared by the layers."""
+        key = (layer.host.dtype, layer.host.expert_shapes)
+        if key not in self._stream_buffers_by_layout:
+            self._stream_buffers_by_layout[key] = tuple(
+                torch.empty((STREAM_EXPERTS, *shape), dtype=layer.host.dtype, device=self.device)
+                for shape in layer.host.expert_shapes)
+        return self._stream_buffers_by_layout[key]
 
     def _cold(self, layer: _LayerTiers, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pin: bool) -> torch.Tensor:
         """Float32 [T, H] contribution of the cold experts, computed by the thread pool."""
@@ -428,6 +542,19 @@ def attach_hybrid(model: Any, budget_mb: float, stats: RoutingStats | None = Non
     return hybrid
 
 
+def _cold_runs(hot: Sequence[bool]) -> list[tuple[int, int]]:
+    """(first expert, count) of consecutive cold experts, at most ``STREAM_EXPERTS`` in each."""
+    runs: list[tuple[int, int]] = []
+    for e, is_hot in enumerate(hot):
+        if is_hot:
+            continue
+        if runs and sum(runs[-1]) == e and runs[-1][1] < STREAM_EXPERTS:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((e, 1))
+    return runs
+
+
 def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(dst, src) index pairs, ascending in both -> (dst start, src start, length) of consecutive runs."""
     runs: list[list[int]] = []
@@ -444,6 +571,42 @@ def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
         return t.contiguous().pin_memory() if pin else t.contiguous()
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
     out.copy_(t)
+    return out
+
+
+def mapped_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t``, in host memory, as a tensor of ``device`` that the device reads over the bus.
+
+    On CUDA ``t`` must be pinned: pinned memory is mapped into the device's address space at the
+    same address, and the view is made through ``__cuda_array_interface__`` (it keeps ``t`` alive).
+    On a CPU device the view is ``t`` itself."""
+    if device.type != "cuda":
+        return t
+    if not t.is_pinned():
+        raise ValueError("only pinned host memory can be read by the device in place")
+    if not t.is_contiguous():
+        raise ValueError("a mapped view needs a contiguous tensor")
+    flat = torch.as_tensor(_HostArray(t), device=device)  # uint8 [nbytes], no copy
+    view = flat.view(t.dtype).view(t.shape)
+    if view.data_ptr() != t.data_ptr():
+        raise RuntimeError("the mapped view does not alias the host memory")
+    return view
+
+
+class _HostArray:
+    """The bytes of a pinned host tensor, offered to torch as device memory (CUDA array interface)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t  # kept alive by the view
+        self.__cuda_array_interface__ = {"shape": (t.numel() * t.element_size(),), "typestr": "|u1",
+                                         "data": (t.data_ptr(), False), "version": 3}
+
+
+def _host_blocks(raw: "RawExpertMatrix", pin: bool) -> torch.Tensor:
+    """A raw expert stack copied out of the file into (pinned) host memory: uint8 [E, rows, row_bytes]."""
+    out = torch.empty((raw.data.shape[0], raw.rows, row_bytes(raw.qtype, raw.cols)), dtype=torch.uint8,
+                      pin_memory=pin)
+    out.view(raw.data.shape[0], -1).numpy()[:] = raw.data
     return out
 
 

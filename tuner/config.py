@@ -69,6 +69,7 @@ class HardwareConfig:
 
 
 ENGINE_FORMATS = ("dense", "quantized")
+COLD_DEVICES = ("cpu", "gpu")
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,14 @@ class EngineConfig:
     weights: str = "dense"  # projection matrices dequantized at load, or kept as GGUF blocks
     experts: str = "dense"  # routed experts on both tiers dense, or as GGUF blocks (budgets in quantized bytes)
     cuda_graph: bool = False  # plain decoding and DFlash verify blocks replayed from CUDA graphs where possible
+    cold_device: str = "cpu"  # what computes the cold experts: CPU threads, or the GPU reading host memory
 
     def __post_init__(self) -> None:
         for name in ("weights", "experts"):
             if getattr(self, name) not in ENGINE_FORMATS:
                 raise ValueError(f"{name}: expected one of {', '.join(ENGINE_FORMATS)}, found {getattr(self, name)!r}")
+        if self.cold_device not in COLD_DEVICES:
+            raise ValueError(f"cold_device: expected one of {', '.join(COLD_DEVICES)}, found {self.cold_device!r}")
 
     def load_options(self) -> dict[str, Any]:
         """The ``Engine.from_gguf`` keywords that differ from its defaults."""
@@ -93,6 +97,8 @@ class EngineConfig:
             out["cold_format"] = out["hot_format"] = self.experts
         if self.cuda_graph:
             out["cuda_graph"] = True
+        if self.cold_device != "cpu":
+            out["cold_device"] = self.cold_device
         return out
 
 
@@ -419,7 +425,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Reader]]] = {
     "hardware": (HardwareConfig, {
         "device": _str, "dtype": _auto_str, "threads": _auto_int, "vram_cap_mb": _live_mb,
         "ram_cap_mb": _live_mb, "vram_reserve_mb": _int}),
-    "engine": (EngineConfig, {"weights": _str, "experts": _str, "cuda_graph": _bool}),
+    "engine": (EngineConfig, {"weights": _str, "experts": _str, "cuda_graph": _bool, "cold_device": _str}),
     "search": (SearchConfig, {
         "expert_budget_step_mb": _int, "expert_budget_max_mb": _live_mb, "spec_len": _int_pair,
         "pflash_keep_ratio": _float_pair, "pflash": _bool, "pflash_threshold": _auto_int}),

@@ -1,0 +1,213 @@
+"""The hybrid executor with ``cold_device="gpu"``: the device computes the cold experts from
+their host copies (read in place for short calls, copied in runs of experts for long ones).
+
+On the CPU the "device" is the CPU and the mapped view is the host tensor itself, so these
+tests check the routing of pairs between tiers, the runs and the counters against the CPU
+threads' path; on CUDA, the view over pinned memory and the captured step with cold experts.
+
+Bounds: float32 throughout (the CPU tier in its exact float32 path), so both placements
+compute the same maths in other summation orders: logits within 1e-5 of the largest.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
+
+import engine.hybrid as hybrid_module  # noqa: E402
+from engine.errors import ConfigError  # noqa: E402
+from engine.gguf.reader import GGUFFile  # noqa: E402
+from engine.hybrid import attach_hybrid, mapped_view  # noqa: E402
+from engine.model.decode_graph import DecodeGraph, graph_blocker  # noqa: E402
+from engine.model.qwen35moe import Qwen35MoE  # noqa: E402
+from engine.model.weights import raw_experts  # noqa: E402
+from engine.placement import MB  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def q4_file(tmp_path_factory):
+    from engine.gguf.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("cold_device") / "tiny_q4_0.gguf", "tiny", n_expert=16,
+                      quant="q4_0", router_skew=1.0, seed=5)
+
+
+def load(path, device="cpu"):
+    with GGUFFile(path) as f:
+        return Qwen35MoE.from_gguf(f, device=device, dtype=torch.float32)
+
+
+def dense_mb(model):
+    return sum(t.numel() * t.element_size() for layer in model.weights.layers
+               for t in (layer.moe.experts.gate, layer.moe.experts.up, layer.moe.experts.down)) / MB
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def attach(path, fmt, fraction, cold_device, device="cpu", impl="auto"):
+    model = load(path, device)
+    options = {}
+    if fmt == "quantized":
+        options = dict(cold_format="quantized", gguf_file=GGUFFile(path), cold_dtype=torch.float32)
+    hybrid = attach_hybrid(model, fraction * dense_mb(load(path)), None, threads=2, cold_device=cold_device,
+                           impl=impl, **options)
+    return model, hybrid
+
+
+def run(model, ids, decode=4):
+    """Logits of a prompt (one long call) and then of ``decode`` tokens one at a time."""
+    state = model.new_state(len(ids) + decode)
+    prompt = model.forward(ids, state, logits="all").logits
+    steps = [model.forward(ids[i:i + 1], state, logits="last").logits for i in range(decode)]
+    return prompt, torch.cat(steps)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "quantized"])
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_device_cold_tier_matches_the_cpu_threads(q4_file, fmt, fraction, monkeypatch):
+    """The 11-token prompt routes 22 pairs over 16 experts, so it copies the cold experts in
+    runs (of at most 3 here, so several per layer); the single tokens read them in place. No
+    CPU thread computes anything, and the hit counters agree with the CPU tier's."""
+    monkeypatch.setattr(hybrid_module, "STREAM_EXPERTS", 3)
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(1))
+    model, threads = attach(q4_file, fmt, fraction, "cpu")
+    ref = run(model, ids)
+    ref_snap = threads.stats_snapshot()
+    threads.close()
+
+    model, device = attach(q4_file, fmt, fraction, "gpu")
+    calls = []
+    real = hybrid_module.HybridExperts._cold_on_device
+
+    def spy(self, layer, x, ids, w):
+        calls.append(x.shape[0])
+        return real(self, layer, x, ids, w)
+
+    def no_threads(*_):
+        raise AssertionError("the CPU threads computed cold experts")
+
+    monkeypatch.setattr(hybrid_module.HybridExperts, "_cold_on_device", spy)
+    monkeypatch.setattr(hybrid_module.HybridExperts, "_cold", no_threads)
+    out = run(model, ids)
+    snap = device.stats_snapshot()
+    for a, b in zip(out, ref):
+        assert rel_err(a, b) < TOL
+    assert (snap.hot_hits, snap.cold_hits) == (ref_snap.hot_hits, ref_snap.cold_hits) and snap.cold_hits > 0
+    assert set(calls) == {11, 1}
+    assert all(len(layer.cold_runs) >= 2 for layer in device._layers)
+    device.close()
+
+
+def test_quantized_device_tier_holds_the_blocks_and_packs_nothing(q4_file):
+    model, device = attach(q4_file, "quantized", 0.5, "gpu")
+    with GGUFFile(q4_file) as f:
+        blocks = sum(r.data.nbytes for layer in raw_experts(f, model.cfg) for r in layer)
+    assert all(layer.host._matrices is None for layer in device._layers)
+    assert device.expert_host_bytes == blocks
+    device.close()
+
+
+def test_cold_runs_split_at_hot_experts_and_at_the_run_length(monkeypatch):
+    assert hybrid_module._cold_runs([True, False, False, True, False]) == [(1, 2), (4, 1)]
+    assert hybrid_module._cold_runs([True, True]) == []
+    monkeypatch.setattr(hybrid_module, "STREAM_EXPERTS", 2)
+    assert hybrid_module._cold_runs([False] * 5) == [(0, 2), (2, 2), (4, 1)]
+
+
+def test_a_device_cold_tier_is_graph_safe_and_its_static_step_matches_eager(q4_file):
+    """With the Triton kernels (the interpreter here) and cold experts computed on the device,
+    nothing waits for the host: the step is capturable, and run statically it gives the eager
+    logits of the all-hot model, for single tokens and for a 9-token block (18 pairs: copied)."""
+    pytest.importorskip("triton")
+    plain = load(q4_file)
+    model, hybrid = attach(q4_file, "dense", 0.5, "gpu", impl="triton")
+    assert hybrid.graph_safe
+    stand_in = type("M", (), {"device": torch.device("cuda"), "executor": hybrid, "routing_observer": None})
+    assert graph_blocker(stand_in) is None
+    _, threads = attach(q4_file, "dense", 0.5, "cpu", impl="triton")
+    assert not threads.graph_safe and "needs the host" in graph_blocker(
+        type("M", (), {"device": torch.device("cuda"), "executor": threads, "routing_observer": None}))
+    threads.close()
+
+    ids = torch.randint(0, 256, (5 + 2 + 9,), generator=torch.Generator().manual_seed(4))
+    eager, static = plain.new_state(16), model.new_state(16)
+    plain.forward(ids[:5], eager, logits="none")
+    model.forward(ids[:5], static, logits="none")
+    hybrid.reset_counters()
+    one = DecodeGraph(model, static, kernels="triton")
+    for t in (5, 6):
+        ref = plain.forward(ids[t:t + 1], eager, logits="last").logits
+        assert rel_err(one.step(ids[t:t + 1]), ref) < 1e-4
+    block = DecodeGraph(model, static, tokens=9, kernels="triton")
+    ref = plain.forward(ids[7:16], eager, logits="all").logits
+    assert rel_err(block.step(ids[7:16]), ref) < 1e-4
+    assert hybrid.stats_snapshot().cold_hits > 0
+    hybrid.close()
+
+
+def test_mapped_view_on_a_cpu_device_is_the_tensor_itself():
+    t = torch.arange(6.0)
+    assert mapped_view(t, torch.device("cpu")) is t
+
+
+def test_engine_and_cli_options(q4_file, capsys):
+    from engine.engine import Engine
+    from tuner.cli import main
+
+    with pytest.raises(ConfigError, match="cold_device must be 'cpu' or 'gpu', got 'tpu'"):
+        Engine.from_gguf(q4_file, device="cpu", cold_device="tpu")
+    status = main(["generate", "--model", str(q4_file), "--prompt", "hi", "--device", "cpu", "--cold-device", "gpu"])
+    assert status == 2 and "--cold-device needs --expert-budget" in capsys.readouterr().err
+
+    prompt = [3, 17, 5, 99, 42, 7]
+    threads = Engine.from_gguf(q4_file, device="cpu", expert_budget_mb=0)
+    device = Engine.from_gguf(q4_file, device="cpu", expert_budget_mb=0, cold_device="gpu")
+    assert device.hybrid.cold_device == "gpu"
+    a, b = device.generate(prompt, 5), threads.generate(prompt, 5)
+    assert a.ids == b.ids and a.timings.extra["cold_hits"] == b.timings.extra["cold_hits"] > 0
+    threads.hybrid.close()
+    device.hybrid.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_mapped_view_reads_pinned_host_memory():
+    host = torch.arange(1000, dtype=torch.float32).pin_memory()
+    view = mapped_view(host, torch.device("cuda"))
+    assert view.is_cuda and view.data_ptr() == host.data_ptr() and view.shape == host.shape
+    assert view.sum().item() == host.sum().item()
+    host[7] = -1.0  # the device reads the host memory itself, not a copy
+    assert view[7].item() == -1.0
+    with pytest.raises(ValueError, match="pinned"):
+        mapped_view(torch.zeros(4), torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["dense", "quantized"])
+def test_cuda_graph_captures_a_step_with_cold_experts(q4_file, fmt):
+    """Half the experts cold, computed on the device from pinned host memory: the step is
+    captured, and its logits follow the all-on-device model's, teacher-forced."""
+    plain = load(q4_file, "cuda")
+    model, hybrid = attach(q4_file, fmt, 0.5, "gpu", device="cuda")
+    assert hybrid.graph_safe and hybrid.placement.cold_count > 0
+    ids = torch.randint(0, 256, (7 + 12,), generator=torch.Generator().manual_seed(6)).cuda()
+    eager, static = plain.new_state(24), model.new_state(24)
+    plain.forward(ids[:7], eager, logits="none")
+    model.forward(ids[:7], static, logits="none")  # a 7-token call: the copied runs
+    step = DecodeGraph(model, static, graph=True)
+    assert step.captured
+    hybrid.reset_counters()
+    for t in range(7, 19):
+        ref = plain.forward(ids[t:t + 1], eager, logits="last").logits
+        assert rel_err(step.step(ids[t:t + 1]), ref) < 1e-3, f"token {t}"
+    assert hybrid.stats_snapshot().cold_hits > 0
+    hybrid.close()
