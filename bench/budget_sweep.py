@@ -39,13 +39,15 @@ def main() -> None:
     ap.add_argument("--hot-format", default="dense", choices=("dense", "quantized"),
                     help="hot experts on the GPU held dense or as GGUF blocks (needs --cold-format quantized; "
                     "budgets then count quantized bytes)")
+    ap.add_argument("--cold-device", default="cpu", choices=("cpu", "gpu"),
+                    help="what computes the cold experts: CPU threads, or the GPU reading their pinned host copies")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="decode from a captured CUDA graph where the placement allows (every expert hot)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
     eng = Engine.from_gguf(args.model, device=args.device, weights=args.weights, cold_format=args.cold_format,
-                           hot_format=args.hot_format, cuda_graph=args.cuda_graph)
+                           hot_format=args.hot_format, cuda_graph=args.cuda_graph, cold_device=args.cold_device)
     cfg = eng.config
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab, (args.prefill,), generator=gen).tolist()
@@ -84,6 +86,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model), "weights": args.weights,
                                          "cold_format": args.cold_format, "hot_format": args.hot_format,
+                                         "cold_device": args.cold_device, "cuda_graph": args.cuda_graph,
                                          "rows": rows}, indent=1))
 
 

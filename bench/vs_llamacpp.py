@@ -93,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="quantized: routed experts stay Q4_0 blocks on both tiers (GPU slots and CPU), every "
                     "expert placed on the GPU for the all-GPU rows")
     ap.add_argument("--cuda-graph", action="store_true", help="our decoding replays a captured CUDA graph where it can")
+    ap.add_argument("--cold-device", default="cpu", choices=("cpu", "gpu"),
+                    help="our cold experts (--ncmoe): CPU threads, or the GPU reading their pinned host copies")
     ap.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (cpu: llama.cpp gets -ngl 0)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both")
     ap.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth (default 1024 GPU, 256 CPU)")
@@ -225,12 +227,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     quantized_experts = args.experts == "quantized"
     eng = Engine.from_gguf(args.model, device=dev, weights=args.weights, threads=args.threads,
                            cold_format=args.experts, hot_format=args.experts, cuda_graph=args.cuda_graph,
-                           expert_budget_mb=0 if quantized_experts else None)
+                           expert_budget_mb=0 if quantized_experts else None, cold_device=args.cold_device)
     if quantized_experts:  # every expert hot, as Q4_0 blocks
         eng.set_expert_budget(ncmoe_budget_mb(eng, 0)[0])
     gen = torch.Generator().manual_seed(0)
     ours_info: dict[str, Any] = {"device": str(eng.device), "dtype": str(eng.dtype), "weights": args.weights,
-                                 "experts": args.experts, "cuda_graph": args.cuda_graph, "load_s": eng.load_s}
+                                 "experts": args.experts, "cuda_graph": args.cuda_graph,
+                                 "cold_device": args.cold_device, "load_s": eng.load_s}
     for ncmoe in passes:
         if ncmoe:
             budget, info = ncmoe_budget_mb(eng, ncmoe)
