@@ -337,7 +337,7 @@ class Engine:
             raise ConfigError("pflash_keep_ratio needs a drafter: load the engine with drafter=PATH")
         extra: dict[str, Any] = {"decode_path": "eager"}
         decoder = None
-        if spec_len is None and pflash_keep_ratio is None and max_new_tokens > 1:
+        if spec_len is None and max_new_tokens > 1:
             # before the counters are reset: a capture's warm-up routes tokens through the experts
             decoder = self._decode_graph(len(ids) + max_new_tokens, extra)
         _reset_peak(self.device)
@@ -353,6 +353,9 @@ class Engine:
                                      config=self.pflash, reserve=max_new_tokens + (spec_len or 0),
                                      capture_layers=capture)
             state, last_logits = res.state, res.logits
+            if decoder is not None:  # the static step is bound to its own state: continue from a copy
+                decoder.state.copy_from(state)
+                state = decoder.state
             extra.update(res.timings())
             if spec_len is not None:
                 return self._speculative(ids, max_new_tokens, params, eos, stop, spec_len, on_token, extra,

@@ -70,6 +70,23 @@ def test_greedy_and_seeded_tokens_are_the_same_through_the_static_step(monkeypat
     assert list(eng._graphs.values()) == [step]
 
 
+def test_decoding_after_a_compressed_prefill_goes_through_the_static_step(monkeypatch, tmp_path, tiny):
+    """PFlash prefills a state of its own (kept chunks at their original positions); the static
+    step continues from a copy of it and gives the eager tokens."""
+    drafter = make_model(tmp_path / "drafter.gguf", "tiny", seed=11, n_layers=4)
+    eng = Engine.from_gguf(tiny, device="cpu", drafter=drafter, pflash_threshold=16)
+    ids = torch.randint(0, eng.config.vocab - 1, (96,), generator=torch.Generator().manual_seed(2)).tolist()
+    eager = eng.generate(ids, 10, ignore_eos=True, pflash_keep_ratio=0.3)
+    assert eager.timings.extra["decode_path"] == "eager" and eager.timings.extra["pflash_kept_tokens"] < len(ids)
+    static_on_cpu(monkeypatch, eng)
+    static = eng.generate(ids, 10, ignore_eos=True, pflash_keep_ratio=0.3)
+    assert static.timings.extra["decode_path"] == "static"
+    assert static.ids == eager.ids
+    (step,) = eng._graphs.values()
+    assert step.state.seq_len == eager.timings.extra["pflash_kept_tokens"] + 9
+    assert step.state.next_position == len(ids) + 9  # positions continue from the full prompt's
+
+
 def test_a_new_expert_budget_drops_the_cached_steps(monkeypatch, eng):
     ids = eng.tokenizer.encode("for i in range(10):\n")
     eager = eng.generate(ids, 8, ignore_eos=True)
