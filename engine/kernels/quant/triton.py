@@ -11,8 +11,9 @@ is several, which may bound the decode kernels by instructions rather than bandw
 - GEMV (``M <= gemv_max_m``, decode): one program per ``BLOCK_N`` rows of W and one slice
   of K; it dequantizes each weight tile once and multiplies it with all M rows of x in fp32.
   When the N tiles alone cannot fill the GPU, K is split too: each split writes fp32 partial
-  sums and one torch ``sum`` adds them (deterministic, unlike atomics, at the cost of one
-  small extra launch).
+  sums, counts itself in with an atomic on its N tile's counter, and the split that arrives
+  last adds the partial sums in split order and writes the output (so the sum is
+  deterministic, and no second launch is needed), then zeroes the counter for the next call.
 - GEMM (prefill): output tiles of ``BLOCK_M x BLOCK_N``; the dequantized [BLOCK_K, BLOCK_N]
   tile is cast to x's dtype (bf16/fp16) and fed to ``tl.dot`` with fp32 accumulation.
 - Experts (decode of the routed FFN): one program per routed pair and ``BLOCK_N`` rows of
@@ -156,10 +157,10 @@ def _block_x(p_x, kb, mask):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr,
-    stride_xm, stride_wn, stride_os, stride_om,
+    x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr,
+    stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCKWISE: tl.constexpr,
+    BLOCKWISE: tl.constexpr, SPLITS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -190,8 +191,23 @@ def _gemv_kernel(
                 b_x = tl.load(x_ptr + m * stride_xm + o_k, mask=m_k & (m < M), other=0.0).to(tl.float32)  # [BK]
                 b_y = tl.sum(b_w * b_x[None, :], axis=1)  # [BN]
                 acc += tl.where(o_m[:, None] == m, b_y[None, :], 0.0)
-    p_o = out_ptr + pid_s * stride_os + o_m[:, None] * stride_om + o_n[None, :]
-    tl.store(p_o, acc.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    m_o = m_m[:, None] & m_n[None, :]
+    p_o = out_ptr + o_m[:, None] * stride_om + o_n[None, :]
+    if SPLITS == 1:
+        tl.store(p_o, acc.to(out_ptr.dtype.element_ty), mask=m_o)
+    else:
+        p_p = part_ptr + o_m[:, None] * stride_pm + o_n[None, :]
+        tl.store(p_p + pid_s * stride_ps, acc, mask=m_o)
+        # every thread's partial sums stored, then one release: the semaphore pattern of split-K GEMMs
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:  # the last split of this N tile: every partial sum is written
+            tl.debug_barrier()  # the acquire above before any thread's loads below
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLITS):  # in split order, whichever split arrived last
+                total += tl.load(p_p + s * stride_ps, mask=m_o, other=0.0, cache_modifier=".cg")
+            tl.store(p_o, total.to(out_ptr.dtype.element_ty), mask=m_o)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call (a graph replays it)
 
 
 @triton.jit
@@ -281,6 +297,19 @@ def _split_k(n_tiles: int, k: int, block_k: int, config: QuantKernelConfig, devi
     return max(1, min(k_tiles, triton.cdiv(2 * sms, n_tiles)))
 
 
+MAX_SPLIT_TILES = 1 << 16  # N tiles a split GEMV may count in (one int32 counter each, per device)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed arrival counters of split GEMVs. Made once, outside any graph capture
+    (the first call on a device comes from a warm-up), and left zeroed by every kernel."""
+    if device not in _counters:
+        with torch.inference_mode(False):
+            _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
 def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | None = None) -> torch.Tensor:
     """``x @ W.T`` for at most 16 rows of x, [M, n] in x.dtype."""
     config = config or QuantKernelConfig()
@@ -290,17 +319,20 @@ def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
         raise ValueError(f"the GEMV kernel takes 1 to 16 rows of x, got {M}")
     bn, bk = config.gemv_block_n, config.gemv_block_k
     n_tiles = triton.cdiv(qm.n, bn)
-    splits = _split_k(n_tiles, qm.k, bk, config, x.device)
+    splits = _split_k(n_tiles, qm.k, bk, config, x.device) if n_tiles <= MAX_SPLIT_TILES else 1
     k_split = triton.cdiv(triton.cdiv(qm.k, bk), splits) * bk  # whole K tiles per slice
     splits = triton.cdiv(qm.k, k_split)
-    out_dtype = x.dtype if splits == 1 else torch.float32
-    out = torch.empty(splits, M, qm.n, dtype=out_dtype, device=x.device)
+    out = torch.empty(M, qm.n, dtype=x.dtype, device=x.device)
+    part, counters = out, out  # unread without a split
+    if splits > 1:
+        part = torch.empty(splits, M, qm.n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
     _gemv_kernel[(n_tiles, splits)](
-        x, qm.raw, out, M, qm.n, qm.k, k_split,
-        x.stride(0), qm.raw.stride(0), out.stride(0), out.stride(1),
+        x, qm.raw, out, part, counters, M, qm.n, qm.k, k_split,
+        x.stride(0), qm.raw.stride(0), out.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0,
         QTYPE=_CODE[qm.qtype], BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
-        BLOCKWISE=_blockwise(qm.qtype, bk), num_warps=config.gemv_num_warps)
-    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+        BLOCKWISE=_blockwise(qm.qtype, bk), SPLITS=splits, num_warps=config.gemv_num_warps)
+    return out
 
 
 def qmatmul_gemm(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | None = None) -> torch.Tensor:
