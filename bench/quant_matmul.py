@@ -1,6 +1,7 @@
 """Quantized-weight matmul kernels against dequantized-bf16 torch matmuls, at the real shapes.
 
     python bench/quant_matmul.py [--qtypes Q4_0,Q8_0,Q4_K,Q5_K,Q6_K] [--m 1,512] [--repeats 50] [--json out.json]
+    python bench/quant_matmul.py --sweep [--qtypes Q4_0] [--write-tuned engine/kernels/quant/tuned.json]
 
 Shapes (N x K): attention-sized 2048x2048, expert gate/up 512x2048, expert down 2048x512 and
 the LM head 248320x2048 (Q6_K and Q8_0 only), plus the routed-expert kernel at decode: 8 pairs
@@ -10,6 +11,12 @@ against the float32 reference, then timed with CUDA events: ``--warmup`` calls, 
 call over the median time gives GB/s, shown as a percentage of the HBM bandwidth measured
 here (a large device-to-device copy, read + write bytes over time). Small weights are
 rotated through enough copies to exceed the L2 cache, so every call reads from HBM.
+
+``--sweep`` times the single-token decode kernels (GEMV and the routed-expert kernel, M = 1)
+at the shapes qwen3.6-35b-a3b decodes with (the merged projections, the LM head, the experts)
+over a grid of tiles, prints the fastest per shape against the default tiles, and with
+``--write-tuned`` writes them as the table the kernels read on this GPU
+(``engine.kernels.quant.tuned``).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.gguf.quants import random_quantized
 from engine.kernels.quant import QTYPES, QuantExperts, QuantMatrix, qmatmul_experts_reference, qmatmul_reference
-from engine.kernels.quant.triton import qmatmul, qmatmul_experts
+from engine.kernels.quant.triton import QuantKernelConfig, qmatmul, qmatmul_experts
 
 SHAPES = {"attn": (2048, 2048), "gate_up": (512, 2048), "down": (2048, 512), "lm_head": (248320, 2048)}
 LM_HEAD_QTYPES = (Q.Q6_K, Q.Q8_0)
@@ -43,7 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--sweep", action="store_true", help="time decode tiles at the 35B shapes instead")
+    ap.add_argument("--write-tuned", type=Path, default=None, help="with --sweep: write the fastest tiles here")
     args = ap.parse_args(argv)
+    if args.write_tuned and not args.sweep:
+        ap.error("--write-tuned needs --sweep")
     try:
         args.qtypes = [Q[name.strip()] for name in args.qtypes.split(",")]
     except KeyError as exc:
@@ -136,6 +147,95 @@ def bench_experts(qtype: Q, n: int, k: int, args, rng) -> dict:
             "rel_err": err, "quant": t}
 
 
+def decode_shapes() -> list[tuple[str, str, int, int]]:
+    """(name, kind, N, K) of every quantized matrix a qwen3.6-35b-a3b decode step multiplies: the
+    projections as the engine merges them (``engine.model.weights.merge_rows``), the LM head
+    and the routed experts."""
+    from engine.gguf.make_model import preset_config
+
+    c = preset_config("qwen3.6-35b-a3b", vocab=248320)
+    gdn_v = c.gdn_v_heads * c.gdn_head_v
+    return [
+        ("attn_qkv", "gemv", 2 * c.n_head * c.head_dim + 2 * c.n_head_kv * c.head_dim, c.hidden),
+        ("attn_out", "gemv", c.hidden, c.n_head * c.head_dim),
+        ("gdn_in", "gemv", 2 * c.gdn_k_heads * c.gdn_head_k + 2 * gdn_v + 2 * c.gdn_v_heads, c.hidden),
+        ("gdn_out", "gemv", c.hidden, gdn_v),
+        ("shared_gate_up", "gemv", 2 * c.shared_ffn, c.hidden),
+        ("shared_down", "gemv", c.hidden, c.shared_ffn),
+        ("lm_head", "gemv", c.vocab, c.hidden),
+        ("expert_gate_up", "experts", c.expert_ffn, c.hidden),
+        ("expert_down", "experts", c.hidden, c.expert_ffn),
+    ]
+
+
+TILE_GRID = [dict(gemv_block_n=bn, gemv_block_k=bk) for bn in (4, 8, 16, 32) for bk in (128, 256, 512)]
+TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_split_k=1)]
+
+
+def sweep(args, rng) -> None:
+    """The fastest decode tiles per 35B shape: the grid at 4 warps, then warps and no-split
+    variants of the grid's best, each checked against the reference before timing."""
+    from datetime import datetime, timezone
+
+    from engine.kernels.quant.tuned import write_table
+
+    dev = torch.device(args.device)
+    name = torch.cuda.get_device_name(dev)
+    entries = []
+    print(f"{'qtype':>5} {'shape':>16} {'kind':>7} {'MB':>7} {'default us':>10} {'best us':>8} {'GB/s':>6} "
+          f"{'speedup':>7}  tiles")
+    for qtype in args.qtypes:
+        for label, kind, n, k in decode_shapes():
+            if k % 256 and qtype not in (Q.Q4_0, Q.Q8_0):
+                continue
+            if kind == "gemv":
+                qm = QuantMatrix.from_gguf_bytes(random_quantized((n, k), qtype, rng, 0.02), qtype, n, k).to(dev)
+                copies = max(1, -(-ROTATE_BYTES // qm.nbytes))
+                mats = rotating([qm] + [QuantMatrix(qm.raw.clone(), qtype, n, k) for _ in range(copies - 1)])
+                x = torch.randn(1, k, device=dev).bfloat16()
+                ref = qmatmul_reference(x, qm.raw, qtype, n, k)
+                nbytes = qm.nbytes
+            else:
+                qe = QuantExperts.from_gguf_bytes(random_quantized((EXPERTS, n, k), qtype, rng, 0.02), qtype,
+                                                  EXPERTS, n, k).to(dev)
+                x = torch.randn(PAIRS, k, device=dev).bfloat16()
+                ids = torch.randperm(EXPERTS, device=dev)[:PAIRS]
+                ref = qmatmul_experts_reference(x, qe.raw, ids, qtype, n, k)
+                draws = rotating([torch.randperm(EXPERTS, device=dev)[:PAIRS] for _ in range(64)])
+                nbytes = PAIRS * qe.nbytes // EXPERTS
+
+            def timed(tiles, kind=kind, label=label):
+                cfg = QuantKernelConfig(**tiles)
+                out = qmatmul(x, mats(), cfg) if kind == "gemv" else qmatmul_experts(x, qe, ids, cfg)
+                err = rel_err(out, ref)
+                if not err < 2e-2:
+                    raise SystemExit(f"{qtype.name} {label} {tiles}: kernel differs from the reference by {err:.2e}")
+                if kind == "gemv":
+                    return time_ms(lambda: qmatmul(x, mats(), cfg), args.warmup, args.repeats)["ms"]
+                return time_ms(lambda: qmatmul_experts(x, qe, draws(), cfg), args.warmup, args.repeats)["ms"]
+
+            default = timed({})
+            results = [(timed(t), t) for t in TILE_GRID]
+            best_ms, best = min(results, key=lambda r: r[0])
+            results += [(timed(best | v), best | v) for v in TILE_VARIANTS]
+            best_ms, best = min(results, key=lambda r: r[0])
+            tiles = QuantKernelConfig(**best)
+            entries.append({"kind": kind, "qtype": qtype.name, "n": n, "k": k, "shape": label,
+                            **{f: getattr(tiles, f) for f in ("gemv_block_n", "gemv_block_k", "gemv_num_warps",
+                                                              "gemv_split_k")},
+                            "us": best_ms * 1e3, "default_us": default * 1e3, "bytes": nbytes})
+            print(f"{qtype.name:>5} {f'{n}x{k}':>16} {kind:>7} {nbytes / 1e6:7.2f} {default * 1e3:10.1f} "
+                  f"{best_ms * 1e3:8.1f} {gbps(nbytes, best_ms):6.0f} {default / best_ms:6.2f}x  {best}", flush=True)
+            torch.cuda.empty_cache()
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+            "warmup": args.warmup, "repeats": args.repeats}
+    if args.json is not None:
+        args.json.write_text(json.dumps({"device": name, **meta, "entries": entries}, indent=1))
+    if args.write_tuned is not None:
+        write_table(args.write_tuned, name, entries, meta)
+        print(f"wrote {len(entries)} tile entries for {name} to {args.write_tuned}")
+
+
 def gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
@@ -146,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     if dev.type != "cuda" or not torch.cuda.is_available():
         raise SystemExit(f"bench/quant_matmul.py needs a CUDA device, got {args.device!r}")
     rng = np.random.default_rng(0)
+    if args.sweep:
+        return sweep(args, rng)
     bandwidth = copy_bandwidth(dev, args.warmup, args.repeats)
     print(f"{torch.cuda.get_device_name(dev)}: device copy {bandwidth / 1e12:.2f} TB/s (read + write)")
     print(f"{'qtype':>5} {'shape':>12} {'M':>4} {'MB':>7} {'quant us':>9} {'GB/s':>7} {'% HBM':>6} "

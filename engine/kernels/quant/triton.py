@@ -30,6 +30,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels.quant.reference import QuantExperts, QuantMatrix
+from engine.kernels.quant.tuned import config_for
 from engine.kernels.tiles import check_tiles
 
 # Kernel-side codes for the quant types (constexpr branches in ``_dequant``).
@@ -311,8 +312,9 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 
 
 def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | None = None) -> torch.Tensor:
-    """``x @ W.T`` for at most 16 rows of x, [M, n] in x.dtype."""
-    config = config or QuantKernelConfig()
+    """``x @ W.T`` for at most 16 rows of x, [M, n] in x.dtype (tiles: ``config``, else the
+    measured ones for this shape and GPU, else the defaults)."""
+    config = config or config_for("gemv", qm.qtype.name, qm.n, qm.k, qm.device, QuantKernelConfig())
     x = _check_x(x, qm.k, qm.device)
     M = x.shape[0]
     if not 1 <= M <= 16:
@@ -355,9 +357,9 @@ def qmatmul_gemm(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
 
 def qmatmul(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | None = None) -> torch.Tensor:
     """``x @ W.T`` [M, n] in x.dtype: GEMV up to ``gemv_max_m`` rows of x, GEMM beyond."""
-    config = config or QuantKernelConfig()
-    if x.dim() == 2 and 1 <= x.shape[0] <= config.gemv_max_m:
-        return qmatmul_gemv(x, qm, config)
+    max_m = (config or QuantKernelConfig()).gemv_max_m
+    if x.dim() == 2 and 1 <= x.shape[0] <= max_m:
+        return qmatmul_gemv(x, qm, config)  # None: the measured tiles of this shape, if any
     return qmatmul_gemm(x, qm, config)
 
 
@@ -367,7 +369,7 @@ def qmatmul_experts(x: torch.Tensor, qe: QuantExperts, ids: torch.Tensor,
 
     Expert ids past ``qe.e`` are not checked here (that would synchronise the host).
     """
-    config = config or QuantKernelConfig()
+    config = config or config_for("experts", qe.qtype.name, qe.n, qe.k, qe.raw.device, QuantKernelConfig())
     x = _check_x(x, qe.k, qe.raw.device)
     T = x.shape[0]
     if ids.shape != (T,) or ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device:

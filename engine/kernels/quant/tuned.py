@@ -1,0 +1,71 @@
+"""Decode-kernel tiles measured per weight shape on a GPU model, read by the quantized matmuls.
+
+``bench/quant_matmul.py --sweep --write-tuned engine/kernels/quant/tuned.json`` times candidate
+GEMV and routed-expert tiles at a model's shapes and writes the fastest per (kind, quant type,
+N, K), with the GPU's name, the date and the timings it saw. The kernels use an entry only on
+a GPU of that name (``config_for``); any other device, shape or a missing or unreadable file
+keeps the default tiles, so a table never changes results, only speed (tiles change the
+summation order within float32 accumulation, as any two tile choices do).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import fields
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TABLE = Path(__file__).with_name("tuned.json")
+KINDS = ("gemv", "experts")
+TILE_KEYS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k")
+
+
+@lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+@lru_cache(maxsize=4)
+def load_table(path: Path) -> dict[tuple[str, str, str, int, int], dict[str, int]]:
+    """(device name, kind, quant type name, N, K) -> tile fields; empty when there is no file.
+
+    A file that does not parse is reported once and ignored (the default tiles stay)."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return {(data["device"], e["kind"], e["qtype"], int(e["n"]), int(e["k"])): {k: int(e[k]) for k in TILE_KEYS}
+                for e in data["entries"]}
+    except (ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"{path}: not a tile table ({exc!r}); the quantized kernels keep their default tiles",
+                      stacklevel=2)
+        return {}
+
+
+def config_for(kind: str, qtype_name: str, n: int, k: int, device: torch.device, default: Any) -> Any:
+    """The measured tiles for this shape on this GPU, else ``default`` (a ``QuantKernelConfig``)."""
+    table = load_table(TABLE)
+    if not table:
+        return default
+    entry = table.get((_device_name(device), kind, qtype_name, n, k))
+    if entry is None:
+        return default
+    names = {f.name for f in fields(default)}
+    return type(default)(**{**{f: getattr(default, f) for f in names}, **entry})
+
+
+def write_table(path: Path, device_name: str, entries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Write a table atomically (temporary file, then rename); ``entries`` carry kind, qtype, n, k,
+    the tile fields and whatever measurements the caller keeps with them."""
+    for e in entries:
+        missing = [k for k in ("kind", "qtype", "n", "k", *TILE_KEYS) if k not in e]
+        if missing or e["kind"] not in KINDS:
+            raise ValueError(f"tile entry {e} lacks {missing} or has an unknown kind")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"device": device_name, **meta, "entries": entries}, indent=1) + "\n")
+    tmp.replace(path)
+    load_table.cache_clear()

@@ -1,0 +1,85 @@
+"""The measured-tile table of the quantized decode kernels: written atomically, read only on the
+GPU model it was measured on, ignored (with a warning) when unreadable; tiles from it reach the
+GEMV and expert kernels and leave their results within the reference bounds."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
+
+from engine.gguf.quants import random_quantized  # noqa: E402
+from engine.kernels.quant import QuantExperts, QuantMatrix, qmatmul_experts_reference, qmatmul_reference  # noqa: E402
+from engine.kernels.quant import tuned  # noqa: E402
+
+triton_quant = pytest.importorskip("engine.kernels.quant.triton")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    monkeypatch.setattr(tuned, "TABLE", path)
+    tuned.load_table.cache_clear()
+    yield path
+    tuned.load_table.cache_clear()
+
+
+def entry(kind="gemv", n=40, k=256, **tiles):
+    return {"kind": kind, "qtype": "Q4_0", "n": n, "k": k, "gemv_block_n": 4, "gemv_block_k": 64,
+            "gemv_num_warps": 2, "gemv_split_k": 2, "us": 1.0, **tiles}
+
+
+def test_entries_apply_on_their_device_and_shape_only(table):
+    default = triton_quant.QuantKernelConfig()
+    assert tuned.config_for("gemv", "Q4_0", 40, 256, CPU, default) is default  # no file
+    tuned.write_table(table, "cpu", [entry(), entry("experts", n=24)], {"date": "2026-12-01"})
+    assert not table.with_suffix(".tmp").exists()
+    got = tuned.config_for("gemv", "Q4_0", 40, 256, CPU, default)
+    assert (got.gemv_block_n, got.gemv_block_k, got.gemv_num_warps, got.gemv_split_k) == (4, 64, 2, 2)
+    assert got.block_m == default.block_m  # the GEMM tiles stay
+    assert tuned.config_for("experts", "Q4_0", 24, 256, CPU, default).gemv_block_n == 4
+    for other in [("gemv", "Q8_0", 40, 256), ("gemv", "Q4_0", 41, 256), ("experts", "Q4_0", 40, 256)]:
+        assert tuned.config_for(*other, CPU, default) is default
+    tuned.write_table(table, "NVIDIA H200", [entry()], {})
+    assert tuned.config_for("gemv", "Q4_0", 40, 256, CPU, default) is default  # measured elsewhere
+
+
+def test_a_broken_table_warns_and_keeps_the_defaults(table):
+    table.write_text("{not json")
+    default = triton_quant.QuantKernelConfig()
+    with pytest.warns(UserWarning, match="not a tile table"):
+        assert tuned.config_for("gemv", "Q4_0", 40, 256, CPU, default) is default
+    with pytest.raises(ValueError, match="lacks"):
+        tuned.write_table(table, "cpu", [{"kind": "gemv", "qtype": "Q4_0", "n": 1, "k": 32}], {})
+    with pytest.raises(ValueError, match="unknown kind"):
+        tuned.write_table(table, "cpu", [entry(kind="gemm")], {})
+
+
+def test_kernels_run_with_the_tiles_of_the_table(table, monkeypatch):
+    """The kernels read the table when no tiles are given: the tuned tiles (a split K among them)
+    are what they launch with, and the results match the references."""
+    tuned.write_table(table, "cpu", [entry(n=40, k=256), entry("experts", n=24, k=256)], {})
+    rng = np.random.default_rng(0)
+    qm = QuantMatrix.from_gguf_bytes(random_quantized((40, 256), Q.Q4_0, rng, 0.02), Q.Q4_0, 40, 256)
+    qe = QuantExperts.from_gguf_bytes(random_quantized((3, 24, 256), Q.Q4_0, rng, 0.02), Q.Q4_0, 3, 24, 256)
+    seen = []
+    real = triton_quant._split_k
+
+    def spy(n_tiles, k, block_k, config, device):
+        seen.append((n_tiles, block_k, config.gemv_split_k))
+        return real(n_tiles, k, block_k, config, device)
+
+    monkeypatch.setattr(triton_quant, "_split_k", spy)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(1))
+    out = triton_quant.qmatmul(x, qm)
+    assert seen == [(10, 64, 2)]  # 40 rows in tiles of 4, K tiles of 64, two splits
+    assert ((out - qmatmul_reference(x, qm.raw, Q.Q4_0, 40, 256)).abs().max() < 1e-4)
+    ids = torch.tensor([2, -1, 0])
+    xs = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    got = triton_quant.qmatmul_experts(xs, qe, ids)
+    assert (got - qmatmul_experts_reference(xs, qe.raw, ids, Q.Q4_0, 24, 256)).abs().max() < 1e-4
