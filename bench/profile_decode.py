@@ -1,7 +1,8 @@
 """Where one decode step's time goes: torch.profiler over a few decode steps of one model.
 
     python bench/profile_decode.py --model M.gguf [--steps 8] [--weights dense|quantized]
-        [--budget-mb MB] [--no-graph] [--trace out.json] [--rows 30]
+        [--experts dense|quantized] [--budget-mb MB | --budget-percent P] [--cold-device cpu|gpu]
+        [--no-graph] [--trace out.json] [--rows 30]
 
 Prints the wall time per step (median of ``--steps`` after a warm-up) of the eager step
 (``Qwen35MoE.forward``) and of the static step replayed from a CUDA graph (``DecodeGraph``,
@@ -30,13 +31,32 @@ def main() -> None:
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--weights", default="dense", choices=("dense", "quantized"))
-    ap.add_argument("--budget-mb", type=float, default=None, help="expert budget (default: every expert on the GPU)")
+    ap.add_argument("--experts", default="dense", choices=("dense", "quantized"),
+                    help="routed experts dense, or as GGUF blocks on both tiers (budgets in quantized bytes)")
+    budget = ap.add_mutually_exclusive_group()
+    budget.add_argument("--budget-mb", type=float, default=None,
+                        help="expert budget (default: every expert on the GPU)")
+    budget.add_argument("--budget-percent", type=float, default=None,
+                        help="expert budget as a share of all the experts' device bytes")
+    ap.add_argument("--cold-device", default="cpu", choices=("cpu", "gpu"),
+                    help="what computes the experts outside the budget")
     ap.add_argument("--no-graph", action="store_true", help="time and profile the eager step only")
     ap.add_argument("--trace", type=Path, default=None, help="Chrome trace of the eager step")
     ap.add_argument("--rows", type=int, default=30)
     args = ap.parse_args()
 
-    eng = Engine.from_gguf(args.model, weights=args.weights, expert_budget_mb=args.budget_mb, cuda_graph=True)
+    quantized = args.experts == "quantized"
+    placed = quantized or args.budget_mb is not None or args.budget_percent is not None
+    eng = Engine.from_gguf(args.model, weights=args.weights, cuda_graph=True, cold_device=args.cold_device,
+                           cold_format=args.experts, hot_format=args.experts,
+                           expert_budget_mb=0 if placed else None)
+    if placed:
+        placement = eng.set_expert_budget(0)
+        total_mb = placement.n_expert * sum(placement.expert_bytes) / 2**20
+        budget = args.budget_mb if args.budget_mb is not None else total_mb * (args.budget_percent or 100) / 100
+        placement = eng.set_expert_budget(budget)
+        print(f"experts ({args.experts}): {placement.hot_count} hot, {placement.cold_count} cold "
+              f"({args.cold_device}), {budget:,.1f} of {total_mb:,.1f} MB", flush=True)
     model, device = eng.model, eng.device
     prompt = torch.arange(16, device=device) % eng.config.vocab
     capacity = 64 + 3 * args.steps
