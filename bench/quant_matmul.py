@@ -12,7 +12,7 @@ call over the median time gives GB/s, shown as a percentage of the HBM bandwidth
 here (a large device-to-device copy, read + write bytes over time). Small weights are
 rotated through enough copies to exceed the L2 cache, so every call reads from HBM.
 
-``--sweep`` times the single-token decode kernels (GEMV and the routed-expert kernel, M = 1)
+``--sweep`` times the single-token decode kernels (GEMV and the fused routed-expert launches)
 at the shapes qwen3.6-35b-a3b decodes with (the merged projections, the LM head, the experts)
 over a grid of tiles, prints the fastest per shape against the default tiles, and with
 ``--write-tuned`` writes them as the table the kernels read on this GPU
@@ -32,7 +32,8 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.gguf.quants import random_quantized
 from engine.kernels.quant import QTYPES, QuantExperts, QuantMatrix, qmatmul_experts_reference, qmatmul_reference
-from engine.kernels.quant.triton import QuantKernelConfig, qmatmul, qmatmul_experts
+from engine.hybrid import quantized_moe
+from engine.kernels.quant.triton import QuantKernelConfig, qmatmul, qmatmul_experts, quantized_moe_triton
 
 SHAPES = {"attn": (2048, 2048), "gate_up": (512, 2048), "down": (2048, 512), "lm_head": (248320, 2048)}
 LM_HEAD_QTYPES = (Q.Q6_K, Q.Q8_0)
@@ -150,7 +151,7 @@ def bench_experts(qtype: Q, n: int, k: int, args, rng) -> dict:
 def decode_shapes() -> list[tuple[str, str, int, int]]:
     """(name, kind, N, K) of every quantized matrix a qwen3.6-35b-a3b decode step multiplies: the
     projections as the engine merges them (``engine.model.weights.merge_rows``), the LM head
-    and the routed experts."""
+    and the routed experts (kind ``moe``: the fused gate/up and down launches of 8 pairs)."""
     from engine.gguf.make_model import preset_config
 
     c = preset_config("qwen3.6-35b-a3b", vocab=248320)
@@ -163,8 +164,7 @@ def decode_shapes() -> list[tuple[str, str, int, int]]:
         ("shared_gate_up", "gemv", 2 * c.shared_ffn, c.hidden),
         ("shared_down", "gemv", c.hidden, c.shared_ffn),
         ("lm_head", "gemv", c.vocab, c.hidden),
-        ("expert_gate_up", "experts", c.expert_ffn, c.hidden),
-        ("expert_down", "experts", c.hidden, c.expert_ffn),
+        ("experts", "moe", c.expert_ffn, c.hidden),  # gate/up [ffn, hidden] and down [hidden, ffn]
     ]
 
 
@@ -196,34 +196,37 @@ def sweep(args, rng) -> None:
                 ref = qmatmul_reference(x, qm.raw, qtype, n, k)
                 nbytes = qm.nbytes
             else:
-                qe = QuantExperts.from_gguf_bytes(random_quantized((EXPERTS, n, k), qtype, rng, 0.02), qtype,
-                                                  EXPERTS, n, k).to(dev)
-                x = torch.randn(PAIRS, k, device=dev).bfloat16()
-                ids = torch.randperm(EXPERTS, device=dev)[:PAIRS]
-                ref = qmatmul_experts_reference(x, qe.raw, ids, qtype, n, k)
-                draws = rotating([torch.randperm(EXPERTS, device=dev)[:PAIRS] for _ in range(64)])
-                nbytes = PAIRS * qe.nbytes // EXPERTS
+                stack = [QuantExperts.from_gguf_bytes(random_quantized((EXPERTS, a, b), qtype, rng, 0.02), qtype,
+                                                      EXPERTS, a, b).to(dev) for a, b in ((n, k), (n, k), (k, n))]
+                x = torch.randn(1, k, device=dev).bfloat16()
+                ids = torch.randperm(EXPERTS, device=dev)[:PAIRS].reshape(1, PAIRS)
+                w = torch.softmax(torch.randn(1, PAIRS, device=dev), -1)
+                ref = quantized_moe(x, stack, ids, w, impl="torch")
+                draws = rotating([torch.randperm(EXPERTS, device=dev)[:PAIRS].reshape(1, PAIRS) for _ in range(64)])
+                nbytes = PAIRS * sum(e.nbytes for e in stack) // EXPERTS
 
             def timed(tiles, kind=kind, label=label):
                 cfg = QuantKernelConfig(**tiles)
-                out = qmatmul(x, mats(), cfg) if kind == "gemv" else qmatmul_experts(x, qe, ids, cfg)
+                out = qmatmul(x, mats(), cfg) if kind == "gemv" else quantized_moe_triton(x, *stack, ids, w, cfg)
                 err = rel_err(out, ref)
                 if not err < 2e-2:
                     raise SystemExit(f"{qtype.name} {label} {tiles}: kernel differs from the reference by {err:.2e}")
                 if kind == "gemv":
                     return time_ms(lambda: qmatmul(x, mats(), cfg), args.warmup, args.repeats)["ms"]
-                return time_ms(lambda: qmatmul_experts(x, qe, draws(), cfg), args.warmup, args.repeats)["ms"]
+                return time_ms(lambda: quantized_moe_triton(x, *stack, draws(), w, cfg), args.warmup,
+                               args.repeats)["ms"]
 
             default = timed({})
-            results = [(timed(t), t) for t in TILE_GRID]
+            results = [(default, {})] + [(timed(t), t) for t in TILE_GRID]  # the defaults stay if nothing beats them
             best_ms, best = min(results, key=lambda r: r[0])
             results += [(timed(best | v), best | v) for v in TILE_VARIANTS]
             best_ms, best = min(results, key=lambda r: r[0])
             tiles = QuantKernelConfig(**best)
-            entries.append({"kind": kind, "qtype": qtype.name, "n": n, "k": k, "shape": label,
-                            **{f: getattr(tiles, f) for f in ("gemv_block_n", "gemv_block_k", "gemv_num_warps",
-                                                              "gemv_split_k")},
-                            "us": best_ms * 1e3, "default_us": default * 1e3, "bytes": nbytes})
+            fields = {f: getattr(tiles, f) for f in ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k")}
+            measured = {"shape": label, "us": best_ms * 1e3, "default_us": default * 1e3, "bytes": nbytes}
+            # the MoE's two launches share the tiles timed together
+            for kind_, n_, k_ in ([(kind, n, k)] if kind == "gemv" else [("moe_gate_up", n, k), ("moe_down", k, n)]):
+                entries.append({"kind": kind_, "qtype": qtype.name, "n": n_, "k": k_, **fields, **measured})
             print(f"{qtype.name:>5} {f'{n}x{k}':>16} {kind:>7} {nbytes / 1e6:7.2f} {default * 1e3:10.1f} "
                   f"{best_ms * 1e3:8.1f} {gbps(nbytes, best_ms):6.0f} {default / best_ms:6.2f}x  {best}", flush=True)
             torch.cuda.empty_cache()

@@ -42,6 +42,7 @@ from engine.gguf import quants
 from engine.kernels.cpu_quant import CpuQuantMatrix
 from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
 from engine.kernels.quant.reference import QuantExperts, row_bytes
+from engine.kernels.quant.reference import resolve_impl as resolve_quant_impl
 from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fits, gpu_expert_capacity_mb,
                               plan_placement, state_bytes)
 
@@ -277,14 +278,19 @@ def quantized_moe(x: torch.Tensor, experts: Sequence[QuantExperts], ids: torch.T
                   impl: str = "auto") -> torch.Tensor:
     """Routed-expert SwiGLU over quantized (gate, up, down) experts: [T, H] in x's dtype.
 
-    Each routed pair (token, expert) is one row of the quantized experts' matmul (the Triton
-    kernel on CUDA dequantizes in registers); pairs with a negative id contribute nothing. No
-    host synchronisation on the Triton path.
+    Pairs with a negative id contribute nothing. The Triton path (CUDA, or ``impl="triton"``)
+    dequantizes in registers in two launches, gate and up together, then down with each
+    token's weighted sum over its pairs, and never synchronises the host; the torch path is the
+    reference: one quantized matmul per projection over every pair, then the weighted sum.
     """
+    gate, up, down = experts
+    if resolve_quant_impl(impl, x.device) == "triton":
+        from engine.kernels.quant.triton import quantized_moe_triton
+
+        return quantized_moe_triton(x, gate, up, down, ids, w)
     T, k = ids.shape
     flat = ids.reshape(-1)
     xs = x.repeat_interleave(k, dim=0)  # [T k, H]: pair p = t k + j reads token t
-    gate, up, down = experts
     act = (F.silu(gate.matmul(xs, flat, impl).float()) * up.matmul(xs, flat, impl).float()).to(x.dtype)
     y = down.matmul(act, flat, impl).float()  # [T k, H]
     return (y * w.reshape(-1, 1).float()).view(T, k, -1).sum(1).to(x.dtype)

@@ -386,3 +386,113 @@ def qmatmul_experts(x: torch.Tensor, qe: QuantExperts, ids: torch.Tensor,
         BLOCKWISE=_blockwise(qe.qtype, config.gemv_block_k), num_warps=config.gemv_num_warps)
     return out
 
+
+
+@triton.jit
+def _pair_dot(p_row, p_x, K: tl.constexpr, live, N_ROWS, o_n,
+              QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr):
+    """[BLOCK_N] float32: the rows at ``p_row`` [BN, 1] of one expert times the vector at ``p_x``
+    (zero where ``live`` is false: a pair routed nowhere reads block 0 and discards it)."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if BLOCKWISE:
+        N_BLOCKS: tl.constexpr = K // 32
+        for k0 in range(0, K, BLOCK_K):
+            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            m_b = (kb < N_BLOCKS) & live
+            kb = tl.minimum(kb, N_BLOCKS - 1)
+            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE)
+            x_lo, x_hi = _block_x(p_x, kb, live)
+            acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = (o_k < K) & live
+            b_w = _dequant(p_row, o_k[None, :], (o_n < N_ROWS)[:, None] & m_k[None, :], QTYPE)
+            b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+            acc += tl.sum(b_w * b_x[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, FFN, K: tl.constexpr, TOP_K: tl.constexpr,
+    stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap,
+    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+):
+    """Routed pair ``p`` (token ``p // TOP_K``), rows ``BLOCK_N`` of its expert's gate and up:
+    ``act[p] = silu(gate x) * up x`` in float32, stored in act's dtype (zero for id -1)."""
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + p)
+    live = e >= 0
+    e = tl.maximum(e, 0).to(tl.int64)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(o_n, FFN - 1).to(tl.int64)[:, None]
+    p_x = x_ptr + (p // TOP_K) * stride_xt
+    g = _pair_dot(g_ptr + e * stride_ge + rows * stride_gn, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE)
+    u = _pair_dot(u_ptr + e * stride_ue + rows * stride_un, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE)
+    act = g / (1.0 + tl.exp(-g)) * u
+    tl.store(act_ptr + p * stride_ap + o_n, act.to(act_ptr.dtype.element_ty), mask=o_n < FFN)
+
+
+@triton.jit
+def _moe_down_kernel(
+    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, H, FFN: tl.constexpr, TOP_K: tl.constexpr,
+    stride_ap, stride_de, stride_dn, stride_ot,
+    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+):
+    """Token ``t``, rows ``BLOCK_N`` of the output: the routing-weighted sum over its ``TOP_K``
+    pairs of ``down[e] act[p]``, added in pair order in float32 (no partial sums leave the program)."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(o_n, H - 1).to(tl.int64)[:, None]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = t * TOP_K + j
+        e = tl.load(ids_ptr + p)
+        live = e >= 0
+        e = tl.maximum(e, 0).to(tl.int64)
+        y = _pair_dot(d_ptr + e * stride_de + rows * stride_dn, act_ptr + p * stride_ap, FFN, live, H, o_n,
+                      QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE)
+        acc += tl.load(w_ptr + p).to(tl.float32) * y
+    tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=o_n < H)
+
+
+def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, down: QuantExperts,
+                         ids: torch.Tensor, w: torch.Tensor, config: QuantKernelConfig | None = None) -> torch.Tensor:
+    """Routed-expert SwiGLU over quantized experts in two launches: [T, H] in x's dtype.
+
+    x [T, H]; gate, up [E, ffn, H] and down [E, H, ffn] blocks of one type; ids [T, k] (-1: no
+    expert); w [T, k] float32. Gate and up share one launch that writes ``silu(g) * u`` per pair;
+    the down launch sums each token's pairs with their weights in registers. Tiles: ``config``,
+    else the measured ones for these shapes on this GPU (kinds ``moe_gate_up``, ``moe_down``)."""
+    T, top_k = ids.shape
+    x = _check_x(x, gate.k, gate.raw.device)
+    if ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device or w.shape != ids.shape:
+        raise ValueError(f"ids must be an int tensor [T, k] on {x.device} and w of its shape, got {ids.dtype} "
+                         f"{tuple(ids.shape)} on {ids.device} and {tuple(w.shape)}")
+    if not (gate.qtype == up.qtype == down.qtype and gate.n == up.n == down.k and down.n == gate.k):
+        raise ValueError(f"gate {gate.qtype.name} [{gate.n}, {gate.k}], up {up.qtype.name} [{up.n}, {up.k}] and "
+                         f"down {down.qtype.name} [{down.n}, {down.k}] do not make one SwiGLU expert")
+    out = torch.empty(T, down.n, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    ids = ids.contiguous()
+    w = w.contiguous().float()
+    c_up = config or config_for("moe_gate_up", gate.qtype.name, gate.n, gate.k, x.device, QuantKernelConfig())
+    c_down = config or config_for("moe_down", down.qtype.name, down.n, down.k, x.device, QuantKernelConfig())
+    act = torch.empty(T * top_k, gate.n, dtype=x.dtype, device=x.device)
+    bn, bk = c_up.gemv_block_n, c_up.gemv_block_k
+    _moe_gate_up_kernel[(T * top_k, triton.cdiv(gate.n, bn))](
+        x, gate.raw, up.raw, ids, act, gate.n, gate.k, top_k,
+        x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
+        QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
+        num_warps=c_up.gemv_num_warps)
+    bn, bk = c_down.gemv_block_n, c_down.gemv_block_k
+    _moe_down_kernel[(T, triton.cdiv(down.n, bn))](
+        act, down.raw, ids, w, out, down.n, down.k, top_k,
+        act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0),
+        QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
+        num_warps=c_down.gemv_num_warps)
+    return out

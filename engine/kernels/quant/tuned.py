@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 TABLE = Path(__file__).with_name("tuned.json")
-KINDS = ("gemv", "experts")
+KINDS = ("gemv", "experts", "moe_gate_up", "moe_down")
 TILE_KEYS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k")
 
 
