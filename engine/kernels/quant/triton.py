@@ -459,14 +459,118 @@ def _moe_down_kernel(
     tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=o_n < H)
 
 
+@triton.jit
+def _q_grouped_gate_up_kernel(
+    x_ptr, g_ptr, u_ptr, act_ptr, pairs_ptr, block_expert_ptr,
+    n_pairs, H: tl.constexpr, FFN,
+    stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap,
+    QTYPE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """A block of ``BLOCK_M`` pairs routed to one expert (``align_by_expert``) times ``BLOCK_N``
+    rows of its gate and up, weight tiles dequantized in registers and fed to ``tl.dot``: each
+    expert's blocks are read once per block of its pairs, not once per pair."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    used = e >= 0
+    e = tl.maximum(e, 0).to(tl.int64)
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b_pair = tl.load(pairs_ptr + o_m)  # [BM], n_pairs marks padding
+    m_m = (b_pair < n_pairs) & used
+    b_tok = b_pair // TOP_K
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = (o_n < FFN) & used
+    rows = tl.minimum(o_n, FFN - 1).to(tl.int64)[None, :]  # [1, BN], in bounds
+    p_g = g_ptr + e * stride_ge + rows * stride_gn
+    p_u = u_ptr + e * stride_ue + rows * stride_un
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < H
+        b_x = tl.load(x_ptr + b_tok[:, None] * stride_xt + o_k[None, :],
+                      mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+        m_w = m_k[:, None] & m_n[None, :]
+        b_g = _dequant(p_g, o_k[:, None], m_w, QTYPE)  # [BK, BN] float32
+        b_u = _dequant(p_u, o_k[:, None], m_w, QTYPE)
+        acc_g = tl.dot(b_x, b_g.to(b_x.dtype), acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(b_x, b_u.to(b_x.dtype), acc_u, input_precision=DOT_PRECISION)
+    b_act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(act_ptr + b_pair[:, None] * stride_ap + o_n[None, :], b_act.to(act_ptr.dtype.element_ty),
+             mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _q_grouped_down_kernel(
+    act_ptr, d_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr,
+    n_pairs, H, FFN: tl.constexpr,
+    stride_ap, stride_de, stride_dn, stride_op,
+    QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Down for a block of pairs of one expert: weighted rows of ``out`` [pairs, H] in float32."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    used = e >= 0
+    e = tl.maximum(e, 0).to(tl.int64)
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b_pair = tl.load(pairs_ptr + o_m)
+    m_m = (b_pair < n_pairs) & used
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = (o_n < H) & used
+    p_d = d_ptr + e * stride_de + tl.minimum(o_n, H - 1).to(tl.int64)[None, :] * stride_dn  # [1, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, FFN, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < FFN
+        b_a = tl.load(act_ptr + b_pair[:, None] * stride_ap + o_k[None, :],
+                      mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+        b_d = _dequant(p_d, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE)  # [BK, BN]
+        acc = tl.dot(b_a, b_d.to(b_a.dtype), acc, input_precision=DOT_PRECISION)
+    b_w = tl.load(w_ptr + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
+    tl.store(out_ptr + b_pair[:, None] * stride_op + o_n[None, :], acc * b_w[:, None],
+             mask=m_m[:, None] & m_n[None, :])
+
+
+def _grouped_quantized_moe(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, down: QuantExperts,
+                           ids: torch.Tensor, w: torch.Tensor, config: QuantKernelConfig) -> torch.Tensor:
+    """Many tokens (prefill): pairs grouped by expert, tensor-core tiles over dequantized weights."""
+    from engine.kernels.moe.triton import align_by_expert
+
+    T, top_k = ids.shape
+    n_pairs = T * top_k
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    pairs, block_expert = align_by_expert(ids, gate.e, bm)
+    n_blocks = block_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty(n_pairs, gate.n, dtype=x.dtype, device=x.device)
+    _q_grouped_gate_up_kernel[(n_blocks, triton.cdiv(gate.n, bn))](
+        x, gate.raw, up.raw, act, pairs, block_expert, n_pairs, gate.k, gate.n,
+        x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
+        QTYPE=_CODE[gate.qtype], TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    out = torch.zeros(n_pairs, down.n, dtype=torch.float32, device=x.device)
+    _q_grouped_down_kernel[(n_blocks, triton.cdiv(down.n, bn))](
+        act, down.raw, w, out, pairs, block_expert, n_pairs, down.n, down.k,
+        act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0),
+        QTYPE=_CODE[down.qtype], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out.view(T, top_k, down.n).sum(1).to(x.dtype)
+
+
 def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, down: QuantExperts,
                          ids: torch.Tensor, w: torch.Tensor, config: QuantKernelConfig | None = None) -> torch.Tensor:
-    """Routed-expert SwiGLU over quantized experts in two launches: [T, H] in x's dtype.
+    """Routed-expert SwiGLU over quantized experts: [T, H] in x's dtype.
 
     x [T, H]; gate, up [E, ffn, H] and down [E, H, ffn] blocks of one type; ids [T, k] (-1: no
-    expert); w [T, k] float32. Gate and up share one launch that writes ``silu(g) * u`` per pair;
-    the down launch sums each token's pairs with their weights in registers. Tiles: ``config``,
-    else the measured ones for these shapes on this GPU (kinds ``moe_gate_up``, ``moe_down``)."""
+    expert); w [T, k] float32. Up to ``gemv_max_m`` tokens (decode, verify blocks), two GEMV
+    launches: gate and up together write ``silu(g) * u`` per pair, and down sums each token's
+    pairs with their weights in registers (tiles: ``config``, else the measured ones for these
+    shapes on this GPU, kinds ``moe_gate_up`` and ``moe_down``). Longer calls group the pairs
+    by expert and run tensor-core tiles over weights dequantized in registers, so each expert's
+    blocks are read once per block of its pairs rather than once per pair."""
     T, top_k = ids.shape
     x = _check_x(x, gate.k, gate.raw.device)
     if ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device or w.shape != ids.shape:
@@ -480,6 +584,8 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
         return out
     ids = ids.contiguous()
     w = w.contiguous().float()
+    if T > (config or QuantKernelConfig()).gemv_max_m:  # prefill: read each expert once per block of its pairs
+        return _grouped_quantized_moe(x, gate, up, down, ids.long(), w, config or QuantKernelConfig())
     c_up = config or config_for("moe_gate_up", gate.qtype.name, gate.n, gate.k, x.device, QuantKernelConfig())
     c_down = config or config_for("moe_down", down.qtype.name, down.n, down.k, x.device, QuantKernelConfig())
     act = torch.empty(T * top_k, gate.n, dtype=x.dtype, device=x.device)

@@ -298,3 +298,25 @@ def test_fused_quantized_moe_matches_the_per_projection_reference(qtype, T):
     if hidden != ffn:
         with pytest.raises(ValueError, match="do not make one SwiGLU expert"):
             tq.quantized_moe_triton(x, stack[0], stack[1], stack[0], ids, w)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
+def test_grouped_quantized_moe_for_long_calls_matches_the_reference(qtype):
+    """Past ``gemv_max_m`` tokens the pairs are grouped by expert into tensor-core tiles over
+    dequantized weights (blocks padded per expert, unrouted pairs skipped)."""
+    from engine.hybrid import quantized_moe
+
+    hidden, ffn = (256, 256) if qtype == Q.Q4_K else (96, 64)
+    E, k, T = 5, 2, 21
+    rng = np.random.default_rng(5)
+    stack = [QuantExperts.from_gguf_bytes(random_quantized((E, n, kk), qtype, rng, 0.05), qtype, E, n, kk)
+             for n, kk in ((ffn, hidden), (ffn, hidden), (hidden, ffn))]
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(T, hidden, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[3, 0] = -1
+    w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    ref = quantized_moe(x, stack, ids, w, impl="torch")
+    config = tq.QuantKernelConfig(block_m=16, block_n=32, block_k=32, gemv_max_m=4)
+    out = tq.quantized_moe_triton(x, *stack, ids, w, config)
+    assert out.shape == (T, hidden) and rel_err(out, ref) < 1e-5
