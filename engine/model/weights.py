@@ -255,13 +255,14 @@ def merge_rows(parts: list) -> tuple[Any, list]:
         merged = torch.cat(parts)
         return merged, list(merged.split([p.shape[0] for p in parts]))
     if all(isinstance(p, QuantMatrix) for p in parts):
-        if any((p.qtype, p.k, p.device) != (first.qtype, first.k, first.device) for p in parts):
+        if any((p.qtype, p.k, p.device, p.layout) != (first.qtype, first.k, first.device, first.layout)
+               for p in parts):
             return None, parts
         raw = torch.cat([p.raw for p in parts])
-        merged = QuantMatrix(raw, first.qtype, raw.shape[0], first.k)
+        merged = QuantMatrix(raw, first.qtype, raw.shape[0], first.k, first.layout)
         views, start = [], 0
         for p in parts:
-            views.append(QuantMatrix(raw[start:start + p.n], p.qtype, p.n, p.k))
+            views.append(QuantMatrix(raw[start:start + p.n], p.qtype, p.n, p.k, p.layout))
             start += p.n
         return merged, views
     return None, parts
@@ -269,10 +270,12 @@ def merge_rows(parts: list) -> tuple[Any, list]:
 
 def quant_matrix(source: TensorSource, name: str, cfg: ModelConfig, device: torch.device | str):
     """``name`` as a ``QuantMatrix`` on ``device`` (GDN value heads in engine order), or None when
-    it is not stored block-quantized or its value heads cannot be reordered block-wise."""
+    it is not stored block-quantized or its value heads cannot be reordered block-wise. On CUDA,
+    Q4_0 and Q8_0 rows take the split layout the decode kernels load as vectors."""
     from gguf import GGML_QUANT_SIZES
 
     from engine.kernels.quant import QTYPES, QuantMatrix
+    from engine.kernels.quant.reference import SPLIT_QTYPES
 
     info = source.tensors[name]
     if info.qtype not in QTYPES or len(info.shape) != 2:
@@ -288,4 +291,5 @@ def quant_matrix(source: TensorSource, name: str, cfg: ModelConfig, device: torc
             raw = to_grouped(blocks, 1, cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_head_v // block).reshape(n, -1)
         else:  # value heads along the rows: the permutation moves whole rows of blocks
             raw = reorder_value_heads(name, raw, cfg, to="grouped")
-    return QuantMatrix.from_gguf_bytes(raw.contiguous(), info.qtype, n, k).to(device)
+    qm = QuantMatrix.from_gguf_bytes(raw.contiguous(), info.qtype, n, k).to(device)
+    return qm.with_layout("split") if qm.device.type == "cuda" and qm.qtype in SPLIT_QTYPES else qm

@@ -18,6 +18,8 @@ from engine.gguf.quants import dequantize
 
 QTYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 IMPLS = ("auto", "triton", "torch")
+LAYOUTS = ("ggml", "split")
+SPLIT_QTYPES = (Q.Q4_0, Q.Q8_0)  # one fp16 scale and the codes per 32-weight block
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -72,17 +74,54 @@ def _shaped(raw: torch.Tensor | np.ndarray, qtype: Q, lead: tuple[int, ...], k: 
     return raw.reshape(*lead, rb)
 
 
+def split_rows(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Q4_0/Q8_0 rows ``raw`` [n, row_bytes] from ggml's block order (scale, codes; scale,
+    codes; ...) to the split layout: every block's codes in order, then every block's fp16 scale.
+    The same bytes and row length, rearranged on ``raw``'s device; ``join_rows`` undoes it.
+    The codes then start at the row (16-byte aligned where the row is), so a kernel loads each
+    block's codes as one vector instead of byte by byte from an odd offset."""
+    _, size = GGML_QUANT_SIZES[check_split(qtype)]
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, size)
+    return torch.cat([blocks[:, :, 2:].reshape(n, -1), blocks[:, :, :2].reshape(n, -1)], dim=1)
+
+
+def join_rows(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """The inverse of ``split_rows``: ggml's block order."""
+    _, size = GGML_QUANT_SIZES[check_split(qtype)]
+    n = raw.shape[0]
+    nb = raw.shape[1] // size
+    codes = raw[:, :nb * (size - 2)].reshape(n, nb, size - 2)
+    scales = raw[:, nb * (size - 2):].reshape(n, nb, 2)
+    return torch.cat([scales, codes], dim=2).reshape(n, -1)
+
+
+def check_split(qtype: Q) -> Q:
+    if qtype not in SPLIT_QTYPES:
+        raise ValueError(f"the split layout holds {', '.join(t.name for t in SPLIT_QTYPES)}, not {Q(qtype).name}")
+    return qtype
+
+
 @dataclass(frozen=True)
 class QuantMatrix:
-    """A [n, k] weight as raw ggml blocks: ``raw`` uint8 [n, row_bytes]."""
+    """A [n, k] weight as raw ggml blocks: ``raw`` uint8 [n, row_bytes].
+
+    ``layout`` "ggml" keeps the file's block order; "split" (Q4_0 and Q8_0, ``split_rows``)
+    the same bytes with each row's codes first and its scales after them, which the Triton
+    kernels read with vector loads. The references dequantize either."""
 
     raw: torch.Tensor
     qtype: Q
     n: int
     k: int
+    layout: str = "ggml"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "qtype", check_qtype(self.qtype))
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "split":
+            check_split(self.qtype)
         if self.n <= 0:
             raise ValueError(f"row count n must be positive, got {self.n}")
         rb = row_bytes(self.qtype, self.k)
@@ -106,11 +145,28 @@ class QuantMatrix:
     def device(self) -> torch.device:
         return self.raw.device
 
+    @property
+    def split_at(self) -> int:
+        """Byte offset of the scales in a split-layout row; 0 for the ggml layout."""
+        return self.k // 32 * (GGML_QUANT_SIZES[self.qtype][1] - 2) if self.layout == "split" else 0
+
+    @property
+    def ggml_raw(self) -> torch.Tensor:
+        """The blocks in ggml's order (``raw`` itself, or the split rows joined back)."""
+        return self.raw if self.layout == "ggml" else join_rows(self.raw, self.qtype)
+
     def to(self, device: torch.device | str) -> "QuantMatrix":
         return replace(self, raw=self.raw.to(device))
 
+    def with_layout(self, layout: str) -> "QuantMatrix":
+        """The same matrix in ``layout`` (a rearranged copy, or ``self``)."""
+        if layout == self.layout:
+            return self
+        raw = split_rows(self.raw, self.qtype) if layout == "split" else self.ggml_raw
+        return replace(self, raw=raw.contiguous(), layout=layout)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.raw, self.qtype, (self.n, self.k)).to(dtype)
+        return dequantize(self.ggml_raw, self.qtype, (self.n, self.k)).to(dtype)
 
     def matmul(self, x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
         """``x @ W.T`` [M, n] in x.dtype: Triton on CUDA (or with ``impl="triton"``), torch otherwise."""
@@ -118,7 +174,7 @@ class QuantMatrix:
             from engine.kernels.quant.triton import qmatmul
 
             return qmatmul(x, self)
-        return qmatmul_reference(x, self.raw, self.qtype, self.n, self.k)
+        return qmatmul_reference(x, self.ggml_raw, self.qtype, self.n, self.k)
 
 
 @dataclass(frozen=True)

@@ -77,22 +77,34 @@ def _u8(p):
 
 
 @triton.jit
-def _dequant(p_row, o_k, mask, QTYPE: tl.constexpr):
+def _dequant(p_row, o_k, mask, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr):
     """Weights at byte row starts ``p_row`` and columns ``o_k`` (broadcast together) as float32.
 
-    The loads are unmasked: callers clamp rows into the tensor, and masked-off columns read
-    block 0 of their row; those elements are then forced to zero.
+    ``SPLIT_AT`` > 0: a Q4_0/Q8_0 row in the split layout (every block's codes, then the fp16
+    scales from that byte on; ``engine.kernels.quant.reference.split_rows``). The loads are
+    unmasked: callers clamp rows into the tensor, and masked-off columns read block 0 of their
+    row; those elements are then forced to zero.
     """
     o_k = tl.where(mask, o_k, 0)
     if QTYPE == 0:  # Q4_0: d, qs[16]; element i < 16 is qs[i] & 15, element i + 16 is qs[i] >> 4
-        p_b = p_row + (o_k // 32) * 18
         i = o_k % 32
-        q = (_u8(p_b + 2 + i % 16) >> ((i // 16) * 4)) & 15
-        w = _f16(p_b) * (q - 8).to(tl.float32)
+        if SPLIT_AT > 0:
+            p_q = p_row + (o_k // 32) * 16
+            p_d = p_row + SPLIT_AT + (o_k // 32) * 2
+        else:
+            p_d = p_row + (o_k // 32) * 18
+            p_q = p_d + 2
+        q = (_u8(p_q + i % 16) >> ((i // 16) * 4)) & 15
+        w = _f16(p_d) * (q - 8).to(tl.float32)
     elif QTYPE == 1:  # Q8_0: d, qs[32] int8
-        p_b = p_row + (o_k // 32) * 34
-        q = tl.load((p_b + 2 + o_k % 32).to(tl.pointer_type(tl.int8)))
-        w = _f16(p_b) * q.to(tl.float32)
+        if SPLIT_AT > 0:
+            p_q = p_row + (o_k // 32) * 32
+            p_d = p_row + SPLIT_AT + (o_k // 32) * 2
+        else:
+            p_d = p_row + (o_k // 32) * 34
+            p_q = p_d + 2
+        q = tl.load((p_q + o_k % 32).to(tl.pointer_type(tl.int8)))
+        w = _f16(p_d) * q.to(tl.float32)
     elif QTYPE < 4:  # Q4_K (2) / Q5_K (3): d, dmin, scales[12], (qh[32],) qs[128]
         SIZE: tl.constexpr = 144 + (QTYPE - 2) * 32
         QS: tl.constexpr = 16 + (QTYPE - 2) * 32
@@ -124,26 +136,38 @@ def _dequant(p_row, o_k, mask, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _block_tiles(p_row, kb, m_b, QTYPE: tl.constexpr):
+def _block_tiles(p_row, kb, m_b, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr):
     """Whole Q4_0 (``QTYPE`` 0) or Q8_0 (1) blocks ``kb`` [NB] of the rows starting at ``p_row``
     [BN, 1], dequantized: the first and second 16 weights of each block, [BN, NB, 16] float32
     each (zero for blocks where ``m_b`` is false; their loads read block ``kb``, kept in bounds).
 
     A block's codes are one contiguous run of bytes and its scale is applied once per block,
-    not per weight: one byte load per two Q4_0 weights instead of two loads per weight.
+    not per weight: one byte load per two Q4_0 weights instead of two loads per weight. In the
+    split layout (``SPLIT_AT`` > 0) the runs start 16-byte aligned, so they load as vectors.
     """
     o_i = tl.arange(0, 16)
+    kb3 = kb[None, :, None]
     if QTYPE == 0:  # d, qs[16]: weight i is qs[i] & 15, weight i + 16 is qs[i] >> 4
-        p_b = p_row[:, :, None] + kb[None, :, None] * 18  # [BN, NB, 1]
-        q = _u8(p_b + 2 + o_i[None, None, :])  # [BN, NB, 16]
+        if SPLIT_AT > 0:  # the codes of consecutive blocks are consecutive 16-byte runs
+            p_q = p_row[:, :, None] + kb3 * 16  # [BN, NB, 1]
+            p_d = p_row[:, :, None] + SPLIT_AT + kb3 * 2
+        else:
+            p_d = p_row[:, :, None] + kb3 * 18
+            p_q = p_d + 2
+        q = _u8(p_q + o_i[None, None, :])  # [BN, NB, 16]
         lo = (q & 15) - 8
         hi = (q >> 4) - 8
     else:  # Q8_0: d, qs[32] int8
-        p_b = p_row[:, :, None] + kb[None, :, None] * 34
-        p_q = (p_b + 2 + o_i[None, None, :]).to(tl.pointer_type(tl.int8))
+        if SPLIT_AT > 0:
+            p_c = p_row[:, :, None] + kb3 * 32
+            p_d = p_row[:, :, None] + SPLIT_AT + kb3 * 2
+        else:
+            p_d = p_row[:, :, None] + kb3 * 34
+            p_c = p_d + 2
+        p_q = (p_c + o_i[None, None, :]).to(tl.pointer_type(tl.int8))
         lo = tl.load(p_q).to(tl.int32)
         hi = tl.load(p_q + 16).to(tl.int32)
-    d = tl.where(m_b[None, :, None], _f16(p_b), 0.0)  # [BN, NB, 1]
+    d = tl.where(m_b[None, :, None], _f16(p_d), 0.0)  # [BN, NB, 1]
     return lo.to(tl.float32) * d, hi.to(tl.float32) * d
 
 
@@ -161,7 +185,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr,
     stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCKWISE: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCKWISE: tl.constexpr, SPLITS: tl.constexpr, SPLIT_AT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -178,7 +202,7 @@ def _gemv_kernel(
             kb = (k_lo + k0) // 32 + tl.arange(0, BLOCK_K // 32)  # [NB]
             m_b = kb < N_BLOCKS
             kb = tl.minimum(kb, N_BLOCKS - 1)
-            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE)  # [BN, NB, 16]
+            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, SPLIT_AT)  # [BN, NB, 16]
             for m in tl.static_range(BLOCK_M):
                 x_lo, x_hi = _block_x(x_ptr + m * stride_xm, kb, m < M)  # [NB, 16]
                 b_y = tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)  # [BN]
@@ -187,7 +211,7 @@ def _gemv_kernel(
         for k0 in range(0, K_SPLIT, BLOCK_K):  # the last slice may end past K: masked
             o_k = k_lo + k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < K
-            b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE)  # [BN, BK]
+            b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE, SPLIT_AT)  # [BN, BK]
             for m in tl.static_range(BLOCK_M):
                 b_x = tl.load(x_ptr + m * stride_xm + o_k, mask=m_k & (m < M), other=0.0).to(tl.float32)  # [BK]
                 b_y = tl.sum(b_w * b_x[None, :], axis=1)  # [BN]
@@ -216,7 +240,7 @@ def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr,
     stride_xm, stride_wn, stride_om,
     QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_AT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -231,7 +255,7 @@ def _gemm_kernel(
         m_k = o_k < K
         b_x = tl.load(x_ptr + o_m[:, None] * stride_xm + o_k[None, :],
                       mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
-        b_w = _dequant(p_row, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE)  # [BK, BN] float32
+        b_w = _dequant(p_row, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE, SPLIT_AT)  # [BK, BN] float32
         acc = tl.dot(b_x, b_w.to(b_x.dtype), acc, input_precision=DOT_PRECISION)
     tl.store(out_ptr + o_m[:, None] * stride_om + o_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_m[:, None] & m_n[None, :])
@@ -258,14 +282,14 @@ def _experts_kernel(
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             m_b = (kb < N_BLOCKS) & routed
             kb = tl.minimum(kb, N_BLOCKS - 1)
-            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE)
+            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, 0)
             x_lo, x_hi = _block_x(x_ptr + t * stride_xt, kb, routed)
             acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
     else:
         for k0 in range(0, K, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = (o_k < K) & routed
-            b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE)  # [BN, BK]
+            b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE, 0)  # [BN, BK]
             b_x = tl.load(x_ptr + t * stride_xt + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
             acc += tl.sum(b_w * b_x[None, :], axis=1)
     tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=m_n)
@@ -333,7 +357,7 @@ def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
         x, qm.raw, out, part, counters, M, qm.n, qm.k, k_split,
         x.stride(0), qm.raw.stride(0), out.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0,
         QTYPE=_CODE[qm.qtype], BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
-        BLOCKWISE=_blockwise(qm.qtype, bk), SPLITS=splits, num_warps=config.gemv_num_warps)
+        BLOCKWISE=_blockwise(qm.qtype, bk), SPLITS=splits, SPLIT_AT=qm.split_at, num_warps=config.gemv_num_warps)
     return out
 
 
@@ -350,7 +374,7 @@ def qmatmul_gemm(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
         x, qm.raw, out, M, qm.n, qm.k,
         x.stride(0), qm.raw.stride(0), out.stride(0),
         QTYPE=_CODE[qm.qtype], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config.block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_AT=qm.split_at,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -400,14 +424,14 @@ def _pair_dot(p_row, p_x, K: tl.constexpr, live, N_ROWS, o_n,
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             m_b = (kb < N_BLOCKS) & live
             kb = tl.minimum(kb, N_BLOCKS - 1)
-            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE)
+            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, 0)
             x_lo, x_hi = _block_x(p_x, kb, live)
             acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
     else:
         for k0 in range(0, K, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = (o_k < K) & live
-            b_w = _dequant(p_row, o_k[None, :], (o_n < N_ROWS)[:, None] & m_k[None, :], QTYPE)
+            b_w = _dequant(p_row, o_k[None, :], (o_n < N_ROWS)[:, None] & m_k[None, :], QTYPE, 0)
             b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
             acc += tl.sum(b_w * b_x[None, :], axis=1)
     return acc
@@ -492,8 +516,8 @@ def _q_grouped_gate_up_kernel(
         b_x = tl.load(x_ptr + b_tok[:, None] * stride_xt + o_k[None, :],
                       mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
         m_w = m_k[:, None] & m_n[None, :]
-        b_g = _dequant(p_g, o_k[:, None], m_w, QTYPE)  # [BK, BN] float32
-        b_u = _dequant(p_u, o_k[:, None], m_w, QTYPE)
+        b_g = _dequant(p_g, o_k[:, None], m_w, QTYPE, 0)  # [BK, BN] float32
+        b_u = _dequant(p_u, o_k[:, None], m_w, QTYPE, 0)
         acc_g = tl.dot(b_x, b_g.to(b_x.dtype), acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(b_x, b_u.to(b_x.dtype), acc_u, input_precision=DOT_PRECISION)
     b_act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -527,7 +551,7 @@ def _q_grouped_down_kernel(
         m_k = o_k < FFN
         b_a = tl.load(act_ptr + b_pair[:, None] * stride_ap + o_k[None, :],
                       mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
-        b_d = _dequant(p_d, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE)  # [BK, BN]
+        b_d = _dequant(p_d, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE, 0)  # [BK, BN]
         acc = tl.dot(b_a, b_d.to(b_a.dtype), acc, input_precision=DOT_PRECISION)
     b_w = tl.load(w_ptr + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
     tl.store(out_ptr + b_pair[:, None] * stride_op + o_n[None, :], acc * b_w[:, None],

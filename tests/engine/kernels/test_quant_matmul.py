@@ -320,3 +320,35 @@ def test_grouped_quantized_moe_for_long_calls_matches_the_reference(qtype):
     config = tq.QuantKernelConfig(block_m=16, block_n=32, block_k=32, gemv_max_m=4)
     out = tq.quantized_moe_triton(x, *stack, ids, w, config)
     assert out.shape == (T, hidden) and rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("M,N", [(1, 7), (5, 45), (33, 19)])
+def test_split_layout_gives_the_same_products(qtype, M, N):
+    """Rows rearranged as codes then scales: the same bytes, the same weights, and the GEMV
+    (whole blocks, and a K split), the per-weight GEMV tail and the GEMM read them correctly."""
+    from engine.kernels.quant.reference import join_rows, split_rows
+
+    for i, k in enumerate(K_SMALL[qtype]):
+        qm = make(qtype, N, k, seed=M + N + i, maker="bytes")
+        sp = qm.with_layout("split")
+        block_bytes = 18 if qtype == Q.Q4_0 else 34
+        assert sp.layout == "split" and sp.raw.shape == qm.raw.shape and sp.split_at == k // 32 * (block_bytes - 2)
+        assert torch.equal(join_rows(split_rows(qm.raw, qtype), qtype), qm.raw)
+        assert torch.equal(sp.dequantize(), qm.dequantize()) and sp.with_layout("ggml").raw.equal(qm.raw)
+        assert not torch.equal(sp.raw, qm.raw)
+        x = torch.randn(M, k, generator=torch.Generator().manual_seed(M + i))
+        ref = qmatmul_reference(x, qm.raw, qtype, N, k)
+        configs = [None, tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=64, gemv_split_k=2),
+                   tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=16)]  # 16: the per-weight path
+        for config in configs:
+            assert rel_err(tq.qmatmul(x, sp, config), ref) < 1e-5, config
+        assert rel_err(sp.matmul(x, impl="torch"), ref) < 1e-6
+
+
+def test_split_layout_refuses_other_types():
+    qm = make(Q.Q4_K, 3, 256, seed=0)
+    with pytest.raises(ValueError, match="split layout holds Q4_0, Q8_0, not Q4_K"):
+        qm.with_layout("split")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        QuantMatrix(qm.raw, Q.Q4_K, 3, 256, "tiled")

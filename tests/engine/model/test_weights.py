@@ -125,3 +125,32 @@ def test_merge_rows_keeps_apart_what_cannot_share_a_matrix():
     assert torch.equal(va.matmul(x), qa.matmul(x)) and torch.equal(vb.matmul(x), qb.matmul(x))
     assert merge_rows([qa, q(5, Q.Q8_0)])[0] is None  # quant types differ
     assert merge_rows([qa, b])[0] is None  # one dense, one quantized
+    assert merge_rows([qa, qb.with_layout("split")])[0] is None  # layouts differ
+    merged, (va, vb) = merge_rows([qa.with_layout("split"), qb.with_layout("split")])
+    assert merged.layout == va.layout == vb.layout == "split"
+    assert torch.equal(merged.matmul(x), torch.cat([qa.matmul(x), qb.matmul(x)], dim=1))
+    assert torch.equal(vb.matmul(x), qb.matmul(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_keeps_q4_0_projections_in_the_split_layout(tmp_path):
+    """Loaded quantized on CUDA, Q4_0 projections take the split layout; the model's logits
+    follow the CPU's (ggml layout, torch reference) within float32 summation-order bounds."""
+    from engine.gguf.make_model import make_model
+    from engine.gguf.reader import GGUFFile
+    from engine.model.qwen35moe import Qwen35MoE
+
+    path = make_model(tmp_path / "q4.gguf", "tiny", quant="q4_0", seed=4)
+    with GGUFFile(path) as f:
+        gpu = Qwen35MoE.from_gguf(f, device="cuda", dtype=torch.float32, quantized=True)
+        cpu = Qwen35MoE.from_gguf(f, device="cpu", dtype=torch.float32, quantized=True)
+    from engine.kernels.quant import QuantMatrix
+
+    mats = [m for layer in gpu.weights.layers for m in vars(layer.mixer).values() if isinstance(m, QuantMatrix)]
+    assert mats and all(m.layout == ("split" if m.qtype in (Q.Q4_0, Q.Q8_0) else "ggml") for m in mats)
+    assert any(m.layout == "split" for m in mats)
+    ids = torch.tensor([5, 9, 2, 77, 31])
+    a = gpu.forward(ids.cuda(), gpu.new_state(5)).logits.cpu()
+    b = cpu.forward(ids, cpu.new_state(5)).logits
+    assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
