@@ -36,12 +36,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 
 from engine.errors import ConfigError
 from engine.gguf import quants
 from engine.kernels.cpu_quant import CpuQuantMatrix
 from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
-from engine.kernels.quant.reference import QuantExperts, row_bytes
+from engine.kernels.quant.reference import SPLIT_QTYPES, QuantExperts, join_rows, row_bytes, split_rows
 from engine.kernels.quant.reference import resolve_impl as resolve_quant_impl
 from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fits, gpu_expert_capacity_mb,
                               plan_placement, state_bytes)
@@ -126,13 +127,15 @@ class QuantizedExperts:
 
     def __init__(self, raw: "Sequence[RawExpertMatrix]", dtype: torch.dtype, *,
                  cold_dtype: torch.dtype = torch.bfloat16, hot_format: str = "dense", cold_device: str = "cpu",
-                 pin: bool = False):
+                 pin: bool = False, split: bool = False):
         """``raw``: (gate, up, down); ``dtype``: the model's (and dense slots'); ``cold_dtype``: the
         CPU kernels' compute dtype (bfloat16 is their fast path, float32 their exact one).
 
         ``cold_device="cpu"`` packs every expert for the CPU kernels; ``"gpu"`` copies the blocks
         into host memory (pinned with ``pin``, for the device to read) and packs nothing. Device
-        slots read from those copies when they exist, from the file otherwise."""
+        slots read from those copies when they exist, from the file otherwise. ``split`` keeps
+        Q4_0/Q8_0 blocks that the device reads (slots, host copies) in the split row layout
+        (``engine.kernels.quant.reference.split_rows``), which its kernels load as vectors."""
         if hot_format not in HOT_FORMATS:
             raise ConfigError(f"hot format must be one of {', '.join(HOT_FORMATS)}, got {hot_format!r}")
         if cold_device not in COLD_DEVICES:
@@ -143,11 +146,12 @@ class QuantizedExperts:
         self.dtype = torch.uint8 if self.hot_quantized else dtype  # of the device slots
         self.expert_shapes = tuple((r.rows, row_bytes(r.qtype, r.cols)) if self.hot_quantized else (r.rows, r.cols)
                                    for r in self.raw)
+        self.layouts = tuple("split" if split and r.qtype in SPLIT_QTYPES else "ggml" for r in self.raw)
         self._cold_dtype = cold_dtype
         self._matrices: list[tuple[CpuQuantMatrix, ...]] | None = None
-        self.blocks: tuple[torch.Tensor, ...] | None = None  # uint8 [E, rows, row_bytes] per matrix
+        self.blocks: tuple[torch.Tensor, ...] | None = None  # uint8 [E, rows, row_bytes] per matrix, in layouts
         if cold_device == "gpu":
-            self.blocks = tuple(_host_blocks(r, pin) for r in self.raw)
+            self.blocks = tuple(_host_blocks(r, pin, layout) for r, layout in zip(self.raw, self.layouts))
         else:
             self.matrices  # noqa: B018 (packed now, not in the first call that needs them)
 
@@ -162,7 +166,8 @@ class QuantizedExperts:
 
     def slot_experts(self, slots: tuple[torch.Tensor, ...]) -> tuple[QuantExperts, ...]:
         """Quantized stacks (device slots, a mapped view) as ``QuantExperts`` (gate, up, down)."""
-        return tuple(QuantExperts(slot, r.qtype, slot.shape[0], r.rows, r.cols) for slot, r in zip(slots, self.raw))
+        return tuple(QuantExperts(slot, r.qtype, slot.shape[0], r.rows, r.cols, layout)
+                     for slot, r, layout in zip(slots, self.raw, self.layouts))
 
     def as_experts(self, slots: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | tuple[QuantExperts, ...]:
         """Stacks of the slots' layout as the routed-expert kernels take them."""
@@ -187,17 +192,21 @@ class QuantizedExperts:
 
     def upload(self, slots: tuple[torch.Tensor, ...], dst: int, src: int, n: int) -> None:
         """Fill slots ``dst .. dst+n-1`` with experts ``src .. src+n-1`` (dequantized, or as raw blocks)."""
-        for i, (slot, r) in enumerate(zip(slots, self.raw)):
+        for i, (slot, r, layout) in enumerate(zip(slots, self.raw, self.layouts)):
             for a in range(0, n, _UPLOAD_EXPERTS):
                 b = min(n, a + _UPLOAD_EXPERTS)
-                if self.blocks is not None:  # pinned on CUDA: the copy is queued, not waited for
-                    data = self.blocks[i][src + a:src + b].to(slot.device, non_blocking=True)
+                if self.blocks is not None:  # in ``layout``; pinned on CUDA: the copy is queued, not waited for
+                    data, held = self.blocks[i][src + a:src + b].to(slot.device, non_blocking=True), layout
                 else:
-                    data = torch.from_numpy(r.data[src + a:src + b].copy()).to(slot.device)
+                    data, held = torch.from_numpy(r.data[src + a:src + b].copy()).to(slot.device), "ggml"
+                rows = data.reshape((b - a) * r.rows, -1)
                 if self.hot_quantized:
-                    slot[dst + a:dst + b].copy_(data.view(b - a, *slot.shape[1:]))
+                    if held != layout:
+                        rows = split_rows(rows, r.qtype)
+                    slot[dst + a:dst + b].copy_(rows.view(b - a, *slot.shape[1:]))
                 else:
-                    slot[dst + a:dst + b].copy_(quants.dequantize(data, r.qtype, (b - a, r.rows, r.cols)))
+                    ggml = join_rows(rows, r.qtype) if held == "split" else rows
+                    slot[dst + a:dst + b].copy_(quants.dequantize(ggml, r.qtype, (b - a, r.rows, r.cols)))
 
     def experts_sum(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: list[int]) -> torch.Tensor:
         """Float32 [T, H] contribution of ``experts`` (as ``engine.kernels.moe.experts_sum``)."""
@@ -345,7 +354,8 @@ class HybridExperts:
     def from_model(cls, model: Any, budget_mb: float, stats: RoutingStats | None = None, *,
                    reserve: GpuReserve | None = None, cold_format: str = "dense",
                    gguf_file: "RawTensorSource | None" = None, cold_dtype: torch.dtype = torch.bfloat16,
-                   hot_format: str = "dense", cold_device: str = "cpu", **options: Any) -> "HybridExperts":
+                   hot_format: str = "dense", cold_device: str = "cpu", split: bool | None = None,
+                   **options: Any) -> "HybridExperts":
         """Take over the routed experts of ``model`` (a ``Qwen35MoE``) and place them for ``budget_mb``.
 
         The budget is checked before anything moves. With ``cold_format="dense"`` the model's
@@ -356,7 +366,8 @@ class HybridExperts:
         cold format) keeps the hot experts' device slots in their GGUF blocks too, run by the
         quantized-expert kernels; the budget then counts quantized bytes, as on the appliance.
         ``cold_device="gpu"`` has the device compute the cold experts from host memory (module
-        docstring).
+        docstring). ``split`` (default: on CUDA) keeps the Q4_0/Q8_0 blocks the device reads in the
+        split row layout (``QuantizedExperts``).
         """
         if cold_format not in COLD_FORMATS:
             raise ConfigError(f"cold format must be one of {', '.join(COLD_FORMATS)}, got {cold_format!r}")
@@ -393,7 +404,7 @@ class HybridExperts:
         if raws is not None:
             for ew, raw in zip(experts, raws):
                 host.append(QuantizedExperts(raw, model.dtype, cold_dtype=cold_dtype, hot_format=hot_format,
-                                             cold_device=cold_device, pin=pin))
+                                             cold_device=cold_device, pin=pin, split=pin if split is None else split))
                 ew.gate, ew.up, ew.down = (torch.empty(t.shape, dtype=t.dtype, device="meta")
                                            for t in (ew.gate, ew.up, ew.down))
         else:
@@ -608,11 +619,21 @@ class _HostArray:
                                          "data": (t.data_ptr(), False), "version": 3}
 
 
-def _host_blocks(raw: "RawExpertMatrix", pin: bool) -> torch.Tensor:
-    """A raw expert stack copied out of the file into (pinned) host memory: uint8 [E, rows, row_bytes]."""
-    out = torch.empty((raw.data.shape[0], raw.rows, row_bytes(raw.qtype, raw.cols)), dtype=torch.uint8,
-                      pin_memory=pin)
-    out.view(raw.data.shape[0], -1).numpy()[:] = raw.data
+def _host_blocks(raw: "RawExpertMatrix", pin: bool, layout: str = "ggml") -> torch.Tensor:
+    """A raw expert stack copied out of the file into (pinned) host memory, uint8 [E, rows,
+    row_bytes], its rows in ``layout`` (rearranged as they are copied, one expert at a time)."""
+    n_expert, rb = raw.data.shape[0], row_bytes(raw.qtype, raw.cols)
+    out = torch.empty((n_expert, raw.rows, rb), dtype=torch.uint8, pin_memory=pin)
+    if layout == "ggml":
+        out.view(n_expert, -1).numpy()[:] = raw.data
+        return out
+    _, size = GGML_QUANT_SIZES[raw.qtype]
+    codes = raw.cols // 32 * (size - 2)
+    dst = out.numpy()
+    for e in range(n_expert):
+        blocks = raw.data[e].reshape(raw.rows, -1, size)
+        dst[e, :, :codes] = blocks[:, :, 2:].reshape(raw.rows, -1)
+        dst[e, :, codes:] = blocks[:, :, :2].reshape(raw.rows, -1)
     return out
 
 

@@ -179,16 +179,22 @@ class QuantMatrix:
 
 @dataclass(frozen=True)
 class QuantExperts:
-    """The [e, n, k] experts of one layer as raw ggml blocks: ``raw`` uint8 [e, n, row_bytes]."""
+    """The [e, n, k] experts of one layer as raw ggml blocks: ``raw`` uint8 [e, n, row_bytes],
+    each row in ``layout`` "ggml" or "split" (as ``QuantMatrix``)."""
 
     raw: torch.Tensor
     qtype: Q
     e: int
     n: int
     k: int
+    layout: str = "ggml"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "qtype", check_qtype(self.qtype))
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "split":
+            check_split(self.qtype)
         if self.e <= 0 or self.n <= 0:
             raise ValueError(f"expert count e and row count n must be positive, got {self.e} and {self.n}")
         rb = row_bytes(self.qtype, self.k)
@@ -211,8 +217,28 @@ class QuantExperts:
     def to(self, device: torch.device | str) -> "QuantExperts":
         return replace(self, raw=self.raw.to(device))
 
+    @property
+    def split_at(self) -> int:
+        """Byte offset of the scales in a split-layout row; 0 for the ggml layout."""
+        return self.k // 32 * (GGML_QUANT_SIZES[self.qtype][1] - 2) if self.layout == "split" else 0
+
+    @property
+    def ggml_raw(self) -> torch.Tensor:
+        """The blocks in ggml's order, [e, n, row_bytes]."""
+        if self.layout == "ggml":
+            return self.raw
+        return join_rows(self.raw.reshape(self.e * self.n, -1), self.qtype).reshape(self.raw.shape)
+
+    def with_layout(self, layout: str) -> "QuantExperts":
+        """The same experts in ``layout`` (a rearranged copy, or ``self``)."""
+        if layout == self.layout:
+            return self
+        raw = (split_rows(self.raw.reshape(self.e * self.n, -1), self.qtype).reshape(self.raw.shape)
+               if layout == "split" else self.ggml_raw)
+        return replace(self, raw=raw.contiguous(), layout=layout)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.raw, self.qtype, (self.e, self.n, self.k)).to(dtype)
+        return dequantize(self.ggml_raw, self.qtype, (self.e, self.n, self.k)).to(dtype)
 
     def matmul(self, x: torch.Tensor, ids: torch.Tensor, impl: str = "auto") -> torch.Tensor:
         """Row t of the [T, n] result is ``W[ids[t]] @ x[t]`` (zero where ``ids[t] < 0``), in x.dtype."""
@@ -220,7 +246,7 @@ class QuantExperts:
             from engine.kernels.quant.triton import qmatmul_experts
 
             return qmatmul_experts(x, self, ids)
-        return qmatmul_experts_reference(x, self.raw, ids, self.qtype, self.n, self.k)
+        return qmatmul_experts_reference(x, self.ggml_raw, ids, self.qtype, self.n, self.k)
 
 
 def qmatmul_reference(x: torch.Tensor, raw: torch.Tensor | np.ndarray, qtype: Q | int, n: int, k: int

@@ -266,6 +266,7 @@ def _experts_kernel(
     x_ptr, w_ptr, ids_ptr, out_ptr, N, K: tl.constexpr,
     stride_xt, stride_we, stride_wn, stride_ot,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+    SPLIT_AT: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -282,14 +283,14 @@ def _experts_kernel(
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             m_b = (kb < N_BLOCKS) & routed
             kb = tl.minimum(kb, N_BLOCKS - 1)
-            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, 0)
+            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, SPLIT_AT)
             x_lo, x_hi = _block_x(x_ptr + t * stride_xt, kb, routed)
             acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
     else:
         for k0 in range(0, K, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = (o_k < K) & routed
-            b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE, 0)  # [BN, BK]
+            b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE, SPLIT_AT)  # [BN, BK]
             b_x = tl.load(x_ptr + t * stride_xt + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
             acc += tl.sum(b_w * b_x[None, :], axis=1)
     tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=m_n)
@@ -407,14 +408,15 @@ def qmatmul_experts(x: torch.Tensor, qe: QuantExperts, ids: torch.Tensor,
         x, qe.raw, ids.contiguous(), out, qe.n, qe.k,
         x.stride(0), qe.raw.stride(0), qe.raw.stride(1), out.stride(0),
         QTYPE=_CODE[qe.qtype], BLOCK_N=bn, BLOCK_K=config.gemv_block_k,
-        BLOCKWISE=_blockwise(qe.qtype, config.gemv_block_k), num_warps=config.gemv_num_warps)
+        BLOCKWISE=_blockwise(qe.qtype, config.gemv_block_k), SPLIT_AT=qe.split_at, num_warps=config.gemv_num_warps)
     return out
 
 
 
 @triton.jit
 def _pair_dot(p_row, p_x, K: tl.constexpr, live, N_ROWS, o_n,
-              QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr):
+              QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+              SPLIT_AT: tl.constexpr):
     """[BLOCK_N] float32: the rows at ``p_row`` [BN, 1] of one expert times the vector at ``p_x``
     (zero where ``live`` is false: a pair routed nowhere reads block 0 and discards it)."""
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -424,14 +426,14 @@ def _pair_dot(p_row, p_x, K: tl.constexpr, live, N_ROWS, o_n,
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             m_b = (kb < N_BLOCKS) & live
             kb = tl.minimum(kb, N_BLOCKS - 1)
-            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, 0)
+            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, SPLIT_AT)
             x_lo, x_hi = _block_x(p_x, kb, live)
             acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
     else:
         for k0 in range(0, K, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = (o_k < K) & live
-            b_w = _dequant(p_row, o_k[None, :], (o_n < N_ROWS)[:, None] & m_k[None, :], QTYPE, 0)
+            b_w = _dequant(p_row, o_k[None, :], (o_n < N_ROWS)[:, None] & m_k[None, :], QTYPE, SPLIT_AT)
             b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
             acc += tl.sum(b_w * b_x[None, :], axis=1)
     return acc
@@ -442,6 +444,7 @@ def _moe_gate_up_kernel(
     x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, FFN, K: tl.constexpr, TOP_K: tl.constexpr,
     stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+    SPLIT_AT: tl.constexpr,
 ):
     """Routed pair ``p`` (token ``p // TOP_K``), rows ``BLOCK_N`` of its expert's gate and up:
     ``act[p] = silu(gate x) * up x`` in float32, stored in act's dtype (zero for id -1)."""
@@ -453,8 +456,10 @@ def _moe_gate_up_kernel(
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(o_n, FFN - 1).to(tl.int64)[:, None]
     p_x = x_ptr + (p // TOP_K) * stride_xt
-    g = _pair_dot(g_ptr + e * stride_ge + rows * stride_gn, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE)
-    u = _pair_dot(u_ptr + e * stride_ue + rows * stride_un, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE)
+    g = _pair_dot(g_ptr + e * stride_ge + rows * stride_gn, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K,
+                  BLOCKWISE, SPLIT_AT)
+    u = _pair_dot(u_ptr + e * stride_ue + rows * stride_un, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K,
+                  BLOCKWISE, SPLIT_AT)
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + p * stride_ap + o_n, act.to(act_ptr.dtype.element_ty), mask=o_n < FFN)
 
@@ -464,6 +469,7 @@ def _moe_down_kernel(
     act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, H, FFN: tl.constexpr, TOP_K: tl.constexpr,
     stride_ap, stride_de, stride_dn, stride_ot,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+    SPLIT_AT: tl.constexpr,
 ):
     """Token ``t``, rows ``BLOCK_N`` of the output: the routing-weighted sum over its ``TOP_K``
     pairs of ``down[e] act[p]``, added in pair order in float32 (no partial sums leave the program)."""
@@ -478,7 +484,7 @@ def _moe_down_kernel(
         live = e >= 0
         e = tl.maximum(e, 0).to(tl.int64)
         y = _pair_dot(d_ptr + e * stride_de + rows * stride_dn, act_ptr + p * stride_ap, FFN, live, H, o_n,
-                      QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE)
+                      QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
         acc += tl.load(w_ptr + p).to(tl.float32) * y
     tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=o_n < H)
 
@@ -489,7 +495,7 @@ def _q_grouped_gate_up_kernel(
     n_pairs, H: tl.constexpr, FFN,
     stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap,
     QTYPE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_AT: tl.constexpr,
 ):
     """A block of ``BLOCK_M`` pairs routed to one expert (``align_by_expert``) times ``BLOCK_N``
     rows of its gate and up, weight tiles dequantized in registers and fed to ``tl.dot``: each
@@ -516,8 +522,8 @@ def _q_grouped_gate_up_kernel(
         b_x = tl.load(x_ptr + b_tok[:, None] * stride_xt + o_k[None, :],
                       mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
         m_w = m_k[:, None] & m_n[None, :]
-        b_g = _dequant(p_g, o_k[:, None], m_w, QTYPE, 0)  # [BK, BN] float32
-        b_u = _dequant(p_u, o_k[:, None], m_w, QTYPE, 0)
+        b_g = _dequant(p_g, o_k[:, None], m_w, QTYPE, SPLIT_AT)  # [BK, BN] float32
+        b_u = _dequant(p_u, o_k[:, None], m_w, QTYPE, SPLIT_AT)
         acc_g = tl.dot(b_x, b_g.to(b_x.dtype), acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(b_x, b_u.to(b_x.dtype), acc_u, input_precision=DOT_PRECISION)
     b_act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -531,7 +537,7 @@ def _q_grouped_down_kernel(
     n_pairs, H, FFN: tl.constexpr,
     stride_ap, stride_de, stride_dn, stride_op,
     QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_AT: tl.constexpr,
 ):
     """Down for a block of pairs of one expert: weighted rows of ``out`` [pairs, H] in float32."""
     pid_m = tl.program_id(0)
@@ -551,7 +557,7 @@ def _q_grouped_down_kernel(
         m_k = o_k < FFN
         b_a = tl.load(act_ptr + b_pair[:, None] * stride_ap + o_k[None, :],
                       mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
-        b_d = _dequant(p_d, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE, 0)  # [BK, BN]
+        b_d = _dequant(p_d, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE, SPLIT_AT)  # [BK, BN]
         acc = tl.dot(b_a, b_d.to(b_a.dtype), acc, input_precision=DOT_PRECISION)
     b_w = tl.load(w_ptr + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
     tl.store(out_ptr + b_pair[:, None] * stride_op + o_n[None, :], acc * b_w[:, None],
@@ -574,13 +580,13 @@ def _grouped_quantized_moe(x: torch.Tensor, gate: QuantExperts, up: QuantExperts
         x, gate.raw, up.raw, act, pairs, block_expert, n_pairs, gate.k, gate.n,
         x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
         QTYPE=_CODE[gate.qtype], TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=precision,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        SPLIT_AT=gate.split_at, num_warps=config.num_warps, num_stages=config.num_stages)
     out = torch.zeros(n_pairs, down.n, dtype=torch.float32, device=x.device)
     _q_grouped_down_kernel[(n_blocks, triton.cdiv(down.n, bn))](
         act, down.raw, w, out, pairs, block_expert, n_pairs, down.n, down.k,
         act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0),
         QTYPE=_CODE[down.qtype], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=precision,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        SPLIT_AT=down.split_at, num_warps=config.num_warps, num_stages=config.num_stages)
     return out.view(T, top_k, down.n).sum(1).to(x.dtype)
 
 
@@ -600,7 +606,7 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     if ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device or w.shape != ids.shape:
         raise ValueError(f"ids must be an int tensor [T, k] on {x.device} and w of its shape, got {ids.dtype} "
                          f"{tuple(ids.shape)} on {ids.device} and {tuple(w.shape)}")
-    if not (gate.qtype == up.qtype == down.qtype and gate.n == up.n == down.k and down.n == gate.k):
+    if not (gate.qtype == up.qtype and gate.layout == up.layout and gate.n == up.n == down.k and down.n == gate.k):
         raise ValueError(f"gate {gate.qtype.name} [{gate.n}, {gate.k}], up {up.qtype.name} [{up.n}, {up.k}] and "
                          f"down {down.qtype.name} [{down.n}, {down.k}] do not make one SwiGLU expert")
     out = torch.empty(T, down.n, dtype=x.dtype, device=x.device)
@@ -618,11 +624,11 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
         x, gate.raw, up.raw, ids, act, gate.n, gate.k, top_k,
         x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
         QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
-        num_warps=c_up.gemv_num_warps)
+        SPLIT_AT=gate.split_at, num_warps=c_up.gemv_num_warps)
     bn, bk = c_down.gemv_block_n, c_down.gemv_block_k
     _moe_down_kernel[(T, triton.cdiv(down.n, bn))](
         act, down.raw, ids, w, out, down.n, down.k, top_k,
         act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0),
         QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
-        num_warps=c_down.gemv_num_warps)
+        SPLIT_AT=down.split_at, num_warps=c_down.gemv_num_warps)
     return out
