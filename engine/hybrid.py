@@ -340,8 +340,12 @@ class HybridExperts:
         with torch.inference_mode(False):
             self._layers = [_LayerTiers(host, self.device) for host in hosts]
             if cold_device == "gpu":
-                for layer in self._layers:
-                    layer.mapped = layer.host.mapped(self.device)
+                try:
+                    for layer in self._layers:
+                        layer.mapped = layer.host.mapped(self.device)
+                except (RuntimeError, ValueError, TypeError) as exc:
+                    raise ConfigError(f"cold_device='gpu': {self.device} cannot read the experts' host copies in "
+                                      f"place ({exc}); use cold_device='cpu'") from exc
             self._stream_buffers_by_layout: dict[Any, tuple[torch.Tensor, ...]] = {}
             self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
             self._pairs = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)

@@ -237,3 +237,13 @@ def test_split_row_layout_gives_the_same_logits(q4_file, cold_device, impl):
         hybrid.close()
     for a, b in zip(*runs):
         assert rel_err(a, b) < 1e-6
+
+
+def test_host_memory_the_device_cannot_read_is_one_clear_error(q4_file, monkeypatch):
+    def refuse(t, device):
+        raise RuntimeError("pointer is not registered with the device")
+
+    monkeypatch.setattr(hybrid_module, "mapped_view", refuse)
+    with pytest.raises(ConfigError, match="cold_device='gpu': cpu cannot read the experts' host copies in place "
+                                          r"\(pointer is not registered with the device\); use cold_device='cpu'"):
+        attach(q4_file, "dense", 0.5, "gpu")
