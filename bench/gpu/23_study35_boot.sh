@@ -4,8 +4,10 @@
 # cut down so that a trial with every expert on the CPU fits its box (one code and one
 # long-form prompt of 128 tokens, 16 new tokens, two repeats); then `luce-tune boot` on the
 # published profile. Then issue 4's shadow-state check with the graph verify path, in float32.
+# COLD_DEVICE=gpu: the experts outside a budget computed by the GPU from host memory.
 source "$(dirname "$0")/env.sh"
-capped35_toml /tmp/q35.toml -e "s#^profile = .*#profile = \"$OUT/profile_q35.toml\"#"
+capped35_toml /tmp/q35.toml -e "s#^profile = .*#profile = \"$OUT/profile_q35.toml\"#" \
+  -e "s#^cold_device = .*#cold_device = \"${COLD_DEVICE:-cpu}\"#"
 t0=$(date +%s)
 timeout ${STUDY_S:-330} python3 -m tuner.cli run --config /tmp/q35.toml --trials ${TRIALS:-4} --timeout ${RUN_S:-300} \
   --storage "sqlite:///$OUT/study_q35.db" > "$OUT/run_q35.log" 2>&1 || echo "study rc=$?"
