@@ -67,7 +67,7 @@ class HybridStats:
     hot_experts: int
     cold_experts: int
     hot_hits: int  # routed (token, expert) pairs served on the device
-    cold_hits: int  # routed pairs served by CPU threads
+    cold_hits: int  # routed pairs served from host memory (CPU threads, or the device over the bus)
     expected_cold_hit_rate: float  # from the routing statistics
     expert_vram_mb: float  # device memory held by hot experts
     expert_host_mb: float = 0.0  # host memory held by the master copies of all experts
@@ -458,11 +458,11 @@ class HybridExperts:
                  topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] int64, topk_w [T, k] float32 -> [T, H] in x's dtype."""
         layer = self._layers[layer_idx]
+        self._pairs[layer_idx].add_(topk_ids.numel())
+        if layer.n_hot == layer.n_expert:  # slot e holds expert e; every pair is a hot hit (stats_snapshot)
+            return layer.hot_moe(x, topk_ids, topk_w, self.impl, self.kernel_config)
         slots = layer.slot_of[topk_ids]  # [T, k], -1 where the expert is cold
         self._hot_hits[layer_idx].add_((slots >= 0).sum())
-        self._pairs[layer_idx].add_(topk_ids.numel())
-        if layer.n_hot == layer.n_expert:
-            return layer.hot_moe(x, slots, topk_w, self.impl, self.kernel_config)
         if self.cold_device == "gpu":
             out = self._cold_on_device(layer, x, topk_ids, topk_w).float()
             if layer.n_hot:
@@ -527,7 +527,9 @@ class HybridExperts:
     def stats_snapshot(self) -> HybridStats:
         """Counters since the last reset (reads the device counters: one host synchronisation)."""
         placement = self.placement
-        hot_hits, pairs = torch.stack([self._hot_hits.sum(), self._pairs.sum()]).tolist()
+        all_hot = torch.tensor([layer.n_hot == layer.n_expert for layer in self._layers], device=self.device)
+        hot = torch.where(all_hot, self._pairs, self._hot_hits)  # all-hot layers count pairs only
+        hot_hits, pairs = torch.stack([hot.sum(), self._pairs.sum()]).tolist()
         return HybridStats(
             budget_mb=placement.budget_mb, hot_experts=placement.hot_count, cold_experts=placement.cold_count,
             hot_hits=hot_hits, cold_hits=pairs - hot_hits,
