@@ -39,12 +39,16 @@ _CODE = {Q.Q4_0: 0, Q.Q8_0: 1, Q.Q4_K: 2, Q.Q5_K: 3, Q.Q6_K: 4}
 
 @dataclass(frozen=True)
 class QuantKernelConfig:
-    """Tile sizes; ``gemv_max_m`` picks the GEMV kernel up to that many rows of x (at most 16).
+    """Tile sizes; ``gemv_max_m`` picks the GEMV kernel up to that many rows of x (at most 16);
+    from ``dequant_min_m`` rows of a bf16/fp16 x (prefill) the weight is dequantized once into a
+    temporary and multiplied by the dense (cuBLAS) matmul, whose tensor-core tiles then never
+    wait on per-element decoding (0 turns that off).
 
     ``gemv_split_k`` 0 splits K only as far as needed to give every SM two programs.
     """
 
     gemv_max_m: int = 16
+    dequant_min_m: int = 256  # half-precision x of this many rows: dequantize W once, then a dense matmul
     gemv_block_n: int = 16
     gemv_block_k: int = 128
     gemv_split_k: int = 0
@@ -60,6 +64,8 @@ class QuantKernelConfig:
                     ("gemv_num_warps", "num_warps"))
         if not 0 <= self.gemv_max_m <= 16:
             raise ValueError(f"gemv_max_m must be in [0, 16], got {self.gemv_max_m}")
+        if self.dequant_min_m < 0:
+            raise ValueError(f"dequant_min_m must be >= 0, got {self.dequant_min_m}")
         if self.gemv_split_k < 0 or self.num_stages < 1:
             raise ValueError(f"gemv_split_k must be >= 0 and num_stages >= 1, got {self.gemv_split_k} "
                              f"and {self.num_stages}")
@@ -382,9 +388,13 @@ def qmatmul_gemm(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
 
 def qmatmul(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | None = None) -> torch.Tensor:
     """``x @ W.T`` [M, n] in x.dtype: GEMV up to ``gemv_max_m`` rows of x, GEMM beyond."""
-    max_m = (config or QuantKernelConfig()).gemv_max_m
-    if x.dim() == 2 and 1 <= x.shape[0] <= max_m:
+    defaults = config or QuantKernelConfig()
+    if x.dim() == 2 and 1 <= x.shape[0] <= defaults.gemv_max_m:
         return qmatmul_gemv(x, qm, config)  # None: the measured tiles of this shape, if any
+    if (x.dim() == 2 and defaults.dequant_min_m and x.shape[0] >= defaults.dequant_min_m
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        _check_x(x, qm.k, qm.device)
+        return x @ qm.dequantize(x.dtype).T
     return qmatmul_gemm(x, qm, config)
 
 

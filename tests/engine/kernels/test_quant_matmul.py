@@ -398,3 +398,23 @@ def test_cuda_quantized_moe_real_shapes(qtype, layout, T):
     ref = quantized_moe(x, stack, ids, w, impl="torch")
     assert rel_err(quantized_moe(x.bfloat16(), stack, ids, w, impl="triton"), ref) < 2e-2
     assert rel_err(quantized_moe(x, stack, ids, w, impl="triton"), ref) < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["ggml", "split"])
+def test_long_half_precision_calls_dequantize_once_then_multiply_densely(layout, monkeypatch):
+    """From ``dequant_min_m`` rows of a bf16 x the weight is dequantized once and multiplied by
+    the dense matmul (the GEMM kernel is not launched); float32 x keeps the exact GEMM."""
+    qm = make(Q.Q4_0, 45, 96, seed=3).with_layout(layout)
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(2))
+    ref = qmatmul_reference(x, qm.ggml_raw, Q.Q4_0, 45, 96)
+    config = tq.QuantKernelConfig(dequant_min_m=20)
+    launched = []
+    real = tq.qmatmul_gemm
+    monkeypatch.setattr(tq, "qmatmul_gemm", lambda *a, **k: launched.append(1) or real(*a, **k))
+    out = tq.qmatmul(x.bfloat16(), qm, config)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 2e-2 and not launched
+    assert rel_err(tq.qmatmul(x, qm, config), ref) < 1e-5 and launched == [1]
+    tq.qmatmul(x[:19].bfloat16(), qm, config)
+    assert launched == [1, 1]
+    with pytest.raises(ValueError, match="dequant_min_m"):
+        tq.QuantKernelConfig(dequant_min_m=-1)
