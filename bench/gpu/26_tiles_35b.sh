@@ -5,7 +5,7 @@
 # (bench/quant_matmul.py --sweep), written as the table the kernels read on this GPU (kept in
 # $OUT/tuned.json for the repository), then the captured 35B step profiled with them, experts in Q4_0.
 source "$(dirname "$0")/env.sh"
-FILES="tests/engine/kernels/test_quant_matmul.py tests/engine/kernels/test_quant_tuned.py tests/engine/model/test_weights.py tests/engine/test_hybrid_cold_device.py" \
+FILES="tests/engine/kernels/test_quant_matmul.py tests/engine/kernels/test_quant_tuned.py tests/engine/model/test_weights.py tests/engine/model/test_quantized_weights.py tests/engine/test_hybrid_cold_device.py tests/engine/test_hybrid_quantized.py" \
   FILE_S=${TESTS_S:-90} bash "$(dirname "$0")/10_tests_per_file.sh"
 timeout ${SWEEP_S:-300} python3 bench/quant_matmul.py --sweep --qtypes ${QTYPES:-Q4_0} --warmup 5 --repeats 30 \
   --write-tuned engine/kernels/quant/tuned.json --json "$OUT/tiles_sweep.json" 2>&1 | tee "$OUT/tiles_sweep.log" | tail -14
