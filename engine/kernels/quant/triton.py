@@ -268,6 +268,32 @@ def _gemm_kernel(
 
 
 @triton.jit
+def _pair_dot(p_row, p_x, K: tl.constexpr, live, N_ROWS, o_n,
+              QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+              SPLIT_AT: tl.constexpr):
+    """[BLOCK_N] float32: the rows at ``p_row`` [BN, 1] of one expert times the vector at ``p_x``
+    (zero where ``live`` is false: a pair routed nowhere reads block 0 and discards it)."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if BLOCKWISE:
+        N_BLOCKS: tl.constexpr = K // 32
+        for k0 in range(0, K, BLOCK_K):
+            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            m_b = (kb < N_BLOCKS) & live
+            kb = tl.minimum(kb, N_BLOCKS - 1)
+            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, SPLIT_AT)
+            x_lo, x_hi = _block_x(p_x, kb, live)
+            acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = (o_k < K) & live
+            b_w = _dequant(p_row, o_k[None, :], (o_n < N_ROWS)[:, None] & m_k[None, :], QTYPE, SPLIT_AT)
+            b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+            acc += tl.sum(b_w * b_x[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _experts_kernel(
     x_ptr, w_ptr, ids_ptr, out_ptr, N, K: tl.constexpr,
     stride_xt, stride_we, stride_wn, stride_ot,
@@ -280,26 +306,9 @@ def _experts_kernel(
     routed = e >= 0
     e = tl.maximum(e, 0).to(tl.int64)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
     p_row = w_ptr + e * stride_we + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if BLOCKWISE:
-        N_BLOCKS: tl.constexpr = K // 32
-        for k0 in range(0, K, BLOCK_K):
-            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            m_b = (kb < N_BLOCKS) & routed
-            kb = tl.minimum(kb, N_BLOCKS - 1)
-            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, SPLIT_AT)
-            x_lo, x_hi = _block_x(x_ptr + t * stride_xt, kb, routed)
-            acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_k = (o_k < K) & routed
-            b_w = _dequant(p_row, o_k[None, :], m_n[:, None] & m_k[None, :], QTYPE, SPLIT_AT)  # [BN, BK]
-            b_x = tl.load(x_ptr + t * stride_xt + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-            acc += tl.sum(b_w * b_x[None, :], axis=1)
-    tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=m_n)
+    acc = _pair_dot(p_row, x_ptr + t * stride_xt, K, routed, N, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
+    tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=o_n < N)
 
 
 def _blockwise(qtype: Q, block_k: int) -> bool:
@@ -421,32 +430,6 @@ def qmatmul_experts(x: torch.Tensor, qe: QuantExperts, ids: torch.Tensor,
         BLOCKWISE=_blockwise(qe.qtype, config.gemv_block_k), SPLIT_AT=qe.split_at, num_warps=config.gemv_num_warps)
     return out
 
-
-
-@triton.jit
-def _pair_dot(p_row, p_x, K: tl.constexpr, live, N_ROWS, o_n,
-              QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
-              SPLIT_AT: tl.constexpr):
-    """[BLOCK_N] float32: the rows at ``p_row`` [BN, 1] of one expert times the vector at ``p_x``
-    (zero where ``live`` is false: a pair routed nowhere reads block 0 and discards it)."""
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if BLOCKWISE:
-        N_BLOCKS: tl.constexpr = K // 32
-        for k0 in range(0, K, BLOCK_K):
-            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            m_b = (kb < N_BLOCKS) & live
-            kb = tl.minimum(kb, N_BLOCKS - 1)
-            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, SPLIT_AT)
-            x_lo, x_hi = _block_x(p_x, kb, live)
-            acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_k = (o_k < K) & live
-            b_w = _dequant(p_row, o_k[None, :], (o_n < N_ROWS)[:, None] & m_k[None, :], QTYPE, SPLIT_AT)
-            b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
-            acc += tl.sum(b_w * b_x[None, :], axis=1)
-    return acc
 
 
 @triton.jit
