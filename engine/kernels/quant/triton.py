@@ -83,6 +83,20 @@ def _u8(p):
 
 
 @triton.jit
+def _block_ptrs(p_row, blk, CODES: tl.constexpr, SPLIT_AT: tl.constexpr):
+    """Byte pointers to the codes and the fp16 scale of blocks ``blk`` in rows starting at ``p_row``:
+    Q4_0 (``CODES`` 16 bytes) or Q8_0 (32), in ggml's order (scale, then codes) or split
+    (``SPLIT_AT`` > 0: every block's codes, then every scale from that byte on)."""
+    if SPLIT_AT > 0:
+        p_q = p_row + blk * CODES
+        p_d = p_row + SPLIT_AT + blk * 2
+    else:
+        p_d = p_row + blk * (CODES + 2)
+        p_q = p_d + 2
+    return p_q, p_d
+
+
+@triton.jit
 def _dequant(p_row, o_k, mask, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr):
     """Weights at byte row starts ``p_row`` and columns ``o_k`` (broadcast together) as float32.
 
@@ -94,21 +108,11 @@ def _dequant(p_row, o_k, mask, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr):
     o_k = tl.where(mask, o_k, 0)
     if QTYPE == 0:  # Q4_0: d, qs[16]; element i < 16 is qs[i] & 15, element i + 16 is qs[i] >> 4
         i = o_k % 32
-        if SPLIT_AT > 0:
-            p_q = p_row + (o_k // 32) * 16
-            p_d = p_row + SPLIT_AT + (o_k // 32) * 2
-        else:
-            p_d = p_row + (o_k // 32) * 18
-            p_q = p_d + 2
+        p_q, p_d = _block_ptrs(p_row, o_k // 32, 16, SPLIT_AT)
         q = (_u8(p_q + i % 16) >> ((i // 16) * 4)) & 15
         w = _f16(p_d) * (q - 8).to(tl.float32)
     elif QTYPE == 1:  # Q8_0: d, qs[32] int8
-        if SPLIT_AT > 0:
-            p_q = p_row + (o_k // 32) * 32
-            p_d = p_row + SPLIT_AT + (o_k // 32) * 2
-        else:
-            p_d = p_row + (o_k // 32) * 34
-            p_q = p_d + 2
+        p_q, p_d = _block_ptrs(p_row, o_k // 32, 32, SPLIT_AT)
         q = tl.load((p_q + o_k % 32).to(tl.pointer_type(tl.int8)))
         w = _f16(p_d) * q.to(tl.float32)
     elif QTYPE < 4:  # Q4_K (2) / Q5_K (3): d, dmin, scales[12], (qh[32],) qs[128]
@@ -154,22 +158,12 @@ def _block_tiles(p_row, kb, m_b, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr):
     o_i = tl.arange(0, 16)
     kb3 = kb[None, :, None]
     if QTYPE == 0:  # d, qs[16]: weight i is qs[i] & 15, weight i + 16 is qs[i] >> 4
-        if SPLIT_AT > 0:  # the codes of consecutive blocks are consecutive 16-byte runs
-            p_q = p_row[:, :, None] + kb3 * 16  # [BN, NB, 1]
-            p_d = p_row[:, :, None] + SPLIT_AT + kb3 * 2
-        else:
-            p_d = p_row[:, :, None] + kb3 * 18
-            p_q = p_d + 2
+        p_q, p_d = _block_ptrs(p_row[:, :, None], kb3, 16, SPLIT_AT)  # [BN, NB, 1]
         q = _u8(p_q + o_i[None, None, :])  # [BN, NB, 16]
         lo = (q & 15) - 8
         hi = (q >> 4) - 8
     else:  # Q8_0: d, qs[32] int8
-        if SPLIT_AT > 0:
-            p_c = p_row[:, :, None] + kb3 * 32
-            p_d = p_row[:, :, None] + SPLIT_AT + kb3 * 2
-        else:
-            p_d = p_row[:, :, None] + kb3 * 34
-            p_c = p_d + 2
+        p_c, p_d = _block_ptrs(p_row[:, :, None], kb3, 32, SPLIT_AT)
         p_q = (p_c + o_i[None, None, :]).to(tl.pointer_type(tl.int8))
         lo = tl.load(p_q).to(tl.int32)
         hi = tl.load(p_q + 16).to(tl.int32)
