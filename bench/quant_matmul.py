@@ -205,30 +205,46 @@ def sweep(args, rng) -> None:
                 draws = rotating([torch.randperm(EXPERTS, device=dev)[:PAIRS].reshape(1, PAIRS) for _ in range(64)])
                 nbytes = PAIRS * sum(e.nbytes for e in stack) // EXPERTS
 
-            def timed(tiles, kind=kind, label=label):
+            def timed(tiles, down=None, kind=kind, label=label):
+                """Milliseconds per call with these tiles (for ``moe``: the gate/up launch's, and the
+                down launch's when given), after a check against the reference."""
                 cfg = QuantKernelConfig(**tiles)
-                out = qmatmul(x, mats(), cfg) if kind == "gemv" else quantized_moe_triton(x, *stack, ids, w, cfg)
+                down_cfg = QuantKernelConfig(**down) if down is not None else None
+                if kind == "gemv":
+                    fn = lambda: qmatmul(x, mats(), cfg)  # noqa: E731
+                    out = qmatmul(x, mats(), cfg)
+                else:
+                    fn = lambda: quantized_moe_triton(x, *stack, draws(), w, cfg, down_cfg)  # noqa: E731
+                    out = quantized_moe_triton(x, *stack, ids, w, cfg, down_cfg)
                 err = rel_err(out, ref)
                 if not err < 2e-2:
-                    raise SystemExit(f"{qtype.name} {label} {tiles}: kernel differs from the reference by {err:.2e}")
-                if kind == "gemv":
-                    return time_ms(lambda: qmatmul(x, mats(), cfg), args.warmup, args.repeats)["ms"]
-                return time_ms(lambda: quantized_moe_triton(x, *stack, draws(), w, cfg), args.warmup,
-                               args.repeats)["ms"]
+                    raise SystemExit(f"{qtype.name} {label} {tiles} {down}: kernel differs from the reference "
+                                     f"by {err:.2e}")
+                return time_ms(fn, args.warmup, args.repeats)["ms"]
+
+            def fastest(time_of):
+                """The grid at 4 warps, then warps and no-split variants of its best (the defaults kept
+                unless beaten): (ms, tiles)."""
+                results = [(time_of({}), {})] + [(time_of(t), t) for t in TILE_GRID]
+                best = min(results, key=lambda r: r[0])[1]
+                results += [(time_of(best | v), best | v) for v in TILE_VARIANTS]
+                return min(results, key=lambda r: r[0])
 
             default = timed({})
-            results = [(default, {})] + [(timed(t), t) for t in TILE_GRID]  # the defaults stay if nothing beats them
-            best_ms, best = min(results, key=lambda r: r[0])
-            results += [(timed(best | v), best | v) for v in TILE_VARIANTS]
-            best_ms, best = min(results, key=lambda r: r[0])
-            tiles = QuantKernelConfig(**best)
-            fields = {f: getattr(tiles, f) for f in ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k")}
+            best_ms, best = fastest(timed)
+            launches = [(kind, n, k, best)]
+            if kind == "moe":  # then the down launch's own tiles, with the gate/up launch's best
+                best_ms, down = fastest(lambda t: timed(best, t))
+                launches = [("moe_gate_up", n, k, best), ("moe_down", k, n, down)]
             measured = {"shape": label, "us": best_ms * 1e3, "default_us": default * 1e3, "bytes": nbytes}
-            # the MoE's two launches share the tiles timed together
-            for kind_, n_, k_ in ([(kind, n, k)] if kind == "gemv" else [("moe_gate_up", n, k), ("moe_down", k, n)]):
-                entries.append({"kind": kind_, "qtype": qtype.name, "n": n_, "k": k_, **fields, **measured})
+            for kind_, n_, k_, tiles in launches:
+                cfg = QuantKernelConfig(**tiles)
+                entries.append({"kind": kind_, "qtype": qtype.name, "n": n_, "k": k_, **measured,
+                                **{f: getattr(cfg, f) for f in ("gemv_block_n", "gemv_block_k", "gemv_num_warps",
+                                                                "gemv_split_k")}})
             print(f"{qtype.name:>5} {f'{n}x{k}':>16} {kind:>7} {nbytes / 1e6:7.2f} {default * 1e3:10.1f} "
-                  f"{best_ms * 1e3:8.1f} {gbps(nbytes, best_ms):6.0f} {default / best_ms:6.2f}x  {best}", flush=True)
+                  f"{best_ms * 1e3:8.1f} {gbps(nbytes, best_ms):6.0f} {default / best_ms:6.2f}x  "
+                  f"{[t for *_, t in launches]}", flush=True)
             torch.cuda.empty_cache()
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
             "warmup": args.warmup, "repeats": args.repeats}

@@ -578,14 +578,15 @@ def _grouped_quantized_moe(x: torch.Tensor, gate: QuantExperts, up: QuantExperts
 
 
 def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, down: QuantExperts,
-                         ids: torch.Tensor, w: torch.Tensor, config: QuantKernelConfig | None = None) -> torch.Tensor:
+                         ids: torch.Tensor, w: torch.Tensor, config: QuantKernelConfig | None = None,
+                         down_config: QuantKernelConfig | None = None) -> torch.Tensor:
     """Routed-expert SwiGLU over quantized experts: [T, H] in x's dtype.
 
     x [T, H]; gate, up [E, ffn, H] and down [E, H, ffn] blocks of one type; ids [T, k] (-1: no
     expert); w [T, k] float32. Up to ``gemv_max_m`` tokens (decode, verify blocks), two GEMV
     launches: gate and up together write ``silu(g) * u`` per pair, and down sums each token's
-    pairs with their weights in registers (tiles: ``config``, else the measured ones for these
-    shapes on this GPU, kinds ``moe_gate_up`` and ``moe_down``). Longer calls group the pairs
+    pairs with their weights in registers (tiles: ``config`` and ``down_config`` (default: ``config``),
+    else the measured ones for these shapes on this GPU, kinds ``moe_gate_up`` and ``moe_down``). Longer calls group the pairs
     by expert and run tensor-core tiles over weights dequantized in registers, so each expert's
     blocks are read once per block of its pairs rather than once per pair."""
     T, top_k = ids.shape
@@ -604,7 +605,8 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     if T > (config or QuantKernelConfig()).gemv_max_m:  # prefill: read each expert once per block of its pairs
         return _grouped_quantized_moe(x, gate, up, down, ids.long(), w, config or QuantKernelConfig())
     c_up = config or config_for("moe_gate_up", gate.qtype.name, gate.n, gate.k, x.device, QuantKernelConfig())
-    c_down = config or config_for("moe_down", down.qtype.name, down.n, down.k, x.device, QuantKernelConfig())
+    c_down = down_config or config or config_for("moe_down", down.qtype.name, down.n, down.k, x.device,
+                                                 QuantKernelConfig())
     act = torch.empty(T * top_k, gate.n, dtype=x.dtype, device=x.device)
     bn, bk = c_up.gemv_block_n, c_up.gemv_block_k
     _moe_gate_up_kernel[(T * top_k, triton.cdiv(gate.n, bn))](
