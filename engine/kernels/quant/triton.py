@@ -605,8 +605,9 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     if T > (config or QuantKernelConfig()).gemv_max_m:  # prefill: read each expert once per block of its pairs
         return _grouped_quantized_moe(x, gate, up, down, ids.long(), w, config or QuantKernelConfig())
     c_up = config or config_for("moe_gate_up", gate.qtype.name, gate.n, gate.k, x.device, QuantKernelConfig())
+    # down runs a program per token and row block: 4 rows give 512 programs at one token (16 gave 128)
     c_down = down_config or config or config_for("moe_down", down.qtype.name, down.n, down.k, x.device,
-                                                 QuantKernelConfig())
+                                                 QuantKernelConfig(gemv_block_n=4))
     act = torch.empty(T * top_k, gate.n, dtype=x.dtype, device=x.device)
     bn, bk = c_up.gemv_block_n, c_up.gemv_block_k
     _moe_gate_up_kernel[(T * top_k, triton.cdiv(gate.n, bn))](
