@@ -106,6 +106,16 @@ def _gemv_down_kernel(
 
 
 @triton.jit
+def pair_block(pairs_ptr, block_expert_ptr, pid_m, n_pairs, BLOCK_M: tl.constexpr):
+    """Block ``pid_m`` of the pairs grouped by ``align_by_expert``: its expert (int64, 0 for an
+    unused block), whether it is used, its pair indices [BLOCK_M] and which of them are real."""
+    e = tl.load(block_expert_ptr + pid_m)
+    used = e >= 0
+    b_pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # n_pairs marks padding
+    return tl.maximum(e, 0).to(tl.int64), used, b_pair, (b_pair < n_pairs) & used
+
+
+@triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, g_ptr, u_ptr, act_ptr, pairs_ptr, block_expert_ptr,
     n_pairs, H: tl.constexpr, F: tl.constexpr,
@@ -115,12 +125,7 @@ def _grouped_gate_up_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    used = e >= 0
-    e = tl.maximum(e, 0)
-    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    b_pair = tl.load(pairs_ptr + o_m)  # [BM], n_pairs marks padding
-    m_m = (b_pair < n_pairs) & used
+    e, used, b_pair, m_m = pair_block(pairs_ptr, block_expert_ptr, pid_m, n_pairs, BLOCK_M)
     b_tok = b_pair // TOPK
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = (o_n < F) & used
@@ -153,12 +158,7 @@ def _grouped_down_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    used = e >= 0
-    e = tl.maximum(e, 0)
-    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    b_pair = tl.load(pairs_ptr + o_m)
-    m_m = (b_pair < n_pairs) & used
+    e, used, b_pair, m_m = pair_block(pairs_ptr, block_expert_ptr, pid_m, n_pairs, BLOCK_M)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = (o_n < H) & used
     p_d = d_ptr + e * stride_de + o_n[None, :] * stride_dh  # [1, BN]

@@ -30,6 +30,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels.quant.reference import QuantExperts, QuantMatrix
+from engine.kernels.moe.triton import align_by_expert, pair_block
 from engine.kernels.quant.tuned import config_for
 from engine.kernels.tiles import check_tiles
 
@@ -489,12 +490,7 @@ def _q_grouped_gate_up_kernel(
     expert's blocks are read once per block of its pairs, not once per pair."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    used = e >= 0
-    e = tl.maximum(e, 0).to(tl.int64)
-    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    b_pair = tl.load(pairs_ptr + o_m)  # [BM], n_pairs marks padding
-    m_m = (b_pair < n_pairs) & used
+    e, used, b_pair, m_m = pair_block(pairs_ptr, block_expert_ptr, pid_m, n_pairs, BLOCK_M)
     b_tok = b_pair // TOP_K
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = (o_n < FFN) & used
@@ -529,12 +525,7 @@ def _q_grouped_down_kernel(
     """Down for a block of pairs of one expert: weighted rows of ``out`` [pairs, H] in float32."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    used = e >= 0
-    e = tl.maximum(e, 0).to(tl.int64)
-    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    b_pair = tl.load(pairs_ptr + o_m)
-    m_m = (b_pair < n_pairs) & used
+    e, used, b_pair, m_m = pair_block(pairs_ptr, block_expert_ptr, pid_m, n_pairs, BLOCK_M)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = (o_n < H) & used
     p_d = d_ptr + e * stride_de + tl.minimum(o_n, H - 1).to(tl.int64)[None, :] * stride_dn  # [1, BN]
@@ -554,8 +545,6 @@ def _q_grouped_down_kernel(
 def _grouped_quantized_moe(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, down: QuantExperts,
                            ids: torch.Tensor, w: torch.Tensor, config: QuantKernelConfig) -> torch.Tensor:
     """Many tokens (prefill): pairs grouped by expert, tensor-core tiles over dequantized weights."""
-    from engine.kernels.moe.triton import align_by_expert
-
     T, top_k = ids.shape
     n_pairs = T * top_k
     bm, bn, bk = config.block_m, config.block_n, config.block_k
