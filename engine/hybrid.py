@@ -42,7 +42,8 @@ from engine.errors import ConfigError
 from engine.gguf import quants
 from engine.kernels.cpu_quant import CpuQuantMatrix
 from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
-from engine.kernels.quant.reference import SPLIT_QTYPES, QuantExperts, join_rows, row_bytes, split_rows
+from engine.kernels.quant.reference import (SPLIT_QTYPES, QuantExperts, join_rows, row_bytes, split_layout_on,
+                                            split_rows)
 from engine.kernels.quant.reference import resolve_impl as resolve_quant_impl
 from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fits, gpu_expert_capacity_mb,
                               plan_placement, state_bytes)
@@ -370,8 +371,8 @@ class HybridExperts:
         cold format) keeps the hot experts' device slots in their GGUF blocks too, run by the
         quantized-expert kernels; the budget then counts quantized bytes, as on the appliance.
         ``cold_device="gpu"`` has the device compute the cold experts from host memory (module
-        docstring). ``split`` (default: on CUDA) keeps the Q4_0/Q8_0 blocks the device reads in the
-        split row layout (``QuantizedExperts``).
+        docstring). ``split`` (default: ``split_layout_on`` the model's device) keeps the Q4_0/Q8_0
+        blocks the device reads in the split row layout (``QuantizedExperts``).
         """
         if cold_format not in COLD_FORMATS:
             raise ConfigError(f"cold format must be one of {', '.join(COLD_FORMATS)}, got {cold_format!r}")
@@ -408,7 +409,8 @@ class HybridExperts:
         if raws is not None:
             for ew, raw in zip(experts, raws):
                 host.append(QuantizedExperts(raw, model.dtype, cold_dtype=cold_dtype, hot_format=hot_format,
-                                             cold_device=cold_device, pin=pin, split=pin if split is None else split))
+                                             cold_device=cold_device, pin=pin,
+                                             split=split_layout_on(model.device) if split is None else split))
                 ew.gate, ew.up, ew.down = (torch.empty(t.shape, dtype=t.dtype, device="meta")
                                            for t in (ew.gate, ew.up, ew.down))
         else:

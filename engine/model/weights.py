@@ -275,7 +275,7 @@ def quant_matrix(source: TensorSource, name: str, cfg: ModelConfig, device: torc
     from gguf import GGML_QUANT_SIZES
 
     from engine.kernels.quant import QTYPES, QuantMatrix
-    from engine.kernels.quant.reference import SPLIT_QTYPES
+    from engine.kernels.quant.reference import SPLIT_QTYPES, split_layout_on
 
     info = source.tensors[name]
     if info.qtype not in QTYPES or len(info.shape) != 2:
@@ -292,4 +292,4 @@ def quant_matrix(source: TensorSource, name: str, cfg: ModelConfig, device: torc
         else:  # value heads along the rows: the permutation moves whole rows of blocks
             raw = reorder_value_heads(name, raw, cfg, to="grouped")
     qm = QuantMatrix.from_gguf_bytes(raw.contiguous(), info.qtype, n, k).to(device)
-    return qm.with_layout("split") if qm.device.type == "cuda" and qm.qtype in SPLIT_QTYPES else qm
+    return qm.with_layout("split") if split_layout_on(qm.device) and qm.qtype in SPLIT_QTYPES else qm

@@ -8,6 +8,7 @@ this file read the same bytes and must agree with them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -94,6 +95,12 @@ def join_rows(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
     codes = raw[:, :nb * (size - 2)].reshape(n, nb, size - 2)
     scales = raw[:, nb * (size - 2):].reshape(n, nb, 2)
     return torch.cat([scales, codes], dim=2).reshape(n, -1)
+
+
+def split_layout_on(device: torch.device | str) -> bool:
+    """Whether weights loaded for ``device`` take the split layout: on CUDA, unless the
+    environment sets ``LUCE_TUNE_SPLIT_LAYOUT=0`` (the kernels then read ggml's block order)."""
+    return torch.device(device).type == "cuda" and os.environ.get("LUCE_TUNE_SPLIT_LAYOUT", "1") != "0"
 
 
 def check_split(qtype: Q) -> Q:

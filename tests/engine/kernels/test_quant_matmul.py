@@ -418,3 +418,13 @@ def test_long_half_precision_calls_dequantize_once_then_multiply_densely(layout,
     assert launched == [1, 1]
     with pytest.raises(ValueError, match="dequant_min_m"):
         tq.QuantKernelConfig(dequant_min_m=-1)
+
+
+def test_split_layout_is_for_cuda_and_can_be_switched_off(monkeypatch):
+    from engine.kernels.quant.reference import split_layout_on
+
+    assert not split_layout_on("cpu")
+    monkeypatch.delenv("LUCE_TUNE_SPLIT_LAYOUT", raising=False)
+    assert split_layout_on("cuda")
+    monkeypatch.setenv("LUCE_TUNE_SPLIT_LAYOUT", "0")
+    assert not split_layout_on("cuda")
