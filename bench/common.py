@@ -25,3 +25,20 @@ def commit() -> str:
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def time_ms(fn, warmup: int, repeats: int) -> dict[str, float]:
+    """Median and 20th/80th percentiles of ``repeats`` calls of ``fn`` on CUDA, each timed with
+    CUDA events after ``warmup`` untimed calls, in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    q = statistics.quantiles(times, n=5) if len(times) > 1 else times * 4
+    return {"ms": statistics.median(times), "p20_ms": q[0], "p80_ms": q[3]}

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import commit, machine
+from common import commit, machine, time_ms
 from gguf import GGMLQuantizationType as Q
 
 from engine.gguf.quants import random_quantized
@@ -31,28 +30,14 @@ from engine.kernels.quant import QuantExperts
 EXPERTS, PAIRS, HIDDEN, FFN = 256, 8, 2048, 512
 
 
-def time_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def buffer_rates(n: int, dev: torch.device, repeats: int) -> dict[str, float]:
     """GB/s of a DMA copy of ``n`` pinned bytes to the device, and of a reduction reading them in place."""
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     host.random_(0, 256)
     dst = torch.empty(n, dtype=torch.uint8, device=dev)
     mapped = mapped_view(host, dev).view(torch.int32)
-    return {"copy": n / (time_ms(lambda: dst.copy_(host, non_blocking=True), repeats) * 1e-3) / 1e9,
-            "mapped sum": n / (time_ms(lambda: mapped.sum(), repeats) * 1e-3) / 1e9}
+    return {"copy": n / (time_ms(lambda: dst.copy_(host, non_blocking=True), 3, repeats)["ms"] * 1e-3) / 1e9,
+            "mapped sum": n / (time_ms(lambda: mapped.sum(), 3, repeats)["ms"] * 1e-3) / 1e9}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         step["i"] = (step["i"] + 1) % len(draws)
         return quantized_moe(x, experts, draws[step["i"]], w)
 
-    ms_host, ms_dev = time_ms(lambda: one(on_host), args.repeats), time_ms(lambda: one(on_device), args.repeats)
+    ms_host = time_ms(lambda: one(on_host), 3, args.repeats)["ms"]
+    ms_dev = time_ms(lambda: one(on_device), 3, args.repeats)["ms"]
     rows["experts (host)"] = token_bytes / (ms_host * 1e-3) / 1e9
     rows["experts (device)"] = token_bytes / (ms_dev * 1e-3) / 1e9
     print(f"{machine()}: GB/s of the bytes read (buffer {args.gib:g} GiB; one token's 8 Q4_0 experts "

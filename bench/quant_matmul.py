@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import time_ms
 from gguf import GGMLQuantizationType as Q
 
 from engine.gguf.quants import random_quantized
@@ -71,22 +71,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup < 0 or args.repeats < 1:
         ap.error(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
     return args
-
-
-def time_ms(fn, warmup: int, repeats: int) -> dict[str, float]:
-    """Median and 20th/80th percentiles of ``repeats`` calls, each timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    q = statistics.quantiles(times, n=5) if len(times) > 1 else times * 4
-    return {"ms": statistics.median(times), "p20_ms": q[0], "p80_ms": q[3]}
 
 
 def copy_bandwidth(dev: torch.device, warmup: int, repeats: int, gib: int = 4) -> float:

@@ -139,8 +139,6 @@ class QuantizedExperts:
         (``engine.kernels.quant.reference.split_rows``), which its kernels load as vectors."""
         if hot_format not in HOT_FORMATS:
             raise ConfigError(f"hot format must be one of {', '.join(HOT_FORMATS)}, got {hot_format!r}")
-        if cold_device not in COLD_DEVICES:
-            raise ConfigError(f"cold device must be one of {', '.join(COLD_DEVICES)}, got {cold_device!r}")
         self.raw = tuple(raw)
         self.n_expert = self.raw[0].data.shape[0]
         self.hot_quantized = hot_format == "quantized"
@@ -196,14 +194,16 @@ class QuantizedExperts:
         for i, (slot, r, layout) in enumerate(zip(slots, self.raw, self.layouts)):
             for a in range(0, n, _UPLOAD_EXPERTS):
                 b = min(n, a + _UPLOAD_EXPERTS)
-                if self.blocks is not None:  # in ``layout``; pinned on CUDA: the copy is queued, not waited for
+                if self.blocks is not None and self.hot_quantized:  # already in the slots' layout: one copy
+                    slot[dst + a:dst + b].copy_(self.blocks[i][src + a:src + b], non_blocking=True)
+                    continue
+                if self.blocks is not None:  # pinned on CUDA: the copy is queued, not waited for
                     data, held = self.blocks[i][src + a:src + b].to(slot.device, non_blocking=True), layout
                 else:
                     data, held = torch.from_numpy(r.data[src + a:src + b].copy()).to(slot.device), "ggml"
                 rows = data.reshape((b - a) * r.rows, -1)
-                if self.hot_quantized:
-                    if held != layout:
-                        rows = split_rows(rows, r.qtype)
+                if self.hot_quantized:  # the file's blocks, into the slots' layout
+                    rows = split_rows(rows, r.qtype) if layout == "split" else rows
                     slot[dst + a:dst + b].copy_(rows.view(b - a, *slot.shape[1:]))
                 else:
                     ggml = join_rows(rows, r.qtype) if held == "split" else rows

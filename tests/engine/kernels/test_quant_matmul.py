@@ -357,14 +357,12 @@ def test_split_layout_refuses_other_types():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
-@pytest.mark.parametrize("n,k", [(2048, 2048), (12352, 2048), (2048, 4096), (1024, 2048), (248320, 2048)])
-@pytest.mark.parametrize("M", [1, 4, 64])
+@pytest.mark.parametrize("n,k,M", [(n, k, M) for n, k in ((2048, 2048), (12352, 2048), (2048, 4096), (1024, 2048))
+                                   for M in (1, 4, 64)] + [(248320, 2048, 1)])  # the LM head: one token
 def test_cuda_split_layout_real_shapes(real_weights, qtype, n, k, M):
     """The layout the loader gives Q4_0/Q8_0 projections on CUDA, at the 35B shapes: GEMV (a K
     split summed in the kernel among them) and GEMM against the reference; repeated calls give
     the same bits and leave the split counters zeroed."""
-    if n == 248320 and M != 1:
-        pytest.skip("the LM head decodes one token at a time")
     qm = real_weights(qtype, n, k).with_layout("split")
     x = torch.randn(M, k, device="cuda", generator=torch.Generator("cuda").manual_seed(M))
     ref = qmatmul_reference(x, qm.ggml_raw, qtype, n, k)
@@ -378,16 +376,14 @@ def test_cuda_split_layout_real_shapes(real_weights, qtype, n, k, M):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
-@pytest.mark.parametrize("layout", ["ggml", "split"])
+@pytest.mark.parametrize("qtype,layout", [(Q.Q4_0, "ggml"), (Q.Q4_0, "split"), (Q.Q4_K, "ggml")],
+                         ids=["Q4_0", "Q4_0-split", "Q4_K"])  # the split layout holds Q4_0 and Q8_0 only
 @pytest.mark.parametrize("T", [1, 8, 16, 64, 300])
 def test_cuda_quantized_moe_real_shapes(qtype, layout, T):
     """The fused decode launches (T <= 16) and the grouped tiles (longer calls) at the 35B
     expert shapes, 8 of 16 experts per token, against one quantized matmul per projection."""
     from engine.hybrid import quantized_moe
 
-    if layout == "split" and qtype != Q.Q4_0:
-        pytest.skip("the split layout holds Q4_0 and Q8_0")
     stack = [make_experts(qtype, 16, n, k, seed=i, device="cuda").with_layout(layout)
              for i, (n, k) in enumerate(((512, 2048), (512, 2048), (2048, 512)))]
     g = torch.Generator("cuda").manual_seed(T)
