@@ -230,12 +230,14 @@ def sweep(args, rng) -> None:
                   f"{best_ms * 1e3:8.1f} {gbps(nbytes, best_ms):6.0f} {default / best_ms:6.2f}x  "
                   f"{[t for *_, t in launches]}", flush=True)
             torch.cuda.empty_cache()
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-            "warmup": args.warmup, "repeats": args.repeats}
-    if args.json is not None:
-        args.json.write_text(json.dumps({"device": name, **meta, "entries": entries}, indent=1))
+            # written after every shape (atomically), so that a sweep cut short keeps what it measured
+            meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+                    "warmup": args.warmup, "repeats": args.repeats}
+            if args.json is not None:
+                args.json.write_text(json.dumps({"device": name, **meta, "entries": entries}, indent=1))
+            if args.write_tuned is not None:
+                write_table(args.write_tuned, name, entries, meta)
     if args.write_tuned is not None:
-        write_table(args.write_tuned, name, entries, meta)
         print(f"wrote {len(entries)} tile entries for {name} to {args.write_tuned}")
 
 

@@ -5,7 +5,7 @@
 source "$(dirname "$0")/env.sh"
 mkdir -p /tmp/llama-src
 [ -d /tmp/llama-src/llama.cpp ] || tar -xJf .snap/llama-src.tar.xz -C /tmp/llama-src
-setsid nohup python3 - > /tmp/llbuild.out 2>&1 <<'PY' &
+setsid nohup nice -n 15 python3 - > /tmp/llbuild.out 2>&1 <<'PY' &
 import sys
 from pathlib import Path
 sys.path.insert(0, "bench")

@@ -9,7 +9,7 @@ FILES="tests/engine/kernels/test_quant_matmul.py tests/engine/kernels/test_quant
   FILE_S=${TESTS_S:-90} bash "$(dirname "$0")/10_tests_per_file.sh"
 timeout ${SWEEP_S:-300} python3 bench/quant_matmul.py --sweep --qtypes ${QTYPES:-Q4_0} --warmup 5 --repeats 30 \
   --write-tuned engine/kernels/quant/tuned.json --json "$OUT/tiles_sweep.json" 2>&1 | tee "$OUT/tiles_sweep.log" | tail -14
-cp engine/kernels/quant/tuned.json "$OUT/tuned.json" || true
+cp engine/kernels/quant/tuned.json "$OUT/tuned.json" && cp engine/kernels/quant/tuned.json /tmp/tuned.json || true
 [ -f /tmp/q35.gguf ] || luce make-model --preset qwen3.6-35b-a3b --quant q4_0 -o /tmp/q35.gguf > "$OUT/make.log" 2>&1
 timeout ${PROFILE_S:-150} python3 bench/profile_decode.py --model /tmp/q35.gguf --weights quantized --experts quantized \
   --steps 8 --rows 25 > "$OUT/profile_tuned.log" 2>&1 || echo "profile rc=$?"
