@@ -40,5 +40,35 @@ def time_ms(fn, warmup: int, repeats: int) -> dict[str, float]:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return _summary(times)
+
+
+def _summary(times: list[float]) -> dict[str, float]:
     q = statistics.quantiles(times, n=5) if len(times) > 1 else times * 4
     return {"ms": statistics.median(times), "p20_ms": q[0], "p80_ms": q[3]}
+
+
+def graph_time_ms(fn, warmup: int, repeats: int, calls: int = 20) -> dict[str, float]:
+    """``time_ms`` of one call of ``fn`` as the GPU runs it inside a CUDA graph: ``calls`` calls
+    captured once, the graph replayed ``repeats`` times, each replay's time divided by ``calls``.
+    Kernels of a few microseconds are timed without the host's launch cost, as a captured decode
+    step runs them (a plain loop of launches measures the host when the kernel is faster than its
+    launch). ``fn`` must be capturable; the warm-up calls run before the capture."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return _summary(times)

@@ -50,7 +50,7 @@ from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fit
 
 if TYPE_CHECKING:
     from engine.kernels.moe.triton import MoEKernelConfig
-    from engine.model.weights import RawExpertMatrix, RawTensorSource
+    from engine.model.weights import RawExpertMatrix, RawTensorSource, SharedExpertWeights
 
 RESERVED_CONTEXT_TOKENS = 32768  # state kept free for by default when placing experts
 COLD_FORMATS = ("dense", "quantized")
@@ -306,6 +306,10 @@ def quantized_moe(x: torch.Tensor, experts: Sequence[QuantExperts], ids: torch.T
     return (y * w.reshape(-1, 1).float()).view(T, k, -1).sum(1).to(x.dtype)
 
 
+SHARED_IN_MOE_ENV = "LUCE_TUNE_SHARED_IN_MOE"
+SHARED_IN_MOE_MAX_TOKENS = 16  # the decode launches' limit (QuantKernelConfig.gemv_max_m's default)
+
+
 class HybridExperts:
     """The model's expert executor under a VRAM budget (``Qwen35MoE.set_expert_executor``)."""
 
@@ -455,6 +459,32 @@ class HybridExperts:
     def expert_host_bytes(self) -> int:
         """Host memory held by the master copies of every expert (the cold tier's store)."""
         return sum(layer.host.nbytes for layer in self._layers)
+
+    def moe_with_shared(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+                        shared: "SharedExpertWeights") -> torch.Tensor | None:
+        """The layer's routed experts and its shared expert in the same two launches (the shared
+        expert as one more pair per token), ``routed + sigmoid(x . gate_inp) * shared`` in x's
+        dtype; None where that does not apply, and the caller computes them apart. It applies to
+        decode-sized calls (up to ``gemv_max_m`` tokens) through the Triton kernels, with every
+        expert of the layer hot in quantized slots and a quantized shared expert of one routed
+        expert's block type, layout and shape (``shared_fits``). ``LUCE_TUNE_SHARED_IN_MOE=0``
+        switches it off. Saves the shared expert's four launches per layer."""
+        from engine.kernels.quant.reference import QuantMatrix
+
+        layer = self._layers[layer_idx]
+        if (self.impl != "triton" or layer.n_hot != layer.n_expert or not layer.n_hot
+                or os.environ.get(SHARED_IN_MOE_ENV, "1") == "0" or x.shape[0] > SHARED_IN_MOE_MAX_TOKENS
+                or not isinstance(layer.slot_experts[0], QuantExperts)
+                or not isinstance(shared.gate_up, QuantMatrix) or not isinstance(shared.down, QuantMatrix)):
+            return None
+        from engine.kernels.quant.triton import quantized_moe_triton, shared_fits
+
+        gate, up, down = layer.slot_experts
+        if not shared_fits(gate, down, shared.gate_up, shared.down):
+            return None
+        self._pairs[layer_idx].add_(topk_ids.numel())
+        return quantized_moe_triton(x, gate, up, down, topk_ids, topk_w,
+                                    shared=(shared.gate_up, shared.down, shared.gate_inp))
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_w: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,10 @@ def moe_forward(w: MoEWeights, x: torch.Tensor, layer_idx: int, cfg: ModelConfig
     ids, weights = route(w.router, x, cfg.n_expert_used)
     if observer is not None:
         observer(layer_idx, ids)
+    if w.shared is not None and hasattr(executor, "moe_with_shared"):
+        out = executor.moe_with_shared(layer_idx, x, ids, weights, w.shared)  # None: not for this call
+        if out is not None:
+            return out
     y = executor(layer_idx, x, ids, weights)
     if w.shared is None:
         return y

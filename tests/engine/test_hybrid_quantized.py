@@ -366,3 +366,40 @@ def test_cuda_graph_replays_the_quantized_hot_tier(q4_model_file):
         ref = eager_model.forward(ids[pos:pos + 1], eager, logits="all").logits
         assert rel_err(step.step(ids[pos:pos + 1]), ref) < 1e-4
     hybrid.close()
+
+
+def test_shared_expert_rides_in_the_routed_launches_of_a_loaded_model(q4_model_file, prompt_and_stats, monkeypatch):
+    """Q4_0 projections and every expert hot in Q4_0 slots through the Triton kernels: decode-sized
+    calls take the shared expert into the routed launches (``moe_with_shared``), with the same
+    logits as computing it apart (``LUCE_TUNE_SHARED_IN_MOE=0``); a prompt longer than the
+    decode launches takes it apart."""
+    import engine.kernels.quant.triton as tq
+    from engine.hybrid import SHARED_IN_MOE_ENV
+
+    ids, stats = prompt_and_stats
+    calls = []
+    real = tq.quantized_moe_triton
+    monkeypatch.setattr(tq, "quantized_moe_triton",
+                        lambda *a, **k: calls.append(k.get("shared") is not None) or real(*a, **k))
+
+    def run(tokens):
+        with GGUFFile(q4_model_file) as f:
+            model = Qwen35MoE.from_gguf(f, dtype=torch.float32, quantized=True)
+        hybrid = attach_hybrid(model, quantized_mb(q4_model_file), stats, threads=2, cold_format="quantized",
+                               gguf_file=GGUFFile(q4_model_file), cold_dtype=torch.float32, hot_format="quantized",
+                               impl="triton")
+        out = logits(model, tokens)
+        hybrid.close()
+        return out
+
+    fused = run(ids[:5])
+    assert calls and all(calls)  # every MoE layer, shared expert inside
+    calls.clear()
+    monkeypatch.setenv(SHARED_IN_MOE_ENV, "0")
+    apart = run(ids[:5])
+    assert calls and not any(calls)
+    assert rel_err(fused, apart) < 1e-5
+    monkeypatch.delenv(SHARED_IN_MOE_ENV)
+    calls.clear()
+    run(torch.cat([ids, ids])[:17])  # 17 tokens: past the decode launches
+    assert not any(calls)

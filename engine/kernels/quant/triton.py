@@ -147,38 +147,50 @@ def _dequant(p_row, o_k, mask, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr):
 
 
 @triton.jit
-def _block_tiles(p_row, kb, m_b, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr):
-    """Whole Q4_0 (``QTYPE`` 0) or Q8_0 (1) blocks ``kb`` [NB] of the rows starting at ``p_row``
-    [BN, 1], dequantized: the first and second 16 weights of each block, [BN, NB, 16] float32
-    each (zero for blocks where ``m_b`` is false; their loads read block ``kb``, kept in bounds).
+def _block_codes(p_row, kb, m_b, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr):
+    """The codes of whole Q4_0 (``QTYPE`` 0) or Q8_0 (1) blocks ``kb`` [NB] of the rows starting at
+    ``p_row`` [BN, 1]: the first and second 16 codes of each block, [BN, NB, 16] float32 each, as
+    stored (Q4_0's unsigned nibbles, without the -8), and the blocks' scales [BN, NB] float32
+    (zero for blocks where ``m_b`` is false; their loads read block ``kb``, kept in bounds).
 
-    A block's codes are one contiguous run of bytes and its scale is applied once per block,
-    not per weight: one byte load per two Q4_0 weights instead of two loads per weight. In the
-    split layout (``SPLIT_AT`` > 0) the runs start 16-byte aligned, so they load as vectors.
+    A block's codes are one contiguous run of bytes: in the split layout (``SPLIT_AT`` > 0) the
+    runs start 16-byte aligned and load as one vector per thread, so a block's dot product with
+    x (``_block_dots``) sums inside the thread.
     """
     o_i = tl.arange(0, 16)
-    kb3 = kb[None, :, None]
-    if QTYPE == 0:  # d, qs[16]: weight i is qs[i] & 15, weight i + 16 is qs[i] >> 4
-        p_q, p_d = _block_ptrs(p_row[:, :, None], kb3, 16, SPLIT_AT)  # [BN, NB, 1]
-        q = _u8(p_q + o_i[None, None, :])  # [BN, NB, 16]
-        lo = (q & 15) - 8
-        hi = (q >> 4) - 8
+    CODES: tl.constexpr = 16 if QTYPE == 0 else 32
+    p_c, _ = _block_ptrs(p_row[:, :, None], kb[None, :, None], CODES, SPLIT_AT)  # [BN, NB, 1]
+    _, p_d = _block_ptrs(p_row, kb[None, :], CODES, SPLIT_AT)  # [BN, NB]
+    if QTYPE == 0:  # d, qs[16]: code i is qs[i] & 15, code i + 16 is qs[i] >> 4
+        q = _u8(p_c + o_i[None, None, :])  # [BN, NB, 16]
+        lo = q & 15
+        hi = q >> 4
     else:  # Q8_0: d, qs[32] int8
-        p_c, p_d = _block_ptrs(p_row[:, :, None], kb3, 32, SPLIT_AT)
         p_q = (p_c + o_i[None, None, :]).to(tl.pointer_type(tl.int8))
         lo = tl.load(p_q).to(tl.int32)
         hi = tl.load(p_q + 16).to(tl.int32)
-    d = tl.where(m_b[None, :, None], _f16(p_d), 0.0)  # [BN, NB, 1]
-    return lo.to(tl.float32) * d, hi.to(tl.float32) * d
+    d = tl.where(m_b[None, :], _f16(p_d), 0.0)
+    return lo.to(tl.float32), hi.to(tl.float32), d
 
 
 @triton.jit
 def _block_x(p_x, kb, mask):
-    """x at the weights of blocks ``kb`` [NB] from row pointer ``p_x``: two halves [NB, 16] float32."""
+    """x at the weights of blocks ``kb`` [NB] from row pointer ``p_x``: two halves [NB, 16] float32,
+    and each block's sum [NB] (Q4_0's -8 offset, applied once per block)."""
     o = kb[:, None] * 32 + tl.arange(0, 16)[None, :]
     m = mask & (kb[:, None] >= 0)
-    return (tl.load(p_x + o, mask=m, other=0.0).to(tl.float32),
-            tl.load(p_x + o + 16, mask=m, other=0.0).to(tl.float32))
+    x_lo = tl.load(p_x + o, mask=m, other=0.0).to(tl.float32)
+    x_hi = tl.load(p_x + o + 16, mask=m, other=0.0).to(tl.float32)
+    return x_lo, x_hi, tl.sum(x_lo + x_hi, axis=1)
+
+
+@triton.jit
+def _block_dots(lo, hi, d, x_lo, x_hi, x_sum, QTYPE: tl.constexpr):
+    """[BN, NB] float32: each block's weights (``_block_codes``) dotted with x's (``_block_x``)."""
+    s = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)
+    if QTYPE == 0:
+        s = s - 8.0 * x_sum[None, :]
+    return d * s
 
 
 @triton.jit
@@ -199,15 +211,22 @@ def _gemv_kernel(
     k_lo = pid_s * K_SPLIT
     if BLOCKWISE:  # Q4_0 / Q8_0, BLOCK_K a multiple of 32: whole blocks at a time
         N_BLOCKS: tl.constexpr = K // 32
+        acc_b = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
         for k0 in range(0, K_SPLIT, BLOCK_K):
             kb = (k_lo + k0) // 32 + tl.arange(0, BLOCK_K // 32)  # [NB]
             m_b = kb < N_BLOCKS
             kb = tl.minimum(kb, N_BLOCKS - 1)
-            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, SPLIT_AT)  # [BN, NB, 16]
-            for m in tl.static_range(BLOCK_M):
-                x_lo, x_hi = _block_x(x_ptr + m * stride_xm, kb, m < M)  # [NB, 16]
-                b_y = tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)  # [BN]
-                acc += tl.where(o_m[:, None] == m, b_y[None, :], 0.0)
+            lo, hi, d = _block_codes(p_row, kb, m_b, QTYPE, SPLIT_AT)  # [BN, NB, 16] x2, [BN, NB]
+            if BLOCK_M == 1:  # decode: the sum over blocks waits for the end of the loop
+                x_lo, x_hi, x_sum = _block_x(x_ptr, kb, M > 0)
+                acc_b += _block_dots(lo, hi, d, x_lo, x_hi, x_sum, QTYPE)
+            else:
+                for m in tl.static_range(BLOCK_M):
+                    x_lo, x_hi, x_sum = _block_x(x_ptr + m * stride_xm, kb, m < M)  # [NB, 16] x2, [NB]
+                    b_y = tl.sum(_block_dots(lo, hi, d, x_lo, x_hi, x_sum, QTYPE), axis=1)  # [BN]
+                    acc += tl.where(o_m[:, None] == m, b_y[None, :], 0.0)
+        if BLOCK_M == 1:
+            acc += tl.sum(acc_b, axis=1)[None, :]
     else:
         for k0 in range(0, K_SPLIT, BLOCK_K):  # the last slice may end past K: masked
             o_k = k_lo + k0 + tl.arange(0, BLOCK_K)
@@ -271,13 +290,15 @@ def _pair_dot(p_row, p_x, K: tl.constexpr, live, N_ROWS, o_n,
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     if BLOCKWISE:
         N_BLOCKS: tl.constexpr = K // 32
+        acc_b = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)  # summed over blocks at the end
         for k0 in range(0, K, BLOCK_K):
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             m_b = (kb < N_BLOCKS) & live
             kb = tl.minimum(kb, N_BLOCKS - 1)
-            w_lo, w_hi = _block_tiles(p_row, kb, m_b, QTYPE, SPLIT_AT)
-            x_lo, x_hi = _block_x(p_x, kb, live)
-            acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
+            lo, hi, d = _block_codes(p_row, kb, m_b, QTYPE, SPLIT_AT)
+            x_lo, x_hi, x_sum = _block_x(p_x, kb, live)
+            acc_b += _block_dots(lo, hi, d, x_lo, x_hi, x_sum, QTYPE)
+        acc = tl.sum(acc_b, axis=1)
     else:
         for k0 in range(0, K, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
@@ -307,7 +328,7 @@ def _experts_kernel(
 
 
 def _blockwise(qtype: Q, block_k: int) -> bool:
-    """Whether the decode kernels take whole blocks (``_block_tiles``): Q4_0 and Q8_0 with K tiles
+    """Whether the decode kernels take whole blocks (``_block_codes``): Q4_0 and Q8_0 with K tiles
     of whole 32-weight blocks."""
     return qtype in (Q.Q4_0, Q.Q8_0) and block_k % 32 == 0
 
@@ -429,38 +450,47 @@ def qmatmul_experts(x: torch.Tensor, qe: QuantExperts, ids: torch.Tensor,
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, FFN, K: tl.constexpr, TOP_K: tl.constexpr,
-    stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap,
+    x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, FFN, N_ROUTED, K: tl.constexpr, TOP_K: tl.constexpr,
+    stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap, stride_sgu,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
-    SPLIT_AT: tl.constexpr,
+    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr,
 ):
-    """Routed pair ``p`` (token ``p // TOP_K``), rows ``BLOCK_N`` of its expert's gate and up:
-    ``act[p] = silu(gate x) * up x`` in float32, stored in act's dtype (zero for id -1)."""
+    """Pair ``p``, rows ``BLOCK_N`` of its expert's gate and up: ``act[p] = silu(gate x) * up x``
+    in float32, stored in act's dtype (zero for id -1). Pairs below ``N_ROUTED`` are routed
+    (token ``p // TOP_K``); with ``HAS_SHARED``, pair ``N_ROUTED + t`` is token t's shared
+    expert, whose gate rows are the first ``FFN`` rows of ``sgu`` and its up rows the next."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(ids_ptr + p)
-    live = e >= 0
+    shared = p >= N_ROUTED
+    e = tl.load(ids_ptr + tl.minimum(p, N_ROUTED - 1))
+    live = (e >= 0) | shared
     e = tl.maximum(e, 0).to(tl.int64)
+    tok = tl.where(shared, p - N_ROUTED, p // TOP_K)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(o_n, FFN - 1).to(tl.int64)[:, None]
-    p_x = x_ptr + (p // TOP_K) * stride_xt
-    g = _pair_dot(g_ptr + e * stride_ge + rows * stride_gn, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K,
-                  BLOCKWISE, SPLIT_AT)
-    u = _pair_dot(u_ptr + e * stride_ue + rows * stride_un, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K,
-                  BLOCKWISE, SPLIT_AT)
+    p_x = x_ptr + tok * stride_xt
+    p_g = g_ptr + e * stride_ge + rows * stride_gn
+    p_u = u_ptr + e * stride_ue + rows * stride_un
+    if HAS_SHARED:
+        p_g = tl.where(shared, sgu_ptr + rows * stride_sgu, p_g)
+        p_u = tl.where(shared, sgu_ptr + (rows + FFN) * stride_sgu, p_u)
+    g = _pair_dot(p_g, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
+    u = _pair_dot(p_u, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + p * stride_ap + o_n, act.to(act_ptr.dtype.element_ty), mask=o_n < FFN)
 
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, H, FFN: tl.constexpr, TOP_K: tl.constexpr,
-    stride_ap, stride_de, stride_dn, stride_ot,
+    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, x_ptr, sd_ptr, gi_ptr, H, N_ROUTED, FFN: tl.constexpr,
+    TOP_K: tl.constexpr, stride_ap, stride_de, stride_dn, stride_ot, stride_xt, stride_sd,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
-    SPLIT_AT: tl.constexpr,
+    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Token ``t``, rows ``BLOCK_N`` of the output: the routing-weighted sum over its ``TOP_K``
-    pairs of ``down[e] act[p]``, added in pair order in float32 (no partial sums leave the program)."""
+    pairs of ``down[e] act[p]``, added in pair order in float32 (no partial sums leave the
+    program); with ``HAS_SHARED``, then its shared expert's ``sd act[N_ROUTED + t]`` times
+    ``sigmoid(x[t] . gate_inp)``."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -474,6 +504,14 @@ def _moe_down_kernel(
         y = _pair_dot(d_ptr + e * stride_de + rows * stride_dn, act_ptr + p * stride_ap, FFN, live, H, o_n,
                       QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
         acc += tl.load(w_ptr + p).to(tl.float32) * y
+    if HAS_SHARED:
+        h = tl.arange(0, BLOCK_H)  # the shared gate's logit, recomputed by each row block
+        xv = tl.load(x_ptr + t * stride_xt + h, mask=h < H, other=0.0).to(tl.float32)
+        gi = tl.load(gi_ptr + h, mask=h < H, other=0.0).to(tl.float32)
+        gate = tl.sigmoid(tl.sum(xv * gi, axis=0))
+        y = _pair_dot(sd_ptr + rows * stride_sd, act_ptr + (N_ROUTED + t) * stride_ap, FFN, t >= 0, H, o_n,
+                      QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
+        acc += gate * y
     tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=o_n < H)
 
 
@@ -566,9 +604,18 @@ def _grouped_quantized_moe(x: torch.Tensor, gate: QuantExperts, up: QuantExperts
     return out.view(T, top_k, down.n).sum(1).to(x.dtype)
 
 
+def shared_fits(gate: QuantExperts, down: QuantExperts, gate_up: QuantMatrix, s_down: QuantMatrix) -> bool:
+    """Whether a shared expert (gate and up merged in ``gate_up``, then ``s_down``) can ride in the
+    routed experts' launches: the same block type, layout and shapes as one routed expert."""
+    return (gate_up.qtype == s_down.qtype == gate.qtype == down.qtype and gate_up.layout == s_down.layout
+            == gate.layout == down.layout and gate_up.n == 2 * gate.n and gate_up.k == gate.k
+            and s_down.n == down.n and s_down.k == down.k)
+
+
 def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, down: QuantExperts,
                          ids: torch.Tensor, w: torch.Tensor, config: QuantKernelConfig | None = None,
-                         down_config: QuantKernelConfig | None = None) -> torch.Tensor:
+                         down_config: QuantKernelConfig | None = None,
+                         shared: tuple[QuantMatrix, QuantMatrix, torch.Tensor] | None = None) -> torch.Tensor:
     """Routed-expert SwiGLU over quantized experts: [T, H] in x's dtype.
 
     x [T, H]; gate, up [E, ffn, H] and down [E, H, ffn] blocks of one type; ids [T, k] (-1: no
@@ -577,7 +624,11 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     pairs with their weights in registers (tiles: ``config`` and ``down_config`` (default: ``config``),
     else the measured ones for these shapes on this GPU, kinds ``moe_gate_up`` and ``moe_down``). Longer calls group the pairs
     by expert and run tensor-core tiles over weights dequantized in registers, so each expert's
-    blocks are read once per block of its pairs rather than once per pair."""
+    blocks are read once per block of its pairs rather than once per pair.
+
+    ``shared`` (gate and up merged [2 ffn, H], down [H, ffn], gate_inp [H] float32; ``shared_fits``),
+    up to ``gemv_max_m`` tokens: each token's shared expert runs as one more pair of the same two
+    launches, and the result is ``routed + sigmoid(x . gate_inp) * shared`` summed in float32."""
     T, top_k = ids.shape
     x = _check_x(x, gate.k, gate.raw.device)
     if ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device or w.shape != ids.shape:
@@ -592,22 +643,42 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     ids = ids.contiguous()
     w = w.contiguous().float()
     if T > (config or QuantKernelConfig()).gemv_max_m:  # prefill: read each expert once per block of its pairs
+        if shared is not None:
+            raise ValueError(f"a shared expert rides in the decode launches only (up to "
+                             f"{(config or QuantKernelConfig()).gemv_max_m} tokens), got {T}")
         return _grouped_quantized_moe(x, gate, up, down, ids.long(), w, config or QuantKernelConfig())
+    if shared is not None:
+        s_gu, s_down, gate_inp = shared
+        if not shared_fits(gate, down, s_gu, s_down) or gate_inp.shape != (gate.k,):
+            raise ValueError(f"the shared expert ({s_gu.qtype.name} [{s_gu.n}, {s_gu.k}] {s_gu.layout}, down "
+                             f"[{s_down.n}, {s_down.k}], gate_inp {tuple(gate_inp.shape)}) does not match the "
+                             f"routed experts ({gate.qtype.name} [{gate.n}, {gate.k}] {gate.layout})")
+        if s_gu.raw.device != x.device or s_down.raw.device != x.device:
+            raise ValueError(f"the shared expert is on {s_gu.raw.device}, x on {x.device}")
+        gate_inp = gate_inp.contiguous().float()
     c_up = config or config_for("moe_gate_up", gate.qtype.name, gate.n, gate.k, x.device, QuantKernelConfig())
     # down runs a program per token and row block: 4 rows give 512 programs at one token (16 gave 128)
     c_down = down_config or config or config_for("moe_down", down.qtype.name, down.n, down.k, x.device,
                                                  QuantKernelConfig(gemv_block_n=4))
-    act = torch.empty(T * top_k, gate.n, dtype=x.dtype, device=x.device)
+    n_routed = T * top_k
+    n_pairs = n_routed + (T if shared is not None else 0)
+    act = torch.empty(n_pairs, gate.n, dtype=x.dtype, device=x.device)
+    s_gu, s_down, gate_inp = shared if shared is not None else (None, None, w)
+    sgu_raw = s_gu.raw if s_gu is not None else gate.raw  # unread without a shared expert
+    sd_raw = s_down.raw if s_down is not None else down.raw
+    sgu_stride = s_gu.raw.stride(0) if s_gu is not None else 0
+    sd_stride = s_down.raw.stride(0) if s_down is not None else 0
     bn, bk = c_up.gemv_block_n, c_up.gemv_block_k
-    _moe_gate_up_kernel[(T * top_k, triton.cdiv(gate.n, bn))](
-        x, gate.raw, up.raw, ids, act, gate.n, gate.k, top_k,
+    _moe_gate_up_kernel[(n_pairs, triton.cdiv(gate.n, bn))](
+        x, gate.raw, up.raw, ids, act, sgu_raw, gate.n, n_routed, gate.k, top_k,
         x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
-        QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
-        SPLIT_AT=gate.split_at, num_warps=c_up.gemv_num_warps)
+        sgu_stride, QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
+        SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, num_warps=c_up.gemv_num_warps)
     bn, bk = c_down.gemv_block_n, c_down.gemv_block_k
     _moe_down_kernel[(T, triton.cdiv(down.n, bn))](
-        act, down.raw, ids, w, out, down.n, down.k, top_k,
-        act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0),
+        act, down.raw, ids, w, out, x, sd_raw, gate_inp, down.n, n_routed, down.k, top_k,
+        act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), x.stride(0), sd_stride,
         QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
-        SPLIT_AT=down.split_at, num_warps=c_down.gemv_num_warps)
+        SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, BLOCK_H=triton.next_power_of_2(down.n),
+        num_warps=c_down.gemv_num_warps)
     return out

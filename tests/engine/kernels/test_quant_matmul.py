@@ -396,6 +396,64 @@ def test_cuda_quantized_moe_real_shapes(qtype, layout, T):
     assert rel_err(quantized_moe(x, stack, ids, w, impl="triton"), ref) < 1e-4
 
 
+def _moe_with_shared_case(qtype, layout, T, E, k, hidden, ffn, seed, device="cpu"):
+    """Routed experts, a shared expert of one routed expert's shape (gate and up merged), the
+    routing and the float32 reference ``routed + sigmoid(x . gate_inp) * shared``."""
+    from engine.hybrid import quantized_moe
+
+    rng = np.random.default_rng(seed)
+    stack = [QuantExperts.from_gguf_bytes(random_quantized((E, n, kk), qtype, rng, 0.05), qtype, E, n, kk)
+             .to(device).with_layout(layout) for n, kk in ((ffn, hidden), (ffn, hidden), (hidden, ffn))]
+    s_gu = QuantMatrix.from_gguf_bytes(random_quantized((2 * ffn, hidden), qtype, rng, 0.05), qtype, 2 * ffn,
+                                       hidden).to(device).with_layout(layout)
+    s_down = QuantMatrix.from_gguf_bytes(random_quantized((hidden, ffn), qtype, rng, 0.05), qtype, hidden,
+                                         ffn).to(device).with_layout(layout)
+    g = torch.Generator().manual_seed(seed)
+    gate_inp = (torch.randn(hidden, generator=g) * 0.1).to(device)
+    x = torch.randn(T, hidden, generator=g).to(device)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device)
+    ids[0, 1] = -1
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).to(device)
+    routed = quantized_moe(x, stack, ids, w, impl="torch").float()
+    gu = qmatmul_reference(x, s_gu.ggml_raw, qtype, 2 * ffn, hidden)
+    act = torch.nn.functional.silu(gu[:, :ffn]) * gu[:, ffn:]
+    shared = qmatmul_reference(act, s_down.ggml_raw, qtype, hidden, ffn)
+    ref = routed + torch.sigmoid(x.float() @ gate_inp)[:, None] * shared
+    return stack, (s_gu, s_down, gate_inp), x, ids, w, ref
+
+
+@pytest.mark.parametrize("qtype,layout", [(Q.Q4_0, "ggml"), (Q.Q4_0, "split"), (Q.Q8_0, "split"), (Q.Q4_K, "ggml")],
+                         ids=["Q4_0", "Q4_0-split", "Q8_0-split", "Q4_K"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_shared_expert_rides_in_the_routed_launches(qtype, layout, T):
+    """The shared expert as one more pair of the two decode launches: the routed sum plus the
+    gated shared output, as the separate computation gives it; a mismatched shared expert and a
+    long call are refused."""
+    hidden, ffn = (256, 256) if qtype == Q.Q4_K else (96, 64)
+    stack, shared, x, ids, w, ref = _moe_with_shared_case(qtype, layout, T, 5, 3, hidden, ffn, seed=T)
+    config = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=64 if qtype != Q.Q4_K else 256)
+    out = tq.quantized_moe_triton(x, *stack, ids, w, config, shared=shared)
+    assert out.shape == (T, hidden) and rel_err(out, ref) < 1e-5
+    assert tq.shared_fits(stack[0], stack[2], *shared[:2])
+    s_gu, s_down, gate_inp = shared
+    assert not tq.shared_fits(stack[0], stack[2], s_down, s_gu)
+    with pytest.raises(ValueError, match="does not match the routed experts"):
+        tq.quantized_moe_triton(x, *stack, ids, w, config, shared=(s_gu, s_down, gate_inp[:-1]))
+    with pytest.raises(ValueError, match="decode launches only"):
+        tq.quantized_moe_triton(x, *stack, ids, w, tq.QuantKernelConfig(gemv_max_m=0), shared=shared)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_cuda_shared_expert_rides_in_the_routed_launches_real_shapes(T):
+    """The 35B expert shapes (hidden 2048, ffn 512, 8 of 16 experts), Q4_0 in the split layout."""
+    stack, shared, x, ids, w, ref = _moe_with_shared_case(Q.Q4_0, "split", T, 16, 8, 2048, 512, seed=T,
+                                                          device="cuda")
+    assert rel_err(tq.quantized_moe_triton(x, *stack, ids, w, shared=shared), ref) < 1e-4
+    assert rel_err(tq.quantized_moe_triton(x.bfloat16(), *stack, ids, w, shared=shared), ref) < 2e-2
+
+
 @pytest.mark.parametrize("layout", ["ggml", "split"])
 def test_long_half_precision_calls_dequantize_once_then_multiply_densely(layout, monkeypatch):
     """From ``dequant_min_m`` rows of a bf16 x the weight is dequantized once and multiplied by
