@@ -135,17 +135,44 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out[0].view(n_kv, group, T, D).permute(2, 0, 1, 3).reshape(T, n_head * D)
 
 
+# The captured step's attention over the preallocated cache through ``engine.kernels.decode_attention``
+# (split along the keys; chunks past the written slots skipped). FUSED_DECODE_ATTENTION None: on
+# CUDA, and under the interpreter when the step's kernels are "triton"; True: always; False: never.
+FUSED_DECODE_ATTENTION: bool | None = None
+DECODE_ATTENTION = "split-key decode attention"
+
+
+def static_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                     slots: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
+    """``grouped_attention`` over a whole preallocated cache, through the split-key kernel where it
+    applies (``FUSED_DECODE_ATTENTION``; ``kernels="torch"`` keeps torch's)."""
+    forced = FUSED_DECODE_ATTENTION
+    if forced is None and kernels == "triton" and not q.is_cuda:
+        forced = True  # the Triton interpreter, as the CPU tests run the step
+    if forced or (forced is None and kernels != "torch" and q.is_cuda and fused.allowed(DECODE_ATTENTION)
+                  and not torch.is_grad_enabled()):
+        from engine.kernels import decode_attention
+
+        if decode_attention.supports(q, keys):
+            out = fused.attempt(DECODE_ATTENTION, forced, lambda: decode_attention.decode_attention_triton(
+                q.contiguous(), keys, values, visible, slots))
+            if out is not None:
+                return out
+    return grouped_attention(q, keys, values, visible)
+
+
 def attention_static(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     visible: torch.Tensor, cache: KVCache, cfg: ModelConfig, rope: Rope | None = None) -> torch.Tensor:
+                     visible: torch.Tensor, cache: KVCache, cfg: ModelConfig, rope: Rope | None = None,
+                     kernels: str = "auto") -> torch.Tensor:
     """``attention_forward`` with every index on the device, for a decode step of fixed shapes.
 
     x [T, hidden] (already normed), positions [T]; ``slots`` [T] int64 are the cache indices
     the tokens' keys and values are written to, ``visible`` [T, max_len] bool the keys each
-    query sees. Attention runs over the whole preallocated cache; ``cache.length`` is left
-    to the caller.
+    query sees. Attention runs over the whole preallocated cache (``static_attention``: with
+    ``kernels``, its chunks past the written slots skipped); ``cache.length`` is left to the caller.
     """
     q, k, v, gate = _project(w, x, positions, cfg, rope)
     cache.k.index_copy_(1, slots, k.transpose(0, 1).to(cache.k.dtype))
     cache.v.index_copy_(1, slots, v.transpose(0, 1).to(cache.v.dtype))
-    out = grouped_attention(q, cache.k, cache.v, visible)
+    out = static_attention(q, cache.k, cache.v, visible, slots, kernels)
     return linear(out * torch.sigmoid(gate), w.o)

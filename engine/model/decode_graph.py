@@ -214,7 +214,7 @@ class DecodeGraph:
         rope = rope_cos_sin(self.positions, cfg.rope_dim, cfg.rope_theta) if state.kv else None
 
         def attend(i: int, mixer: AttentionWeights, x: torch.Tensor) -> torch.Tensor:
-            return attention_static(mixer, x, self.positions, slots, visible, state.kv[i], cfg, rope)
+            return attention_static(mixer, x, self.positions, slots, visible, state.kv[i], cfg, rope, self.kernels)
 
         if self.records:
             torch.stack([state.recurrent[i] for i in self.records], out=self._start)
