@@ -190,7 +190,8 @@ def test_cuda_quantized_cold_tier_matches_dense(q4_model_file, prompt_and_stats,
     exact, _ = quantized_run(q4_model_file, fraction, ids, stats, torch.float32, "cuda")
     fast, snap = quantized_run(q4_model_file, fraction, ids, stats, torch.bfloat16, "cuda")
     assert exact.device.type == "cuda"
-    assert rel_err(exact.cpu(), ref.cpu()) < 1e-5
+    # the CPU tier's float32 sums against cuBLAS's on the device: 1.15e-5 measured at 0% on the H200
+    assert rel_err(exact.cpu(), ref.cpu()) < 3e-5
     per_token = (fast - ref).abs().amax(1) / ref.abs().amax(1)
     assert per_token.max() < 1e-5 if fraction == 1.0 else per_token.median() < 1e-2
     assert snap.expert_vram_mb == dense.expert_vram_mb
