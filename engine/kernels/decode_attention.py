@@ -29,7 +29,7 @@ BLOCK_S = 32  # keys per step inside a chunk
 BLOCK_Q = 16  # query rows (group * tokens) per program
 MAX_HEAD_DIM = 256
 MAX_TOKENS = 16
-NEG = -1.0e30  # the running maximum before any visible key (finite: no inf - inf)
+NEG = tl.constexpr(-1.0e30)  # the running maximum before any visible key (finite: no inf - inf)
 
 
 @triton.jit
