@@ -4,9 +4,6 @@ the shared expert's SwiGLU activation, and the sum of the routed and the gated s
 - ``route_topk_triton``: softmax over the experts, the top k, renormalised to sum 1, which is
   the softmax of the k largest logits; ids in descending order of weight, as ``torch.topk``
   gives them (a tie goes to the lower expert id). Replaces softmax, topk, sum and divide.
-- ``route_triton``: the router's float32 logits and that top k in one launch (the layer input
-  cast, the matrix product and the top-k were three), the top k taken by the last block of
-  experts of each token to finish, after an arrival counter.
 - ``swiglu_triton``: ``silu(gate) * up``.
 - ``shared_combine_triton``: ``y + sigmoid(x . gate_inp) * s`` in float32 (the gate's dot
   product included), cast once to the output dtype.
@@ -46,44 +43,6 @@ def _route_topk_kernel(l_ptr, ids_ptr, w_ptr, E, stride_l, K: tl.constexpr, BLOC
         logits = tl.where(e == idx, float("-inf"), logits)
     tl.store(ids_ptr + t * K + o, ids)
     tl.store(w_ptr + t * K + o, w / tl.sum(w, axis=0))
-
-
-@triton.jit
-def _route_kernel(x_ptr, r_ptr, l_ptr, ids_ptr, w_ptr, count_ptr, E, H: tl.constexpr, stride_x, stride_r,
-                  K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALL_E: tl.constexpr):
-    """Token ``t``, experts ``BLOCK_E``: their float32 router logits, stored; the block of the token
-    that finishes last (an arrival counter per token) then takes the top k over all its logits."""
-    t = tl.program_id(0)
-    pid = tl.program_id(1)
-    e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-    m_e = e < E
-    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)  # summed over H at the end
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        m_h = h < H
-        x = tl.load(x_ptr + t * stride_x + h, mask=m_h, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + e[:, None] * stride_r + h[None, :], mask=m_e[:, None] & m_h[None, :], other=0.0)
-        acc += r.to(tl.float32) * x[None, :]
-    tl.store(l_ptr + t * E + e, tl.sum(acc, axis=1), mask=m_e)
-    tl.debug_barrier()  # every thread's logits stored before the release
-    arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-    if arrived == tl.num_programs(1) - 1:
-        tl.debug_barrier()
-        o = tl.arange(0, ALL_E)
-        logits = tl.load(l_ptr + t * E + o, mask=o < E, other=float("-inf"), cache_modifier=".cg")
-        top = tl.max(logits, axis=0)
-        o_k = tl.arange(0, K)
-        ids = tl.zeros([K], dtype=tl.int64)
-        w = tl.zeros([K], dtype=tl.float32)
-        for i in tl.static_range(K):
-            m = tl.max(logits, axis=0)
-            idx = tl.min(tl.where(logits == m, o, ALL_E), axis=0)  # the lowest id among equal logits
-            ids = tl.where(o_k == i, idx.to(tl.int64), ids)
-            w = tl.where(o_k == i, tl.exp(m - top), w)
-            logits = tl.where(o == idx, float("-inf"), logits)
-        tl.store(ids_ptr + t * K + o_k, ids)
-        tl.store(w_ptr + t * K + o_k, w / tl.sum(w, axis=0))
-        tl.atomic_xchg(count_ptr + t, 0)  # ready for the next call (a graph replays it)
 
 
 @triton.jit
@@ -129,37 +88,6 @@ def route_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     if T:
         _route_topk_kernel[(T,)](logits, ids, weights, E, logits.stride(0), K=k,
                                  BLOCK_E=triton.next_power_of_2(E), num_warps=4)
-    return ids, weights
-
-
-ROUTE_BLOCK_E = 4  # experts per program: 64 programs per token at 256 experts
-MAX_ROUTE_TOKENS = 1 << 16  # one arrival counter per token (engine.kernels.quant.triton's, shared)
-
-
-def route_triton(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route_topk_triton(x.float() @ router.T, k)`` in one launch: the router's float32 logits
-    [T, E] computed by blocks of experts, then the top k by the last block of each token to
-    finish. x [T, H] (any float dtype), router [E, H] float32."""
-    _rows("x", x)
-    _rows("router", router)
-    check_device(x, WHAT)
-    T, H = x.shape
-    E = router.shape[0]
-    if router.shape[1] != H or router.device != x.device:
-        raise ValueError(f"router must be [E, {H}] on {x.device}, got {tuple(router.shape)} on {router.device}")
-    if not 1 <= k <= E or E > MAX_EXPERTS or k & (k - 1) or T > MAX_ROUTE_TOKENS:
-        raise ValueError(f"top-k needs 1 <= k <= E <= {MAX_EXPERTS} with k a power of two and at most "
-                         f"{MAX_ROUTE_TOKENS} tokens, got k={k}, E={E}, T={T}")
-    from engine.kernels.quant.triton import _split_counters
-
-    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
-    weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
-    if T:
-        logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
-        _route_kernel[(T, triton.cdiv(E, ROUTE_BLOCK_E))](
-            x, router, logits, ids, weights, _split_counters(x.device), E, H, x.stride(0), router.stride(0),
-            K=k, BLOCK_E=ROUTE_BLOCK_E, BLOCK_H=min(512, triton.next_power_of_2(H)),
-            ALL_E=triton.next_power_of_2(E), num_warps=4)
     return ids, weights
 
 

@@ -124,13 +124,12 @@ class FusedExpertExecutor:
 
 def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in float32, top-k, weights renormalised to sum 1: (ids [T, k], weights [T, k])."""
-    E = router.shape[0]
-    if (_fused_gate(x, router) and top_k & (top_k - 1) == 0 and top_k <= E <= 1024 and router.dtype == torch.float32
-            and x.stride(-1) == 1 and router.stride(-1) == 1):
-        routed = fused.attempt(GATE, FUSED_GATE, lambda: _gate_kernels().route_triton(x, router, top_k))
+    logits = F.linear(x.float(), router.float())
+    E = logits.shape[-1]
+    if _fused_gate(x, router) and top_k & (top_k - 1) == 0 and top_k <= E <= 1024:
+        routed = fused.attempt(GATE, FUSED_GATE, lambda: _gate_kernels().route_topk_triton(logits, top_k))
         if routed is not None:
             return routed
-    logits = F.linear(x.float(), router.float())
     probs = torch.softmax(logits, dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     return ids, weights / weights.sum(-1, keepdim=True)
