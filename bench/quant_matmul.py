@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="time decode tiles at the 35B shapes instead")
     ap.add_argument("--write-tuned", type=Path, default=None, help="with --sweep: write the fastest tiles here")
-    ap.add_argument("--shapes", type=lambda s: s.split(","), default=None,
+    ap.add_argument("--sweep-shapes", type=lambda s: s.split(","), default=None,
                     help="with --sweep: only these shapes (attn_qkv, attn_out, gdn_in, gdn_out, shared_gate_up, "
                          "shared_down, lm_head, experts); the table keeps its other entries")
     args = ap.parse_args(argv)
@@ -158,7 +158,8 @@ def decode_shapes() -> list[tuple[str, str, int, int]]:
 
 
 TILE_GRID = [dict(gemv_block_n=bn, gemv_block_k=bk) for bn in (4, 8, 16, 32) for bk in (128, 256, 512, 1024)]
-TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_split_k=1)]
+# gemv_split_k: 1 no K split (GEMV); 2 two K slices (GEMV), a program per pair (MoE down launch)
+TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_split_k=1), dict(gemv_split_k=2)]
 
 
 def sweep(args, rng) -> None:
@@ -171,15 +172,15 @@ def sweep(args, rng) -> None:
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev)
     entries = []
-    if args.shapes and args.write_tuned is not None and args.write_tuned.exists():  # keep the shapes not swept
+    if args.sweep_shapes and args.write_tuned is not None and args.write_tuned.exists():  # keep the shapes not swept
         kept = json.loads(args.write_tuned.read_text())
         if kept.get("device") == name:
-            entries = [e for e in kept["entries"] if e.get("shape") not in args.shapes]
+            entries = [e for e in kept["entries"] if e.get("shape") not in args.sweep_shapes]
     print(f"{'qtype':>5} {'shape':>16} {'kind':>7} {'MB':>7} {'default us':>10} {'best us':>8} {'GB/s':>6} "
           f"{'speedup':>7}  tiles")
     for qtype in args.qtypes:
         for label, kind, n, k in decode_shapes():
-            if (k % 256 and qtype not in (Q.Q4_0, Q.Q8_0)) or (args.shapes and label not in args.shapes):
+            if (k % 256 and qtype not in (Q.Q4_0, Q.Q8_0)) or (args.sweep_shapes and label not in args.sweep_shapes):
                 continue
             if kind == "gemv":
                 qm = QuantMatrix.from_gguf_bytes(random_quantized((n, k), qtype, rng, 0.02), qtype, n, k).to(dev)

@@ -745,7 +745,11 @@ MOE_DOWN_PAIRS_ENV = "LUCE_TUNE_MOE_DOWN_PAIRS"
 
 
 def moe_down_pairs(config: QuantKernelConfig) -> bool:
-    """Whether the down launch runs a program per pair too (``_moe_down_pairs_kernel``): unless its
-    tiles say ``gemv_split_k=1`` (one program per token sums every pair) or
-    ``LUCE_TUNE_MOE_DOWN_PAIRS=0``."""
-    return config.gemv_split_k != 1 and os.environ.get(MOE_DOWN_PAIRS_ENV, "1") != "0"
+    """Whether the down launch runs a program per pair too (``_moe_down_pairs_kernel``): where its
+    tiles say ``gemv_split_k`` of 2 or more (the tile sweep's choice for the GPU), or
+    ``LUCE_TUNE_MOE_DOWN_PAIRS=1``; otherwise one program per token sums every pair (the form
+    measured on the H200; ``LUCE_TUNE_MOE_DOWN_PAIRS=0`` keeps it whatever the tiles say)."""
+    forced = os.environ.get(MOE_DOWN_PAIRS_ENV)
+    if forced is not None:
+        return forced != "0"
+    return config.gemv_split_k >= 2

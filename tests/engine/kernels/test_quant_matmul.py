@@ -435,9 +435,10 @@ def test_shared_expert_rides_in_the_routed_launches(qtype, layout, T):
     config = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=64 if qtype != Q.Q4_K else 256)
     out = tq.quantized_moe_triton(x, *stack, ids, w, config, shared=shared)
     assert out.shape == (T, hidden) and rel_err(out, ref) < 1e-5
-    assert tq.moe_down_pairs(config)  # the down launch ran a program per pair: the same sums, in order
-    per_token = tq.quantized_moe_triton(x, *stack, ids, w, config, replace(config, gemv_split_k=1), shared=shared)
-    assert torch.equal(per_token, out)
+    pairs = replace(config, gemv_split_k=2)
+    assert not tq.moe_down_pairs(config) and tq.moe_down_pairs(pairs)
+    per_pair = tq.quantized_moe_triton(x, *stack, ids, w, config, pairs, shared=shared)
+    assert torch.equal(per_pair, out)  # a program per pair: the same sums, in the same order
     assert not tq._split_counters(x.device).any()
     assert tq.shared_fits(stack[0], stack[2], *shared[:2])
     s_gu, s_down, gate_inp = shared
