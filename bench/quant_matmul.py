@@ -158,8 +158,7 @@ def decode_shapes() -> list[tuple[str, str, int, int]]:
 
 
 TILE_GRID = [dict(gemv_block_n=bn, gemv_block_k=bk) for bn in (4, 8, 16, 32) for bk in (128, 256, 512, 1024)]
-# gemv_split_k: 1 no K split (GEMV); 2 two K slices (GEMV), a program per pair (MoE down launch)
-TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_split_k=1), dict(gemv_split_k=2)]
+TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_split_k=1)]
 
 
 def sweep(args, rng) -> None:

@@ -42,8 +42,8 @@ from engine.errors import ConfigError
 from engine.gguf import quants
 from engine.kernels.cpu_quant import CpuQuantMatrix
 from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
-from engine.kernels.quant.reference import (SPLIT_QTYPES, QuantExperts, join_rows, row_bytes, split_layout_on,
-                                            split_rows)
+from engine.kernels.quant.reference import (SPLIT_QTYPES, QuantExperts, QuantMatrix, join_rows, row_bytes,
+                                            split_layout_on, split_rows)
 from engine.kernels.quant.reference import resolve_impl as resolve_quant_impl
 from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fits, gpu_expert_capacity_mb,
                               plan_placement, state_bytes)
@@ -307,7 +307,6 @@ def quantized_moe(x: torch.Tensor, experts: Sequence[QuantExperts], ids: torch.T
 
 
 SHARED_IN_MOE_ENV = "LUCE_TUNE_SHARED_IN_MOE"
-SHARED_IN_MOE_MAX_TOKENS = 16  # the decode launches' limit (QuantKernelConfig.gemv_max_m's default)
 
 
 class HybridExperts:
@@ -469,18 +468,16 @@ class HybridExperts:
         expert of the layer hot in quantized slots and a quantized shared expert of one routed
         expert's block type, layout and shape (``shared_fits``). ``LUCE_TUNE_SHARED_IN_MOE=0``
         switches it off. Saves the shared expert's four launches per layer."""
-        from engine.kernels.quant.reference import QuantMatrix
-
         layer = self._layers[layer_idx]
         if (self.impl != "triton" or layer.n_hot != layer.n_expert or not layer.n_hot
-                or os.environ.get(SHARED_IN_MOE_ENV, "1") == "0" or x.shape[0] > SHARED_IN_MOE_MAX_TOKENS
+                or os.environ.get(SHARED_IN_MOE_ENV, "1") == "0"
                 or not isinstance(layer.slot_experts[0], QuantExperts)
                 or not isinstance(shared.gate_up, QuantMatrix) or not isinstance(shared.down, QuantMatrix)):
             return None
-        from engine.kernels.quant.triton import quantized_moe_triton, shared_fits
+        from engine.kernels.quant.triton import QuantKernelConfig, quantized_moe_triton, shared_fits
 
         gate, up, down = layer.slot_experts
-        if not shared_fits(gate, down, shared.gate_up, shared.down):
+        if x.shape[0] > QuantKernelConfig().gemv_max_m or not shared_fits(gate, down, shared.gate_up, shared.down):
             return None
         self._pairs[layer_idx].add_(topk_ids.numel())
         return quantized_moe_triton(x, gate, up, down, topk_ids, topk_w,

@@ -22,7 +22,6 @@ is several, which may bound the decode kernels by instructions rather than bandw
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -517,54 +516,6 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _moe_down_pairs_kernel(
-    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, x_ptr, sd_ptr, gi_ptr, part_ptr, count_ptr, H, N_ROUTED,
-    FFN: tl.constexpr, TOP_K: tl.constexpr, stride_ap, stride_de, stride_dn, stride_ot, stride_xt, stride_sd,
-    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
-    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, PAIRS: tl.constexpr,
-):
-    """``_moe_down_kernel`` with one program per pair as well: token ``t``, rows ``BLOCK_N``, pair
-    ``j`` (``j == TOP_K``: the shared expert) stores its weighted rows in ``part``; the last of the
-    token's ``PAIRS`` programs to arrive (a counter per token and row block) adds them in pair
-    order, the same float32 sum in the same order as one program per token."""
-    t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    j = tl.program_id(2)
-    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < H
-    rows = tl.minimum(o_n, H - 1).to(tl.int64)[:, None]
-    shared = j >= TOP_K
-    p = t * TOP_K + tl.minimum(j, TOP_K - 1)
-    e = tl.load(ids_ptr + p)
-    live = (e >= 0) | shared
-    e = tl.maximum(e, 0).to(tl.int64)
-    p_row = d_ptr + e * stride_de + rows * stride_dn
-    p_act = act_ptr + p * stride_ap
-    scale = tl.load(w_ptr + p).to(tl.float32)
-    if HAS_SHARED:
-        p_row = tl.where(shared, sd_ptr + rows * stride_sd, p_row)
-        p_act = tl.where(shared, act_ptr + (N_ROUTED + t) * stride_ap, p_act)
-        if shared:  # the shared gate's logit, in the shared expert's programs only
-            h = tl.arange(0, BLOCK_H)
-            xv = tl.load(x_ptr + t * stride_xt + h, mask=h < H, other=0.0).to(tl.float32)
-            gi = tl.load(gi_ptr + h, mask=h < H, other=0.0).to(tl.float32)
-            scale = tl.sigmoid(tl.sum(xv * gi, axis=0))
-    y = scale * _pair_dot(p_row, p_act, FFN, live, H, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
-    p_part = part_ptr + (t * PAIRS) * H + o_n
-    tl.store(p_part + j * H, y, mask=m_n)
-    tl.debug_barrier()  # every thread's rows stored before the release
-    tile = t * tl.num_programs(1) + pid_n
-    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-    if arrived == PAIRS - 1:
-        tl.debug_barrier()
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for i in tl.static_range(PAIRS):
-            acc += tl.load(p_part + i * H, mask=m_n, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=m_n)
-        tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call (a graph replays it)
-
-
-@triton.jit
 def _q_grouped_gate_up_kernel(
     x_ptr, g_ptr, u_ptr, act_ptr, pairs_ptr, block_expert_ptr,
     n_pairs, H: tl.constexpr, FFN,
@@ -724,32 +675,10 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
         sgu_stride, QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
         SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, num_warps=c_up.gemv_num_warps)
     bn, bk = c_down.gemv_block_n, c_down.gemv_block_k
-    n_tiles = triton.cdiv(down.n, bn)
-    tiles = dict(QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
-                 SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, BLOCK_H=triton.next_power_of_2(down.n),
-                 num_warps=c_down.gemv_num_warps)
-    strides = (act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), x.stride(0), sd_stride)
-    if moe_down_pairs(c_down) and T * n_tiles <= MAX_SPLIT_TILES:
-        pairs = top_k + (shared is not None)
-        part = torch.empty(T, pairs, down.n, dtype=torch.float32, device=x.device)
-        _moe_down_pairs_kernel[(T, n_tiles, pairs)](
-            act, down.raw, ids, w, out, x, sd_raw, gate_inp, part, _split_counters(x.device), down.n, n_routed,
-            down.k, top_k, *strides, PAIRS=pairs, **tiles)
-    else:
-        _moe_down_kernel[(T, n_tiles)](
-            act, down.raw, ids, w, out, x, sd_raw, gate_inp, down.n, n_routed, down.k, top_k, *strides, **tiles)
+    _moe_down_kernel[(T, triton.cdiv(down.n, bn))](
+        act, down.raw, ids, w, out, x, sd_raw, gate_inp, down.n, n_routed, down.k, top_k,
+        act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), x.stride(0), sd_stride,
+        QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
+        SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, BLOCK_H=triton.next_power_of_2(down.n),
+        num_warps=c_down.gemv_num_warps)
     return out
-
-
-MOE_DOWN_PAIRS_ENV = "LUCE_TUNE_MOE_DOWN_PAIRS"
-
-
-def moe_down_pairs(config: QuantKernelConfig) -> bool:
-    """Whether the down launch runs a program per pair too (``_moe_down_pairs_kernel``): where its
-    tiles say ``gemv_split_k`` of 2 or more (the tile sweep's choice for the GPU), or
-    ``LUCE_TUNE_MOE_DOWN_PAIRS=1``; otherwise one program per token sums every pair (the form
-    measured on the H200; ``LUCE_TUNE_MOE_DOWN_PAIRS=0`` keeps it whatever the tiles say)."""
-    forced = os.environ.get(MOE_DOWN_PAIRS_ENV)
-    if forced is not None:
-        return forced != "0"
-    return config.gemv_split_k >= 2

@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# Issue 9, a short call: the GPU tests of the MoE launches (the shared expert inside, the down launch
-# with a program per pair), the routed-expert tiles swept again (the down launch's per-token and
-# per-pair forms both among the candidates: gemv_split_k 1 and 2; the other shapes' entries kept),
-# the captured 35B step profiled, then `luce-tune generate` streaming from the real-shape file
-# through the captured step with every expert in Q4_0 on the device (allow it 90 s: the load,
-# the slots and the capture).
+# Issue 9, a short call: the GPU tests of the MoE launches (the shared expert inside them), the
+# routed-expert tiles swept again (the other shapes' entries kept), the captured 35B step profiled,
+# then `luce-tune generate` streaming from the real-shape file through the captured step with every
+# expert in Q4_0 on the device (allow it 90 s: the load, the slots and the capture).
 source "$(dirname "$0")/env.sh"
 (luce make-model --preset qwen3.6-35b-a3b --quant q4_0 -o /tmp/q35.part.gguf > "$OUT/make.log" 2>&1 \
   && mv /tmp/q35.part.gguf /tmp/q35.gguf) &
