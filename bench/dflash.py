@@ -2,7 +2,8 @@
 
     python bench/dflash.py --target T.gguf --draft D.gguf [--spec-lens 4,8,16] [--budgets all,50%]
         [--long-form 3] [--code 3] [--prompt-tokens 512] [--new-tokens 400]
-        [--rollbacks capture,recompute] [--corpus HELD_OUT.txt] [--graph] [--json out.json]
+        [--rollbacks capture,recompute] [--corpus HELD_OUT.txt] [--graph] [--cold-device cpu|gpu]
+        [--json out.json]
 
 ``--draft random`` builds an untrained draft of the default shape: acceptance stays near 1,
 so its rows measure what drafting and verification cost, not what they gain.
@@ -111,12 +112,16 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--graph", action="store_true",
                     help="plain decoding and full verify blocks replayed from CUDA graphs where they can be captured")
+    ap.add_argument("--cold-device", choices=("cpu", "gpu"), default="cpu",
+                    help="what computes the experts outside a budget: CPU threads, or the GPU reading them over "
+                         "the bus (then a budget under 100%% decodes and verifies from the captured steps too)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     spec_lens = [int(x) for x in args.spec_lens.split(",") if x]
     rollbacks = [x for x in args.rollbacks.split(",") if x]
 
-    eng = Engine.from_gguf(args.target, device=args.device, dtype=args.dtype, cuda_graph=args.graph)
+    eng = Engine.from_gguf(args.target, device=args.device, dtype=args.dtype, cuda_graph=args.graph,
+                          cold_device=args.cold_device)
     draft = load_draft(eng, args.draft)
     if max(spec_lens) > draft.cfg.block_size:
         raise SystemExit(f"--spec-lens {max(spec_lens)} exceeds the draft's block size {draft.cfg.block_size}")
@@ -127,7 +132,7 @@ def main() -> None:
           + ", ".join(f"{k}: {len(v)} prompts" for k, v in sets.items()), flush=True)
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "commit": commit(), "target": str(args.target), "draft": args.draft, "device": str(eng.device),
-              "dtype": str(eng.dtype), "new_tokens": args.new_tokens, "rows": []}
+              "dtype": str(eng.dtype), "new_tokens": args.new_tokens, "cold_device": args.cold_device, "rows": []}
 
     header = (f"{'budget':>7} {'workload':>9} {'spec':>4} {'rollback':>9} {'plain':>7} {'dflash':>7} "
               f"{'speed-up':>8} {'accept':>6} {'verify':>7} {'draft':>6} {'rollbk':>6} {'same':>5}")
@@ -139,7 +144,8 @@ def main() -> None:
         if budget is not None or eng.hybrid is not None:
             eng.set_expert_budget(budget if budget is not None else total_mb * 1.05)
         plain_run(eng, first_ids, 8)  # warm-up: allocator, kernels, caches
-        spec_run(eng, draft, first_ids, 8, spec_lens[0], rollbacks[0])
+        for spec_len in spec_lens:  # and each spec_len's captured draft and verify steps, outside the timings
+            spec_run(eng, draft, first_ids, 2 * spec_len, spec_len, rollbacks[0])
         for name, prompts in sets.items():
             plain = [plain_run(eng, ids, args.new_tokens) for ids in prompts]
             plain_tok_s = statistics.median(p["tok_s"] for p in plain)

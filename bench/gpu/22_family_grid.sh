@@ -11,10 +11,14 @@
 # 256 new tokens by default (MAX_NEW).
 # The grid took 5.5 min there and the study's first trial 2.3 min (cold Triton caches): give
 # the script a call of its own. With ONLY=grid or ONLY=study and DB=path, one part per call.
+# COLD_DEVICE=gpu has the GPU compute the experts outside the budget from pinned host memory, so
+# that every budget decodes from the captured step (with the CPU tier, budget 0 decodes eagerly at
+# about 25 tok/s, and 256 new tokens per generation do not fit a call).
 source "$(dirname "$0")/env.sh"
 graph=$([ "${CUDA_GRAPH:-1}" = 1 ] && echo true || echo false)
 sed -e 's#^dtype = .*#dtype = "float32"#' -e "s#models/#$PWD/models/#" -e "s#^cuda_graph = .*#cuda_graph = $graph#" \
-  -e "s#^max_new_tokens = .*#max_new_tokens = ${MAX_NEW:-256}#" appliance.toml > /tmp/family.toml
+  -e "s#^max_new_tokens = .*#max_new_tokens = ${MAX_NEW:-256}#" -e "s#^cold_device = .*#cold_device = \"${COLD_DEVICE:-cpu}\"#" \
+  appliance.toml > /tmp/family.toml
 timeout ${FAMILY_S:-560} python3 bench/grid_vs_study.py --config /tmp/family.toml --trials ${TRIALS:-10} \
   --budget-points ${POINTS:-3} --budget-step-mb 4 --db "${DB:-$OUT/grid_family.db}" ${ONLY:+--only $ONLY} \
   --json "$OUT/grid_vs_study_family.json" > "$OUT/grid_family.log" 2>&1 || echo "family rc=$?"
