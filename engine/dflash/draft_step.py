@@ -6,7 +6,12 @@ whole preallocated buffers under a mask built on the device from the cache lengt
 opening token and the block's start position from device buffers too, and writes the drafted
 ids into a buffer: the same kernels on the same addresses every time, so it is captured once
 and replayed. Masked keys add nothing after the softmax, so the proposals are the eager ones.
-The cache itself is still extended eagerly (``DraftCache.extend``, a few rows per step).
+
+With ``context`` (the verify step's captured hidden buffers), the cache's extension after a
+verify block is a fixed-shape step of its own: the context rows of all of the block's tokens
+are projected and written at device-side slots from the cache length, and the host then counts
+only the kept ones in (``extend``); rows past them are masked out and overwritten by the next
+extension. One replay instead of some twenty launches from Python after every verify.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ class DraftStep:
     """
 
     def __init__(self, draft: DFlashDraft, cache: DraftCache, embed: torch.Tensor, output: Weight, *,
-                 tokens: int, graph: bool) -> None:
+                 tokens: int, graph: bool, context: dict[int, torch.Tensor] | None = None) -> None:
         if not 2 <= tokens <= draft.cfg.block_size:
             raise ValueError(f"a draft step proposes a block of 2 to {draft.cfg.block_size} tokens, got {tokens}")
         if graph and draft.device.type != "cuda":
@@ -43,7 +48,17 @@ class DraftStep:
             self._offsets = torch.arange(tokens, device=dev)
             self._slots = torch.arange(cache.max_len, device=dev)
             self._block_sees_block = torch.ones(tokens, tokens, dtype=torch.bool, device=dev)
-        self.graph: torch.cuda.CUDAGraph | None = self._capture() if graph else None
+            self._context_start = torch.zeros((), dtype=torch.long, device=dev)
+        if context is not None:
+            missing = set(draft.cfg.target_layer_ids) - set(context)
+            if missing or any(context[i].shape[0] != tokens for i in draft.cfg.target_layer_ids):
+                raise ValueError(f"the context buffers must hold {tokens} rows of target layers "
+                                 f"{list(draft.cfg.target_layer_ids)}")
+        self.context = context
+        self.graph: torch.cuda.CUDAGraph | None = self._capture(self._run) if graph else None
+        self.extend_graph: torch.cuda.CUDAGraph | None = None
+        if graph and context is not None:  # written rows are overwritten by the prefill's extension
+            self.extend_graph = self._capture(self._run_extend)
 
     @property
     def path(self) -> str:
@@ -73,5 +88,33 @@ class DraftStep:
         self.drafted.copy_(linear(hidden[1:], self.output).argmax(-1))
 
     @torch.inference_mode()
-    def _capture(self) -> torch.cuda.CUDAGraph:
-        return capture_graph(self._run, self.draft.device)
+    def extend(self, start: int, keep: int) -> bool:
+        """Count the first ``keep`` rows of ``context`` (the verify block that began at position
+        ``start``) into the cache. False, with the cache untouched, where the step has no
+        ``context`` or the whole block's rows would not fit: then extend the cache eagerly."""
+        cache = self.cache
+        if self.context is None or cache.length + self.tokens > cache.max_len:
+            return False
+        if not 1 <= keep <= self.tokens:
+            raise ValueError(f"keep must be 1..{self.tokens}, got {keep}")
+        self.length.fill_(cache.length)
+        self._context_start.fill_(start)
+        if self.extend_graph is not None:
+            self.extend_graph.replay()
+        else:
+            self._run_extend()
+        cache.length += keep
+        return True
+
+    def _run_extend(self) -> None:
+        features = torch.cat([self.context[i] for i in self.draft.cfg.target_layer_ids], dim=-1)
+        positions = self._context_start + self._offsets
+        slots = self.length + self._offsets
+        for i, (k, v) in enumerate(self.draft.project_context(features, positions)):
+            self.cache.k[i].index_copy_(1, slots, k)
+            self.cache.v[i].index_copy_(1, slots, v)
+        self.cache.positions.index_copy_(0, slots, positions)
+
+    @torch.inference_mode()
+    def _capture(self, run) -> torch.cuda.CUDAGraph:
+        return capture_graph(run, self.draft.device)

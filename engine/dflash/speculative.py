@@ -182,7 +182,7 @@ class _Generation:
         else:
             total = len(ids) + max_new
             self.state = model.new_state(total + opts.spec_len)
-        self.cache = DraftCache.empty(draft, total)
+        self.cache = DraftCache.empty(draft, total + opts.spec_len)  # room for a fixed-shape block's rows
         self.rollback = make_rollback(opts.rollback, model, self.state)
         self.gen = make_generator(params, model.device)
         self.clock = _Clock(model.device)
@@ -210,7 +210,8 @@ class _Generation:
             step = DecodeGraph(self.model, self.state, tokens=self.opts.spec_len, capture_layers=self.layer_ids,
                                graph=graph, rollback=True)
             draft_step = DraftStep(self.draft, self.cache, self.model.weights.embed, self.model.weights.output,
-                                   tokens=self.opts.spec_len, graph=graph and self.draft.device.type == "cuda")
+                                   tokens=self.opts.spec_len, graph=graph and self.draft.device.type == "cuda",
+                                   context=step.hidden)
             return step, draft_step
 
         try:
@@ -264,7 +265,8 @@ class _Generation:
             drafted = linear(hidden[1:], model.weights.output).argmax(-1)  # [n - 1]
         c1 = self.clock.mark()
         verify_ids = torch.cat([token.reshape(1), drafted])
-        if self.verify_step is not None and n == self.verify_step.tokens:
+        fixed = self.verify_step is not None and n == self.verify_step.tokens
+        if fixed:
             logits, hidden, rollback = self.verify_step.step(verify_ids), self.verify_step.hidden, \
                 self.verify_step.rollback
         else:
@@ -277,7 +279,8 @@ class _Generation:
         accepted = row[0]
         keep = accepted + 1  # the token that opened the block and the accepted drafts
         rollback(keep)
-        self._extend_context(hidden, keep, start)
+        if not (fixed and self.draft_step.extend(start, keep)):
+            self._extend_context(hidden, keep, start)
         c3 = self.clock.mark()
         self.clock.add("draft", c0, c1)
         self.clock.add("verify", c1, c2)

@@ -184,13 +184,13 @@ def _short_kernel() -> tuple[DeltaRuleFn | None, int]:
     return delta_rule_decode_triton, MAX_HEAD_DIM
 
 
-def decode_delta_rule(head_k: int, head_v: int, *, impl: str) -> tuple[DeltaRuleFn, str]:
+def decode_delta_rule(head_k: int, head_v: int, *, impl: str, in_place: bool = True) -> tuple[DeltaRuleFn, str]:
     """The delta rule of a fixed-shape decode step (1 to 16 tokens) and its backend name.
 
-    ``triton``: the Triton decode kernel (``engine.kernels.gdn_decode``), which writes the new
-    state over the old one, for head sizes it handles (on the CPU it needs TRITON_INTERPRET=1);
-    ``torch``, or head sizes beyond the kernel: the token-by-token torch definition. Neither
-    synchronises with the host.
+    ``triton``: the Triton decode kernel (``engine.kernels.gdn_decode``), for head sizes it
+    handles (on the CPU it needs TRITON_INTERPRET=1); it writes the new state over the old one,
+    or to a new tensor with ``in_place=False``. ``torch``, or head sizes beyond the kernel: the
+    token-by-token torch definition (a new tensor). Neither synchronises with the host.
     """
     if impl not in ("triton", "torch"):
         raise ValueError(f"delta rule implementation must be triton or torch, got {impl!r}")
@@ -198,10 +198,10 @@ def decode_delta_rule(head_k: int, head_v: int, *, impl: str) -> tuple[DeltaRule
         from engine.kernels.gdn_decode import MAX_HEAD_DIM, delta_rule_decode_triton
 
         if max(head_k, head_v) <= MAX_HEAD_DIM:
-            def in_place(q, k, v, g, beta, state, scale):
-                return delta_rule_decode_triton(q, k, v, g, beta, state, scale, out_state=state)
+            def triton_rule(q, k, v, g, beta, state, scale):
+                return delta_rule_decode_triton(q, k, v, g, beta, state, scale, out_state=state if in_place else None)
 
-            return in_place, "triton"
+            return triton_rule, "triton"
     return delta_rule_recurrent, "torch"
 
 

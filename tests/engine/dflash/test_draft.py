@@ -167,3 +167,37 @@ def test_fixed_shape_draft_step_proposes_the_eager_block(overrides, tokens):
         assert torch.equal(step.step(torch.tensor(token), start), ref)
     with pytest.raises(ValueError, match="a block of 2 to 4 tokens"):
         DraftStep(draft, cache, embed, output, tokens=5, graph=False)
+
+
+def test_fixed_shape_context_extension_counts_only_the_kept_rows():
+    """``DraftStep.extend`` writes every row of the verify block's context buffers at slots from
+    the cache length and counts the kept ones in: the cache's rows, positions and proposals then
+    equal an eager ``DraftCache.extend`` of the kept rows alone, block after block."""
+    from engine.dflash.draft_step import DraftStep
+
+    draft, tokens = _draft(), 4
+    gen = torch.Generator().manual_seed(11)
+    embed, output = torch.randn(50, 32, generator=gen), torch.randn(50, 32, generator=gen)
+    context = {i: torch.zeros(tokens, 32) for i in (1, 3)}
+    fixed, eager = DraftCache.empty(draft, 13), DraftCache.empty(draft, 13)
+    step = DraftStep(draft, fixed, embed, output, tokens=tokens, graph=False, context=context)
+    start = 0
+    for keep in (4, 1, 3, 2):  # 10 rows kept; each block writes all 4
+        for buf in context.values():
+            buf.copy_(torch.randn(tokens, 32, generator=gen))
+        assert step.extend(start, keep)
+        features = torch.cat([context[1], context[3]], dim=-1)[:keep]
+        eager.extend(draft, features, torch.arange(start, start + keep))
+        start += keep
+        n = eager.length
+        assert fixed.length == n
+        assert torch.equal(fixed.positions[:n], eager.positions[:n])
+        for a, b in zip(fixed.k + fixed.v, eager.k + eager.v):
+            torch.testing.assert_close(a[:, :n], b[:, :n], **TOL)
+        assert torch.equal(step.step(torch.tensor(7), start),
+                           DraftStep(draft, eager, embed, output, tokens=tokens, graph=False).step(torch.tensor(7), start))
+    assert not step.extend(start, 1) and fixed.length == 10  # 4 more rows would pass the 13 slots
+    plain = DraftStep(draft, fixed, embed, output, tokens=tokens, graph=False)
+    assert not plain.extend(0, 1)  # no context buffers: the caller extends eagerly
+    with pytest.raises(ValueError, match="must hold 4 rows of target layers"):
+        DraftStep(draft, fixed, embed, output, tokens=tokens, graph=False, context={1: torch.zeros(4, 32)})

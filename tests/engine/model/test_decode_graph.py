@@ -337,3 +337,27 @@ def test_cuda_graph_replays_a_verify_block_with_captured_layers(gguf_path):
         assert rel_err(step.step(ids[pos:pos + 3]), ref.logits) <= LOGITS_TOL
         assert all(rel_err(step.hidden[i], ref.hidden[i]) <= LOGITS_TOL for i in (1, 3))
     assert_same_state(eager, static, tol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_rollbacks_replay_their_captured_restore(gguf_path):
+    """Verify blocks of 5 replayed from the graph, each rolled back through the restore captured
+    for its ``keep`` (captured at its first use, replayed at the next): after every block the
+    state equals an eager forward over the kept tokens, and the same ``keep`` reuses its graph."""
+    model = load(gguf_path, "cuda", torch.float32)
+    T = 5
+    keeps = (2, 4, 2, 1, 4)
+    ids = tokens(model.cfg.vocab, 6 + T * len(keeps), seed=12).cuda()
+    eager, static = model.new_state(48), model.new_state(48)
+    model.forward(ids[:6], eager, logits="none")
+    model.forward(ids[:6], static, logits="none")
+    step = DecodeGraph(model, static, tokens=T, capture_layers=(2,), graph=True, rollback=True)
+    pos = 6
+    for keep in keeps:
+        step.step(ids[pos:pos + T])
+        step.rollback(keep)
+        model.forward(ids[pos:pos + keep], eager, logits="none")
+        assert_same_state(eager, static, tol=1e-4)
+        pos += keep
+    assert sorted(step._rollbacks) == [1, 2, 4]
