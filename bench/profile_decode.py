@@ -2,13 +2,16 @@
 
     python bench/profile_decode.py --model M.gguf [--steps 8] [--weights dense|quantized]
         [--experts dense|quantized] [--budget-mb MB | --budget-percent P] [--cold-device cpu|gpu]
-        [--no-graph] [--trace out.json] [--rows 30]
+        [--no-graph] [--trace out.json] [--rows 30] [--depth N] [--attention-chunks 64,128,256]
 
 Prints the wall time per step (median of ``--steps`` after a warm-up) of the eager step
 (``Qwen35MoE.forward``) and of the static step replayed from a CUDA graph (``DecodeGraph``,
 where the engine can capture it), then for each the operators sorted by device time and by
 host time, so that launch-bound and kernel-bound steps read differently. ``--trace`` writes a
-Chrome trace of the eager step for a closer look.
+Chrome trace of the eager step for a closer look. ``--depth`` prefills that many tokens before
+the timed steps (the cache then holds them). ``--attention-chunks`` then captures the step once per
+chunk size of the split-key decode attention (``engine.kernels.decode_attention``) and prints each
+one's median, before the profiles (which use the last size).
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ def main() -> None:
     ap.add_argument("--no-graph", action="store_true", help="time and profile the eager step only")
     ap.add_argument("--trace", type=Path, default=None, help="Chrome trace of the eager step")
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--depth", type=int, default=16, help="prompt tokens in the cache before the timed steps")
+    ap.add_argument("--attention-chunks", default="",
+                    help="comma-separated keys per program of the decode attention, each timed in its own capture")
     args = ap.parse_args()
+    chunks = [int(c) for c in args.attention_chunks.split(",") if c]
+    if args.depth < 1:
+        raise SystemExit(f"--depth must be at least 1, got {args.depth}")
 
     quantized = args.experts == "quantized"
     placed = quantized or args.budget_mb is not None or args.budget_percent is not None
@@ -58,8 +67,8 @@ def main() -> None:
         print(f"experts ({args.experts}): {placement.hot_count} hot, {placement.cold_count} cold "
               f"({args.cold_device}), {budget:,.1f} of {total_mb:,.1f} MB", flush=True)
     model, device = eng.model, eng.device
-    prompt = torch.arange(16, device=device) % eng.config.vocab
-    capacity = 64 + 3 * args.steps
+    prompt = torch.arange(args.depth, device=device) % eng.config.vocab
+    capacity = args.depth + 64 + 3 * args.steps
 
     def eager() -> Callable[[torch.Tensor], torch.Tensor]:
         state = model.new_state(capacity)
@@ -75,13 +84,19 @@ def main() -> None:
         return step.path, lambda tok: step.step(tok)[-1].argmax().reshape(1)
 
     paths = {"eager": eager()}
+    first = torch.zeros(1, dtype=torch.long, device=device)
     blocker = "--no-graph" if args.no_graph else eng.decode_graph_blocker()
     if blocker is None:
+        for chunk in chunks:
+            from engine.kernels import decode_attention  # needs Triton: only where chunks are asked for
+
+            decode_attention.CHUNK = chunk
+            name, step = static()
+            print(f"attention chunk {chunk}: {timed(step, first, args.steps)}", flush=True)
         name, step = static()
         paths[name] = step
     else:
         print(f"decode graph: not used ({blocker})", flush=True)
-    first = torch.zeros(1, dtype=torch.long, device=device)
     for name, step in paths.items():
         print(f"decode step, {name}: {timed(step, first, args.steps)}", flush=True)
     for name, step in paths.items():

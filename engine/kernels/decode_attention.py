@@ -128,13 +128,18 @@ def supports(q: torch.Tensor, keys: torch.Tensor) -> bool:
 
 
 def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                            slots: torch.Tensor) -> torch.Tensor:
+                            slots: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
     """q [T, n_head, D] against the cache ``keys``, ``values`` [n_kv, L, D] -> [T, n_head * D] in q's dtype.
 
     ``visible`` [T, L] bool: the keys each query sees; ``slots`` [T]: the cache slots the step
     wrote, none of which may be past a key some query sees (keys past the largest slot are never
-    read). Scale 1 / sqrt(D), as ``F.scaled_dot_product_attention``'s default.
+    read). Scale 1 / sqrt(D), as ``F.scaled_dot_product_attention``'s default. ``chunk``: keys per
+    program, a power of two of at least ``BLOCK_S`` (default: the module's ``CHUNK``, read at
+    each call, so a benchmark can set it before a step is captured).
     """
+    chunk = CHUNK if chunk is None else chunk
+    if chunk < BLOCK_S or chunk & (chunk - 1):
+        raise ValueError(f"the decode attention's chunk must be a power of two of at least {BLOCK_S} keys, got {chunk}")
     check_device(q, WHAT)
     T, n_head, D = q.shape
     n_kv, L, _ = keys.shape
@@ -146,7 +151,7 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode attention needs a contiguous last dimension in q, keys and values")
     group = n_head // n_kv
-    n_chunks = triton.cdiv(L, CHUNK)
+    n_chunks = triton.cdiv(L, chunk)
     q_blocks = triton.cdiv(T * group, BLOCK_Q)
     rows = q_blocks * BLOCK_Q
     m = torch.empty(n_kv, n_chunks, rows, dtype=torch.float32, device=q.device)
@@ -159,10 +164,10 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         q, keys, values, visible.view(torch.uint8), slots, m, l, acc, T, L, D ** -0.5,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         visible.stride(0), m.stride(0), m.stride(1), acc.stride(0), acc.stride(1),
-        GROUP=group, D=D, BLOCK_T=block_t, CHUNK=CHUNK, BLOCK_S=BLOCK_S, BLOCK_Q=BLOCK_Q,
+        GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_S=BLOCK_S, BLOCK_Q=BLOCK_Q,
         EXACT=keys.dtype == torch.float32, num_warps=4)
     out = torch.empty(T, n_head * D, dtype=q.dtype, device=q.device)
     _combine_kernel[(n_kv, T * group)](
         m, l, acc, slots, out, T, n_chunks, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), out.stride(0),
-        GROUP=group, D=D, BLOCK_T=block_t, CHUNK=CHUNK, BLOCK_C=16, num_warps=4)
+        GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_C=16, num_warps=4)
     return out

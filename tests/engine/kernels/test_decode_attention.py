@@ -58,6 +58,16 @@ def test_matches_grouped_attention(T, n_head, n_kv, D, L, past, holes):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("chunk", [32, 64, 512])
+def test_other_chunk_sizes_give_the_same_attention(chunk):
+    """Keys per program from one step (32) to more than the cache holds (512): the same output."""
+    q, keys, values, visible, slots = case(2, 4, 2, 32, 300, 150, seed=5, holes=True)
+    out = da.decode_attention_triton(q, keys, values, visible, slots, chunk=chunk)
+    assert rel_err(out, grouped_attention(q, keys, values, visible)) < 1e-5
+    with pytest.raises(ValueError, match="power of two of at least 32"):
+        da.decode_attention_triton(q, keys, values, visible, slots, chunk=48)
+
+
 def test_more_query_rows_than_one_block():
     """16 tokens of 4 query heads per KV head: 64 rows, four row blocks."""
     q, keys, values, visible, slots = case(16, 8, 2, 16, 280, 200, seed=3)
@@ -80,10 +90,11 @@ def test_bad_shapes_raise_one_clear_error():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("T", [1, 8, 16])
 @pytest.mark.parametrize("past", [0, 4000, 16384])
-def test_cuda_real_shapes(T, past):
+@pytest.mark.parametrize("chunk", [64, 256])
+def test_cuda_real_shapes(T, past, chunk):
     """Qwen3.6-35B-A3B's attention: 16 query heads on 2 KV heads of 256, a 20K-slot bf16 cache."""
     q, keys, values, visible, slots = case(T, 16, 2, 256, 20480, past, seed=past + T, dtype=torch.bfloat16)
     ref = grouped_attention(q.float(), keys.float(), values.float(), visible)
-    assert rel_err(da.decode_attention_triton(q, keys, values, visible, slots), ref) < 2e-2
+    assert rel_err(da.decode_attention_triton(q, keys, values, visible, slots, chunk=chunk), ref) < 2e-2
     q32, k32, v32 = q.float(), keys.float(), values.float()
-    assert rel_err(da.decode_attention_triton(q32, k32, v32, visible, slots), ref) < 1e-4
+    assert rel_err(da.decode_attention_triton(q32, k32, v32, visible, slots, chunk=chunk), ref) < 1e-4
