@@ -26,9 +26,14 @@ from engine.kernels.tiles import check_tiles
 
 @dataclass(frozen=True)
 class MoEKernelConfig:
-    """Tile sizes; ``gemv_max_tokens`` picks the per-pair decode kernels up to that many tokens."""
+    """Tile sizes; ``gemv_max_tokens`` picks the per-pair decode kernels up to that many tokens.
 
-    gemv_max_tokens: int = 4
+    32: on the H200 at the 35B shapes (bf16, ``bench/moe_kernel.py``) the per-pair kernels took
+    116 and 199 us at 8 and 16 tokens against the grouped kernels' 877 and 962 us, and 609
+    against 627 us at 64 (docs/benchmarks.md, "Fused-MoE kernel at the real shapes"). DFlash
+    verify blocks (up to 16 tokens) therefore stay on the per-pair kernels."""
+
+    gemv_max_tokens: int = 32
     gemv_block_n: int = 16
     gemv_block_k: int = 256
     gemv_num_warps: int = 4
