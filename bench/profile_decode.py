@@ -87,13 +87,14 @@ def main() -> None:
     first = torch.zeros(1, dtype=torch.long, device=device)
     blocker = "--no-graph" if args.no_graph else eng.decode_graph_blocker()
     if blocker is None:
-        for chunk in chunks:
+        for chunk in chunks:  # the profiles below use the last one's step
             from engine.kernels import decode_attention  # needs Triton: only where chunks are asked for
 
             decode_attention.CHUNK = chunk
             name, step = static()
             print(f"attention chunk {chunk}: {timed(step, first, args.steps)}", flush=True)
-        name, step = static()
+        if not chunks:
+            name, step = static()
         paths[name] = step
     else:
         print(f"decode graph: not used ({blocker})", flush=True)

@@ -21,6 +21,7 @@ the same object runs the static step eagerly.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import Callable, Collection
 
 import torch
@@ -129,6 +130,7 @@ class DecodeGraph:
         if graph is not False and self.blocker is None:
             self.graph = self._capture()
         self._rollbacks: dict[int, torch.cuda.CUDAGraph] = {}  # keep -> the captured state restore
+        self._rollback_eager = False  # set when a restore could not be captured: every restore then runs eagerly
 
     @property
     def captured(self) -> bool:
@@ -197,11 +199,18 @@ class DecodeGraph:
         state.next_position -= drop
         if not self.records:
             return
-        if self.graph is None:
+        if self.graph is None or self._rollback_eager:
             self._restore(keep)
             return
         if keep not in self._rollbacks:  # its warm-up runs restore the state already
-            self._rollbacks[keep] = capture_graph(lambda: self._restore(keep), self.model.device)
+            try:
+                self._rollbacks[keep] = capture_graph(lambda: self._restore(keep), self.model.device)
+            except RuntimeError as exc:  # an op that cannot be captured: the same restore, eagerly
+                warnings.warn(f"the rollback's state restore could not be captured ({exc}); it runs eagerly",
+                              stacklevel=2)
+                self._rollback_eager = True
+                self._restore(keep)
+                return
         self._rollbacks[keep].replay()
 
     def _restore(self, keep: int) -> None:

@@ -142,6 +142,42 @@ def test_rollback_leaves_the_state_of_the_kept_prefix(engine_model, kernels, kee
     assert rel_err(model.forward(ids[-1:], static, logits="last").logits, a) <= LOGITS_TOL
 
 
+def test_a_restore_that_cannot_be_captured_runs_eagerly(engine_model, monkeypatch):
+    """A captured step whose rollback restore fails to capture warns once, restores eagerly (the
+    state equals an eager forward over the kept tokens) and does not try to capture again."""
+    from engine.model import decode_graph
+
+    model = engine_model
+    T = 4
+    ids = tokens(model.cfg.vocab, 6 + 2 * T, seed=13)
+    eager, static = model.new_state(24), model.new_state(24)
+    with torch.inference_mode():
+        model.forward(ids[:6], eager, logits="none")
+        model.forward(ids[:6], static, logits="none")
+    step = DecodeGraph(model, static, tokens=T, kernels="torch", rollback=True)
+    calls = []
+
+    def refuse(run, device):
+        calls.append(device)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(decode_graph, "capture_graph", refuse)
+    pos = 6
+    for keep in (2, 3):
+        step.step(ids[pos:pos + T])
+        step.graph = object()  # as if captured: rollback takes the capture path (step() is done with it)
+        if keep == 2:
+            with pytest.warns(UserWarning, match="could not be captured"):
+                step.rollback(keep)
+        else:
+            step.rollback(keep)
+        step.graph = None
+        model.forward(ids[pos:pos + keep], eager, logits="none")
+        assert_same_state(eager, static)
+        pos += keep
+    assert len(calls) == 1
+
+
 def test_rollback_needs_the_option_and_a_valid_keep(engine_model):
     model = engine_model
     state = model.new_state(12)
