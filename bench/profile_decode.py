@@ -50,7 +50,13 @@ def main() -> None:
     ap.add_argument("--attention-chunks", default="",
                     help="comma-separated keys per program of the decode attention, each timed in its own capture")
     args = ap.parse_args()
-    chunks = [int(c) for c in args.attention_chunks.split(",") if c]
+    try:
+        chunks = [int(c) for c in args.attention_chunks.split(",") if c]
+    except ValueError:
+        raise SystemExit(f"--attention-chunks takes comma-separated integers, got {args.attention_chunks!r}") from None
+    bad = [c for c in chunks if c < 32 or c & (c - 1)]  # decode_attention.BLOCK_S, read without importing Triton
+    if bad:
+        raise SystemExit(f"--attention-chunks must be powers of two of at least 32 keys, got {bad}")
     if args.depth < 1:
         raise SystemExit(f"--depth must be at least 1, got {args.depth}")
 
