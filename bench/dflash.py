@@ -85,14 +85,16 @@ def plain_run(eng: Engine, ids: list[int], n: int) -> dict:
     return {"tok_s": g.timings.decode_tok_s, "ids": g.ids}
 
 
-def spec_run(eng: Engine, draft: DFlashDraft, ids: list[int], n: int, spec_len: int, rollback: str) -> dict:
+def spec_run(eng: Engine, draft: DFlashDraft, ids: list[int], n: int, spec_len: int, rollback: str,
+             fallback: float = 0.0) -> dict:
     new, s = speculative_generate(eng.model, draft, ids, n, spec_len=spec_len, rollback=rollback,
-                                  fallback_threshold=0.0, stall_timeout_s=eng.stall_timeout_s,
+                                  fallback_threshold=fallback, stall_timeout_s=eng.stall_timeout_s,
                                   verify_path="graph" if eng.cuda_graph else "eager")
     steps = max(s.verify_steps, 1)
     return {"tok_s": (len(new) - 1) / s.decode_s, "ids": new, "accept": s.acceptance_length,
             "verify_ms": 1000 * s.verify_s / steps, "draft_ms": 1000 * s.draft_s / steps,
-            "rollback_ms": 1000 * s.rollback_s / steps, "verify_path": s.verify_path}
+            "rollback_ms": 1000 * s.rollback_s / steps, "verify_path": s.verify_path,
+            "plain_share": s.plain_steps / max(len(new) - 1, 1), "fallbacks": s.fallbacks}
 
 
 def main() -> None:
@@ -115,10 +117,14 @@ def main() -> None:
     ap.add_argument("--cold-device", choices=("cpu", "gpu"), default="cpu",
                     help="what computes the experts outside a budget: CPU threads, or the GPU reading them over "
                          "the bus (then a budget under 100%% decodes and verifies from the captured steps too)")
+    ap.add_argument("--fallbacks", default="0",
+                    help="comma-separated acceptance thresholds under which plain decoding takes over for a "
+                         "stretch (0: pure speculation); each adds its rows")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     spec_lens = [int(x) for x in args.spec_lens.split(",") if x]
     rollbacks = [x for x in args.rollbacks.split(",") if x]
+    fallbacks = [float(x) for x in args.fallbacks.split(",") if x]
 
     eng = Engine.from_gguf(args.target, device=args.device, dtype=args.dtype, cuda_graph=args.graph,
                           cold_device=args.cold_device)
@@ -134,8 +140,8 @@ def main() -> None:
               "commit": commit(), "target": str(args.target), "draft": args.draft, "device": str(eng.device),
               "dtype": str(eng.dtype), "new_tokens": args.new_tokens, "cold_device": args.cold_device, "rows": []}
 
-    header = (f"{'budget':>7} {'workload':>9} {'spec':>4} {'rollback':>9} {'plain':>7} {'dflash':>7} "
-              f"{'speed-up':>8} {'accept':>6} {'verify':>7} {'draft':>6} {'rollbk':>6} {'same':>5}")
+    header = (f"{'budget':>7} {'workload':>9} {'spec':>4} {'rollback':>9} {'fallbk':>6} {'plain':>7} {'dflash':>7} "
+              f"{'speed-up':>8} {'accept':>6} {'verify':>7} {'draft':>6} {'rollbk':>6} {'plain%':>6} {'same':>5}")
     lines = [header]
     print(header, flush=True)
     first_ids = next(iter(sets.values()))[0]
@@ -146,29 +152,33 @@ def main() -> None:
         plain_run(eng, first_ids, 8)  # warm-up: allocator, kernels, caches
         for spec_len in spec_lens:  # and each spec_len's captured draft and verify steps, outside the timings
             spec_run(eng, draft, first_ids, 2 * spec_len, spec_len, rollbacks[0])
+        if any(fallbacks):  # the captured one-token step of plain stretches
+            spec_run(eng, draft, first_ids, 4 * spec_lens[0], spec_lens[0], rollbacks[0], fallback=100.0)
         for name, prompts in sets.items():
             plain = [plain_run(eng, ids, args.new_tokens) for ids in prompts]
             plain_tok_s = statistics.median(p["tok_s"] for p in plain)
-            for spec_len in spec_lens:
-                for rollback in rollbacks:
-                    runs = [spec_run(eng, draft, ids, args.new_tokens, spec_len, rollback) for ids in prompts]
-                    med = {k: statistics.median(r[k] for r in runs)
-                           for k in ("tok_s", "accept", "verify_ms", "draft_ms", "rollback_ms")}
-                    same = sum(r["ids"] == p["ids"] for r, p in zip(runs, plain)) / len(runs)
-                    row = {"budget": budget_text, "budget_mb": budget, "workload": name, "spec_len": spec_len,
-                           "rollback": rollback, "plain_tok_s": plain_tok_s, "dflash_tok_s": med["tok_s"],
-                           "speedup": med["tok_s"] / plain_tok_s, "acceptance_length": med["accept"],
-                           "verify_ms": med["verify_ms"], "draft_ms": med["draft_ms"],
-                           "rollback_ms": med["rollback_ms"], "same_as_plain": same,
-                           "verify_path": runs[0]["verify_path"],
-                           "per_prompt_tok_s": [r["tok_s"] for r in runs]}
-                    result["rows"].append(row)
-                    line = (f"{budget_text:>7} {name:>9} {spec_len:>4} {rollback:>9} {plain_tok_s:>7.1f} "
-                            f"{med['tok_s']:>7.1f} {row['speedup']:>8.2f} {med['accept']:>6.2f} "
-                            f"{med['verify_ms']:>7.2f} {med['draft_ms']:>6.2f} {med['rollback_ms']:>6.2f} "
-                            f"{same:>5.2f}")
-                    lines.append(line)
-                    print(line, flush=True)
+            for spec_len, rollback, fallback in ((s, r, f) for s in spec_lens for r in rollbacks for f in fallbacks):
+                runs = [spec_run(eng, draft, ids, args.new_tokens, spec_len, rollback, fallback) for ids in prompts]
+                med = {k: statistics.median(r[k] for r in runs)
+                       for k in ("tok_s", "accept", "verify_ms", "draft_ms", "rollback_ms", "plain_share")}
+                same = sum(r["ids"] == p["ids"] for r, p in zip(runs, plain)) / len(runs)
+                row = {"budget": budget_text, "budget_mb": budget, "workload": name, "spec_len": spec_len,
+                       "rollback": rollback, "fallback_threshold": fallback, "plain_tok_s": plain_tok_s,
+                       "dflash_tok_s": med["tok_s"],
+                       "speedup": med["tok_s"] / plain_tok_s, "acceptance_length": med["accept"],
+                       "verify_ms": med["verify_ms"], "draft_ms": med["draft_ms"],
+                       "rollback_ms": med["rollback_ms"], "same_as_plain": same,
+                       "verify_path": runs[0]["verify_path"], "plain_share": med["plain_share"],
+                       "fallbacks": [r["fallbacks"] for r in runs],
+                       "per_prompt_tok_s": [r["tok_s"] for r in runs],
+                       "per_prompt_accept": [r["accept"] for r in runs]}
+                result["rows"].append(row)
+                line = (f"{budget_text:>7} {name:>9} {spec_len:>4} {rollback:>9} {fallback:>6.2f} "
+                        f"{plain_tok_s:>7.1f} {med['tok_s']:>7.1f} {row['speedup']:>8.2f} {med['accept']:>6.2f} "
+                        f"{med['verify_ms']:>7.2f} {med['draft_ms']:>6.2f} {med['rollback_ms']:>6.2f} "
+                        f"{100 * med['plain_share']:>6.1f} {same:>5.2f}")
+                lines.append(line)
+                print(line, flush=True)
             if args.json:
                 args.json.write_text(json.dumps(result, indent=1))
     print("\n".join(["", "summary"] + lines))

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import apply_rope, rope_cos_sin, sdpa
-from engine.model.norm import rms_norm
+from engine.model.attention import apply_rope, norm_rope, rope_cos_sin, sdpa, static_attention
+from engine.model.norm import add_rms_norm, rms_norm
 
 
 def default_layer_ids(n_target_layers: int, n_features: int) -> tuple[int, ...]:
@@ -219,6 +219,58 @@ class DFlashDraft(nn.Module):
             m = rms_norm(h, layer.ffn_norm, cfg.rms_eps)
             h = h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
         return rms_norm(h, self.norm, cfg.rms_eps).view(R, T, cfg.hidden)
+
+
+    def forward_in_cache(self, x: torch.Tensor, positions: torch.Tensor, cache: "DraftCache", slots: torch.Tensor,
+                         visible: torch.Tensor, fused: "FusedDraftWeights") -> torch.Tensor:
+        """``forward`` of one block of a full-attention, non-causal draft, with its keys and values
+        written into ``cache`` at ``slots`` [T] (the rows just past the context, which the next
+        extension overwrites) and the queries attending over the cache's buffers under ``visible``
+        [T, max_len] (the context rows and the block's own). No concatenation, no mask per layer:
+        the engine's fused norm, norm + RoPE and split-key attention kernels where they apply,
+        the projections merged in ``fused``. x [T, hidden] -> normed hidden [T, hidden].
+        """
+        cfg = self.cfg
+        T = x.shape[0]
+        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        cos, sin = self._rope(positions)
+        h, r = x.to(self.dtype), None
+        for i, layer in enumerate(self.layers):
+            h, a = add_rms_norm(h, r, layer.attn_norm, cfg.rms_eps)
+            q, k, v = F.linear(a, fused.qkv[i]).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = norm_rope(q.view(T, H, D), layer.q_norm, cos, sin, cfg.rms_eps)
+            k = norm_rope(k.view(T, Hkv, D), layer.k_norm, cos, sin, cfg.rms_eps)
+            cache.k[i].index_copy_(1, slots, k.transpose(0, 1))
+            cache.v[i].index_copy_(1, slots, v.view(T, Hkv, D).transpose(0, 1))
+            att = static_attention(q, cache.k[i], cache.v[i], visible, slots)  # [T, H * D]
+            h, m = add_rms_norm(h, F.linear(att, layer.o), layer.ffn_norm, cfg.rms_eps)
+            gate, up = F.linear(m, fused.gate_up[i]).chunk(2, dim=-1)
+            r = F.linear(F.silu(gate) * up, layer.down)
+        return add_rms_norm(h, r, self.norm, cfg.rms_eps)[1]
+
+
+@dataclass(frozen=True)
+class FusedDraftWeights:
+    """Each draft layer's q, k, v and gate, up matrices concatenated (one product each), for
+    ``DFlashDraft.forward_in_cache``: copies, made once per inference step."""
+
+    qkv: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, draft: DFlashDraft) -> "FusedDraftWeights":
+        with torch.no_grad():
+            return cls([torch.cat([l.q, l.k, l.v]).detach() for l in draft.layers],
+                       [torch.cat([l.gate, l.up]).detach() for l in draft.layers])
+
+
+def in_cache_blocker(cfg: DraftConfig) -> str | None:
+    """Why ``forward_in_cache`` cannot run a draft of ``cfg``, or None."""
+    if cfg.causal:
+        return "its block attention is causal"
+    if any(cfg.window(i) for i in range(cfg.n_layers)):
+        return "it has sliding-window layers"
+    return None
 
 
 def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool, window: int,

@@ -35,6 +35,7 @@ DEFAULT_ROLLBACK = "capture"
 # rollback, run eagerly), "graph" (the same step replayed from a CUDA graph, one per spec_len;
 # "static" where the configuration cannot be captured).
 VERIFY_PATHS = ("eager", "static", "graph")
+REPROBE_GROWTH = 8  # a plain stretch after repeated failed tries grows to at most this many times reprobe_after
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class SpecOptions:
     rollback: str = DEFAULT_ROLLBACK
     fallback_threshold: float = 1.2  # acceptance length under which plain decoding takes over; 0: never
     fallback_window: int = 8  # verify steps the running acceptance length is taken over
+    reprobe_after: int = 32  # plain tokens before speculation is tried again (doubling after each failed try,
+                             # up to REPROBE_GROWTH times); 0: plain decoding to the end
     stall_timeout_s: float = 120.0  # longest time without a committed token
     verify_path: str = "eager"  # see VERIFY_PATHS
 
@@ -57,6 +60,8 @@ class SpecOptions:
             raise ValueError(f"fallback_threshold must be >= 0, got {self.fallback_threshold}")
         if self.fallback_window < 1:
             raise ValueError(f"fallback_window must be at least 1, got {self.fallback_window}")
+        if self.reprobe_after < 0:
+            raise ValueError(f"reprobe_after must be >= 0, got {self.reprobe_after}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
 
@@ -79,9 +84,11 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0  # drafted tokens the target agreed with
     rollbacks: int = 0  # verify steps that kept fewer tokens than they ran
-    fallback: bool = False
-    fallback_at: int | None = None  # new-token count when plain decoding took over
-    plain_steps: int = 0  # target forwards of one token after the fallback
+    fallback: bool = False  # plain decoding took over at least once
+    fallback_at: int | None = None  # new-token count when plain decoding first took over
+    fallbacks: int = 0  # times plain decoding took over (speculation is tried again after a stretch)
+    plain_steps: int = 0  # target forwards of one token (after a fallback, or a last single token)
+    plain_path: str = "eager"  # the path those forwards took: eager, static or cuda_graph
     stop_reason: str = "length"
     verify_path: str = "eager"  # the path full verify blocks took (a shorter last block runs eagerly)
     verify_path_note: str | None = None  # why a requested graph was not captured
@@ -130,7 +137,7 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
                          spec_len: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                          eos_ids: Collection[int] = (), stop: Callable[[list[int]], bool] | None = None,
                          rollback: str = DEFAULT_ROLLBACK, fallback_threshold: float = 1.2,
-                         fallback_window: int = 8, stall_timeout_s: float = 120.0,
+                         fallback_window: int = 8, reprobe_after: int = 32, stall_timeout_s: float = 120.0,
                          prefilled: Any = None, verify_path: str = "eager") -> tuple[list[int], SpecStats]:
     """Generate up to ``max_new_tokens`` after ``ids`` with ``draft`` proposing blocks.
 
@@ -138,7 +145,11 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     there); True ends the generation at that token, as does a token in ``eos_ids``. Returns the
     new ids and the statistics. ``spec_len`` (2 .. the draft's block size) tokens are verified
     per step. When the acceptance length over the last ``fallback_window`` verify steps falls
-    under ``fallback_threshold``, the rest is decoded plainly (``stats.fallback``).
+    under ``fallback_threshold``, plain decoding takes over (``stats.fallback``) for
+    ``reprobe_after`` tokens, then speculation is tried again; each further fallback doubles the
+    plain stretch (up to ``REPROBE_GROWTH`` times). ``reprobe_after=0`` decodes plainly to the end.
+    Plain steps run through a fixed-shape one-token step (captured with ``verify_path="graph"``)
+    and keep the draft's context: their captured target layers join the draft cache on resuming.
 
     ``verify_path`` (``VERIFY_PATHS``) runs full verify blocks through the fixed-shape decode
     step, replayed from a CUDA graph with ``"graph"`` where the configuration allows it.
@@ -150,7 +161,8 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     """
     try:
         opts = SpecOptions(spec_len=spec_len, rollback=rollback, fallback_threshold=fallback_threshold,
-                           fallback_window=fallback_window, stall_timeout_s=stall_timeout_s, verify_path=verify_path)
+                           fallback_window=fallback_window, reprobe_after=reprobe_after,
+                           stall_timeout_s=stall_timeout_s, verify_path=verify_path)
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -191,6 +203,11 @@ class _Generation:
         self.verify_step = self._verify_step(opts.verify_path)
         self.new: list[int] = []
         self.last_progress: float | None = None  # prefill time does not count as a stall
+        self.plain_left: int | None = 0  # plain tokens before speculating again; None: to the end
+        self.window_start = 0  # verify steps before it belong to an earlier try (not in the fallback window)
+        self.plain: Any = None  # the fixed-shape one-token step, built at the first plain step; False: eager
+        self.pending: list[torch.Tensor] = []  # plain steps' context rows, not yet in the draft cache
+        self.pending_start = 0  # position of the first of them
 
     def _verify_step(self, path: str) -> Any:
         """The fixed-shape verify step for ``path``, or None for eager verification."""
@@ -222,6 +239,7 @@ class _Generation:
             self.stats.verify_path_note = f"capturing the verify or draft step failed: {exc}"
             warnings.warn(self.stats.verify_path_note, stacklevel=4)
             step, self.draft_step = build(False)
+        step.capture_rollbacks()  # outside the decode loop's timings
         self.stats.verify_path, self.stats.draft_path = step.path, self.draft_step.path
         return step
 
@@ -241,8 +259,10 @@ class _Generation:
         self.stats.prefill_s = t1 - t0
         while not done and len(self.new) < self.max_new:
             n = min(self.opts.spec_len, self.max_new - len(self.new))
-            if self.stats.fallback or n < 2:
+            if self.plain_left is None or self.plain_left > 0 or n < 2:
                 token, done = self._plain_step(token)
+                if self.plain_left:
+                    self.plain_left -= 1
             else:
                 token, done = self._spec_step(token, n)
                 self._maybe_fall_back()
@@ -255,6 +275,11 @@ class _Generation:
 
     def _spec_step(self, token: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
         model, start = self.model, self.state.next_position  # ``token`` goes at position ``start``, not yet run
+        if self.pending:  # speculation resumes: the plain stretch's rows join the draft's context
+            features = torch.cat(self.pending)
+            positions = torch.arange(self.pending_start, self.pending_start + features.shape[0], device=model.device)
+            self.cache.extend(self.draft, features, positions)
+            self.pending.clear()
         c0 = self.clock.mark()
         if self.draft_step is not None and n == self.draft_step.tokens:
             drafted = self.draft_step.step(token, start)  # [n - 1], a buffer the next step overwrites
@@ -299,10 +324,37 @@ class _Generation:
         return choice[accepted], done
 
     def _plain_step(self, token: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        out = self.model.forward(token.reshape(1), self.state, logits="last")
-        token = sample(out.logits[-1], self.params, self.gen)
+        start = self.state.next_position
+        if self.plain is None:
+            self.plain = self._plain_decoder()
+        if self.plain is False:
+            out = self.model.forward(token.reshape(1), self.state, capture_layers=self.layer_ids, logits="last")
+            logits, hidden = out.logits[-1], out.hidden
+        else:
+            logits, hidden = self.plain.step(token.reshape(1))[-1], self.plain.hidden
+        if not self.pending:
+            self.pending_start = start
+        self.pending.append(torch.cat([hidden[i][:1] for i in self.layer_ids], dim=-1))
+        token = sample(logits, self.params, self.gen)
         self.stats.plain_steps += 1
         return token, self._commit([int(token)])
+
+    def _plain_decoder(self) -> Any:
+        """The fixed-shape one-token step on the verify step's path (captured with it), or False
+        for eager forwards (the eager verify path)."""
+        if self.verify_step is None:
+            return False
+        from engine.model.decode_graph import DecodeGraph
+
+        graph = self.verify_step.captured
+        try:
+            step = DecodeGraph(self.model, self.state, tokens=1, capture_layers=self.layer_ids, graph=graph)
+        except RuntimeError:  # an op that cannot be captured: the same step, eagerly
+            if not graph:
+                raise
+            step = DecodeGraph(self.model, self.state, tokens=1, capture_layers=self.layer_ids, graph=False)
+        self.stats.plain_path = step.path
+        return step
 
     def _extend_context(self, hidden: dict[int, torch.Tensor], rows: int, start: int = 0, *,
                         positions: torch.Tensor | None = None) -> None:
@@ -330,9 +382,15 @@ class _Generation:
 
     def _maybe_fall_back(self) -> None:
         s, opts = self.stats, self.opts
-        if opts.fallback_threshold <= 0 or s.fallback or s.verify_steps < opts.fallback_window:
+        tried = s.accept_lengths[self.window_start:]
+        if opts.fallback_threshold <= 0 or len(tried) < opts.fallback_window:
             return
-        recent = s.accept_lengths[-opts.fallback_window:]
+        recent = tried[-opts.fallback_window:]
         if sum(recent) / len(recent) < opts.fallback_threshold:
             s.fallback = True
-            s.fallback_at = len(self.new)
+            s.fallbacks += 1
+            if s.fallback_at is None:
+                s.fallback_at = len(self.new)
+            growth = min(2 ** (s.fallbacks - 1), REPROBE_GROWTH)
+            self.plain_left = opts.reprobe_after * growth if opts.reprobe_after else None
+            self.window_start = len(s.accept_lengths)

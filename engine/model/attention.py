@@ -66,8 +66,10 @@ def _picks_kernel(x: torch.Tensor) -> bool:
     return x.is_cuda and fused.allowed(NORM_ROPE) and not (torch.is_grad_enabled() and x.requires_grad)
 
 
-def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               eps: float) -> torch.Tensor:
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """``norm_rope_reference``'s result; one Triton launch per call of up to ``ROPE_MAX_TOKENS``
+    tokens on CUDA."""
     shaped = x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1 and x.shape[0] <= ROPE_MAX_TOKENS
     forced = FUSED_ROPE
     if shaped and (forced or (forced is None and _picks_kernel(x))):
@@ -96,7 +98,7 @@ def _project(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cfg:
     k = k.view(T, cfg.n_head_kv, D)
     v = v.view(T, cfg.n_head_kv, D)
     cos, sin = rope if rope is not None else rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)
-    return (_norm_rope(q, w.q_norm, cos, sin, cfg.rms_eps), _norm_rope(k, w.k_norm, cos, sin, cfg.rms_eps),
+    return (norm_rope(q, w.q_norm, cos, sin, cfg.rms_eps), norm_rope(k, w.k_norm, cos, sin, cfg.rms_eps),
             v, gate)
 
 

@@ -213,6 +213,26 @@ class DecodeGraph:
                 return
         self._rollbacks[keep].replay()
 
+    @torch.inference_mode()
+    def capture_rollbacks(self) -> None:
+        """Capture the state restore of every kept length now (a verify loop's set-up), rather than
+        at each one's first use inside the loop. The state is left as it was: a restore reads only
+        the step's records and start states, which nothing here changes."""
+        if self.graph is None or self._rollback_eager or not self.records:
+            return
+        saved = [(t, t.clone()) for t in (*self.state.conv.values(), *self.state.recurrent.values())]
+        try:
+            for keep in range(1, self.tokens):
+                if keep not in self._rollbacks:
+                    self._rollbacks[keep] = capture_graph(lambda k=keep: self._restore(k), self.model.device)
+        except RuntimeError as exc:  # an op that cannot be captured: every restore runs eagerly
+            warnings.warn(f"the rollback's state restore could not be captured ({exc}); it runs eagerly",
+                          stacklevel=2)
+            self._rollback_eager = True
+        finally:
+            for t, copy in saved:
+                t.copy_(copy)
+
     def _restore(self, keep: int) -> None:
         """The GDN layers' states after the first ``keep`` tokens of the last step, from what the
         step recorded; reads only the records and the start states, so running it twice is harmless."""

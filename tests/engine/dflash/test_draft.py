@@ -1,10 +1,16 @@
 """The draft network: config checks, layer ids, attention pattern, context cache, block packing."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.dflash.draft import DFlashDraft, DraftCache, DraftConfig, block_hidden, default_layer_ids
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
+
+from engine.dflash.draft import (DFlashDraft, DraftCache, DraftConfig, FusedDraftWeights,  # noqa: E402
+                                 block_hidden, default_layer_ids, in_cache_blocker)
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -201,3 +207,56 @@ def test_fixed_shape_context_extension_counts_only_the_kept_rows():
     assert not plain.extend(0, 1)  # no context buffers: the caller extends eagerly
     with pytest.raises(ValueError, match="must hold 4 rows of target layers"):
         DraftStep(draft, fixed, embed, output, tokens=tokens, graph=False, context={1: torch.zeros(4, 32)})
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("tokens", [3, 5])
+def test_block_in_cache_equals_the_masked_block(monkeypatch, fused, tokens):
+    """``forward_in_cache`` (the block's keys written past the context, one mask over the cache)
+    gives ``block_hidden``'s hidden states, with the torch kernels and with the engine's fused
+    ones (add + norm, norm + RoPE, split-key attention) under the Triton interpreter; the cache's
+    context rows are left as they were."""
+    if fused:
+        pytest.importorskip("triton")
+        from engine.model import attention, norm
+
+        for module, name in ((attention, "FUSED_DECODE_ATTENTION"), (attention, "FUSED_ROPE"),
+                             (norm, "FUSED_ADD_NORM")):
+            monkeypatch.setattr(module, name, True)
+    dev = "cuda" if fused and torch.cuda.is_available() else "cpu"  # the interpreter runs CPU tensors
+    draft = _draft(head_dim=16, n_head=4, n_head_kv=2, block_size=8, rope_dim=8).to(dev)
+    gen = torch.Generator().manual_seed(5)
+    cache = DraftCache.empty(draft, 24)
+    cache.extend(draft, torch.randn(11, 64, generator=gen).to(dev), torch.arange(11, device=dev))
+    context = [(k[:, :11].clone(), v[:, :11].clone()) for k, v in zip(cache.k, cache.v)]
+    x = torch.randn(tokens, 32, generator=gen).to(dev)
+    ref = block_hidden(draft, cache, x, 11)
+    slots = torch.arange(11, 11 + tokens, device=dev)
+    visible = (torch.arange(24, device=dev) < 11 + tokens).expand(tokens, -1)
+    with torch.inference_mode():
+        out = draft.forward_in_cache(x, torch.arange(11, 11 + tokens, device=dev), cache, slots, visible,
+                                     FusedDraftWeights.of(draft))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    for (k, v), (k0, v0) in zip(zip(cache.k, cache.v), context):
+        assert torch.equal(k[:, :11], k0) and torch.equal(v[:, :11], v0)
+
+
+def test_in_cache_path_is_for_full_attention_drafts_and_a_full_cache_takes_the_masked_one():
+    """Causal and sliding-window drafts keep the masked path; a block that would pass the cache's
+    last row runs it too, with the eager proposals."""
+    from engine.dflash.draft_step import DraftStep
+
+    assert in_cache_blocker(_cfg()) is None
+    assert "causal" in in_cache_blocker(_cfg(causal=True))
+    assert "sliding-window" in in_cache_blocker(_cfg(sliding_window=3))
+    draft, tokens = _draft(), 4
+    gen = torch.Generator().manual_seed(3)
+    embed, output = torch.randn(50, 32, generator=gen), torch.randn(50, 32, generator=gen)
+    cache = DraftCache.empty(draft, 8)
+    step = DraftStep(draft, cache, embed, output, tokens=tokens, graph=False)
+    assert step.in_cache
+    cache.extend(draft, torch.randn(6, 64, generator=gen), torch.arange(6))  # 6 + 4 rows > 8
+    block = torch.tensor([9, 0, 0, 0])
+    ref = F.linear(block_hidden(draft, cache, F.embedding(block, embed), 6)[1:], output).argmax(-1)
+    assert torch.equal(step.step(torch.tensor(9), 6), ref)
+    assert cache.length == 6 and torch.equal(cache.k[0][:, 6:], torch.zeros_like(cache.k[0][:, 6:]))

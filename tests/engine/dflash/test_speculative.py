@@ -213,3 +213,45 @@ def test_stop_predicate_sees_the_eos_token_too(target, right_draft, prompt, plai
     new, stats = speculative_generate(target, right_draft, prompt, 12, spec_len=8, eos_ids={ref[5]},
                                       fallback_threshold=0, stop=lambda ids: seen.append(ids[-1]) and False)
     assert new == ref[:ref.index(ref[5]) + 1] == seen and stats.stop_reason == "eos"
+
+
+@pytest.mark.parametrize("verify_path", ["eager", "static"])
+def test_speculation_is_tried_again_after_a_plain_stretch(target, random_draft, prompt, plain, verify_path):
+    """A fallback decodes ``reprobe_after`` tokens plainly, then speculates again; each further
+    fallback doubles the stretch. Greedy output stays the plain one, and every token is counted
+    once: the prefill's, the verify steps', the plain steps'."""
+    ref = plain(target, prompt, 60)
+    new, stats = speculative_generate(target, random_draft, prompt, 60, spec_len=4, fallback_threshold=1.5,
+                                      fallback_window=2, reprobe_after=3, verify_path=verify_path)
+    assert new == ref
+    assert stats.fallbacks >= 3 and stats.fallback and stats.fallback_at == 1 + sum(stats.accept_lengths[:2])
+    assert stats.verify_steps == 2 * stats.fallbacks or stats.verify_steps == 2 * stats.fallbacks + 1
+    assert 1 + stats.spec_tokens + stats.plain_steps == 60
+    assert stats.plain_path == ("static" if verify_path == "static" else "eager")
+    once, once_stats = speculative_generate(target, random_draft, prompt, 60, spec_len=4, fallback_threshold=1.5,
+                                            fallback_window=2, reprobe_after=0, verify_path=verify_path)
+    assert once == ref and once_stats.fallbacks == 1 and once_stats.verify_steps == 2
+
+
+@pytest.mark.parametrize("verify_path", ["eager", "static"])
+def test_plain_stretches_keep_the_draft_context(target, right_draft, prompt, plain, verify_path):
+    """After plain stretches the draft cache holds the context rows of every token the target
+    ran, at their positions: the rows a single eager extension over the whole sequence gives."""
+    from engine.dflash.draft import DraftCache
+    from engine.dflash.speculative import SpecOptions, _Generation
+    from engine.dflash.train_rows import target_pass
+
+    opts = SpecOptions(spec_len=4, fallback_threshold=100.0, fallback_window=1, reprobe_after=3,
+                       verify_path=verify_path)
+    run = _Generation(target, right_draft, list(prompt), 40, opts, SamplingParams(), set(), None)
+    new, stats = run.run()
+    assert new == plain(target, prompt, 40) and stats.fallbacks >= 4
+    seq = torch.tensor(list(prompt) + new[:-1])  # the last token was never run
+    assert run.cache.length + sum(r.shape[0] for r in run.pending) == seq.shape[0]
+    features, _ = target_pass(target, seq, right_draft.cfg.target_layer_ids, "target")
+    ref = DraftCache.empty(right_draft, seq.shape[0])
+    ref.extend(right_draft, features, torch.arange(seq.shape[0]))
+    n = run.cache.length
+    assert torch.equal(run.cache.positions[:n], ref.positions[:n])
+    for a, b in zip(run.cache.k + run.cache.v, ref.k + ref.v):
+        torch.testing.assert_close(a[:, :n], b[:, :n], atol=1e-4, rtol=1e-4)

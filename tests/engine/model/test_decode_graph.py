@@ -403,10 +403,12 @@ def test_cuda_graph_replays_a_verify_block_with_captured_layers(gguf_path):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_rollbacks_replay_their_captured_restore(gguf_path):
+@pytest.mark.parametrize("up_front", [False, True])
+def test_cuda_graph_rollbacks_replay_their_captured_restore(gguf_path, up_front):
     """Verify blocks of 5 replayed from the graph, each rolled back through the restore captured
-    for its ``keep`` (captured at its first use, replayed at the next): after every block the
-    state equals an eager forward over the kept tokens, and the same ``keep`` reuses its graph."""
+    for its ``keep`` (captured at its first use and replayed at the next, or all of them up front
+    by ``capture_rollbacks``, which leaves the state as it was): after every block the state
+    equals an eager forward over the kept tokens, and the same ``keep`` reuses its graph."""
     model = load(gguf_path, "cuda", torch.float32)
     T = 5
     keeps = (2, 4, 2, 1, 4)
@@ -415,6 +417,10 @@ def test_cuda_graph_rollbacks_replay_their_captured_restore(gguf_path):
     model.forward(ids[:6], eager, logits="none")
     model.forward(ids[:6], static, logits="none")
     step = DecodeGraph(model, static, tokens=T, capture_layers=(2,), graph=True, rollback=True)
+    if up_front:
+        step.capture_rollbacks()
+        assert sorted(step._rollbacks) == [1, 2, 3, 4]
+        assert_same_state(eager, static, tol=1e-6)
     pos = 6
     for keep in keeps:
         step.step(ids[pos:pos + T])
@@ -422,4 +428,4 @@ def test_cuda_graph_rollbacks_replay_their_captured_restore(gguf_path):
         model.forward(ids[pos:pos + keep], eager, logits="none")
         assert_same_state(eager, static, tol=1e-4)
         pos += keep
-    assert sorted(step._rollbacks) == [1, 2, 4]
+    assert sorted(step._rollbacks) == ([1, 2, 3, 4] if up_front else [1, 2, 4])

@@ -1,0 +1,136 @@
+"""Where a DFlash step's time goes: device time of each captured graph against the step's wall time.
+
+    python bench/dflash_step.py --target T.gguf --draft D.gguf [--spec-lens 4,8,16] [--new-tokens 200]
+        [--prompt-tokens 256] [--replays 200] [--dtype float32] [--cold-device gpu] [--json out.json]
+        [--trace 64 --trace-dir DIR]
+
+Needs CUDA. For each spec_len, one greedy generation of ``--new-tokens`` from a held-out prompt
+with graph verify (pure speculation), whose wall time per verify step is the figure to explain;
+then each graph the step replays is timed alone, ``--replays`` back-to-back replays between two
+CUDA events (the graph's device time plus its launch, no host work between): the draft's proposal,
+the target's verify block, the draft cache's extension, the state restore of a partial acceptance
+(keep = 1), and the plain one-token step for comparison. ``host`` is the step's wall time less
+the graphs' device time: Python, small launches outside the graphs, and the one host sync.
+``--trace N`` then profiles a generation of N tokens per spec_len with torch.profiler and writes
+two tables to ``--trace-dir``: device time by kernel, and host time by op (what the Python
+around the graphs costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from common import commit, machine
+
+from engine.dflash.compat import open_compatible
+from engine.dflash.speculative import SpecOptions, _Generation
+from engine.engine import Engine
+from engine.model.decode_graph import DecodeGraph
+from engine.sampling import SamplingParams
+from tuner.workloads import long_form_prompts
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int, repeats: int = 3) -> float:
+    """Median over ``repeats`` of the mean device time of one replay, in microseconds."""
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000 * start.elapsed_time(end) / replays)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, type=Path)
+    ap.add_argument("--draft", required=True, type=Path)
+    ap.add_argument("--spec-lens", default="4,8,16")
+    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--corpus", type=Path, default=None, help="held-out text for the prompt")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--cold-device", choices=("cpu", "gpu"), default="gpu")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--trace", type=int, default=0, help="new tokens of a profiled generation per spec_len (0: none)")
+    ap.add_argument("--trace-dir", type=Path, default=Path("."))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("dflash_step.py times CUDA graphs: it needs a CUDA device")
+
+    eng = Engine.from_gguf(args.target, device="cuda", dtype=args.dtype, cuda_graph=True,
+                           cold_device=args.cold_device)
+    draft = open_compatible(args.draft, eng.config, target_name=eng.path.name).load(device=eng.device,
+                                                                                   dtype=eng.dtype)
+    corpus = args.corpus
+    if corpus is None:
+        from engine.train.corpus import build_corpus
+
+        corpus = build_corpus(tempfile.mkdtemp(prefix="dflash-step-"), n_retrieval=0, max_bytes=8_000_000).held_out
+    ids = eng.tokenizer.encode(next(iter(long_form_prompts(corpus, 1, args.prompt_tokens, eng.tokenizer, 0))).text)
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+              "commit": commit(), "target": str(args.target), "draft": str(args.draft), "dtype": str(eng.dtype),
+              "new_tokens": args.new_tokens, "replays": args.replays, "rows": []}
+    header = (f"{'spec':>4} {'accept':>6} {'step':>7} {'draft':>7} {'verify':>7} {'extend':>7} {'restore':>7} "
+              f"{'host':>7} {'plain':>7}   (us; step = wall time per verify step)")
+    print(header, flush=True)
+    for spec_len in (int(x) for x in args.spec_lens.split(",") if x):
+        opts = SpecOptions(spec_len=spec_len, fallback_threshold=0.0, verify_path="graph")
+        for _ in range(2):  # the first run captures; the second is the one timed
+            run = _Generation(eng.model, draft, ids, args.new_tokens, opts, SamplingParams(), set(), None)
+            _, stats = run.run()
+        step_us = 1e6 * stats.decode_s / max(stats.verify_steps, 1)
+        verify, draft_step = run.verify_step, run.draft_step
+        if verify.graph is None or draft_step.graph is None:
+            raise SystemExit(f"spec_len {spec_len}: the steps were not captured ({stats.verify_path_note})")
+        row = {"spec_len": spec_len, "acceptance_length": stats.acceptance_length, "step_us": step_us,
+               "draft_us": replay_us(draft_step.graph, args.replays),
+               "verify_us": replay_us(verify.graph, args.replays),
+               "extend_us": replay_us(draft_step.extend_graph, args.replays) if draft_step.extend_graph else 0.0,
+               "restore_us": replay_us(verify._rollbacks[1], args.replays) if 1 in verify._rollbacks else 0.0,
+               "draft_path": stats.draft_path, "verify_path": stats.verify_path}
+        plain = DecodeGraph(eng.model, eng.model.new_state(len(ids) + args.new_tokens + 16), tokens=1)
+        row["plain_us"] = replay_us(plain.graph, args.replays) if plain.graph is not None else float("nan")
+        row["host_us"] = step_us - row["draft_us"] - row["verify_us"] - row["extend_us"] \
+            - row["restore_us"] * stats.rollbacks / max(stats.verify_steps, 1)
+        result["rows"].append(row)
+        print(f"{spec_len:>4} {row['acceptance_length']:>6.2f} {step_us:>7.0f} {row['draft_us']:>7.0f} "
+              f"{row['verify_us']:>7.0f} {row['extend_us']:>7.0f} {row['restore_us']:>7.0f} {row['host_us']:>7.0f} "
+              f"{row['plain_us']:>7.0f}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        if args.trace:
+            trace(eng, draft, ids, args.trace, opts, args.trace_dir / f"dflash_trace_spec{spec_len}.txt")
+
+
+def trace(eng: Engine, draft, ids: list[int], new_tokens: int, opts: SpecOptions, out: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    run = _Generation(eng.model, draft, ids, new_tokens, opts, SamplingParams(), set(), None)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, stats = run.run()
+    steps = max(stats.verify_steps, 1)
+    events = prof.key_averages()
+    text = (f"spec_len {opts.spec_len}: {stats.verify_steps} verify steps, {stats.new_tokens} tokens, "
+            f"{1e3 * stats.decode_s / steps:.3f} ms per step under the profiler\n\n"
+            + events.table(sort_by="cuda_time_total", row_limit=40) + "\n\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=40))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"trace of spec_len {opts.spec_len} in {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
