@@ -36,6 +36,7 @@ DEFAULT_ROLLBACK = "capture"
 # "static" where the configuration cannot be captured).
 VERIFY_PATHS = ("eager", "static", "graph")
 REPROBE_GROWTH = 8  # a plain stretch after repeated failed tries grows to at most this many times reprobe_after
+REPROBE_WINDOW = 2  # verify steps after which a new try is first judged (a failed try costs this many)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,9 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     per step. When the acceptance length over the last ``fallback_window`` verify steps falls
     under ``fallback_threshold``, plain decoding takes over (``stats.fallback``) for
     ``reprobe_after`` tokens, then speculation is tried again; each further fallback doubles the
-    plain stretch (up to ``REPROBE_GROWTH`` times). ``reprobe_after=0`` decodes plainly to the end.
+    plain stretch (up to ``REPROBE_GROWTH`` times). A new try is first judged after
+    ``REPROBE_WINDOW`` verify steps (a failed one costs only those), then over the usual window.
+    ``reprobe_after=0`` decodes plainly to the end.
     Plain steps run through a fixed-shape one-token step (captured with ``verify_path="graph"``)
     and keep the draft's context: their captured target layers join the draft cache on resuming.
 
@@ -258,7 +261,10 @@ class _Generation:
         t1 = time.perf_counter()
         self.stats.prefill_s = t1 - t0
         while not done and len(self.new) < self.max_new:
-            n = min(self.opts.spec_len, self.max_new - len(self.new))
+            left = self.max_new - len(self.new)
+            # the fixed-shape step verifies a whole block even near the end (the commit stops at
+            # max_new); eager verification runs only the tokens still wanted
+            n = self.opts.spec_len if self.verify_step is not None and left >= 2 else min(self.opts.spec_len, left)
             if self.plain_left is None or self.plain_left > 0 or n < 2:
                 token, done = self._plain_step(token)
                 if self.plain_left:
@@ -383,7 +389,8 @@ class _Generation:
     def _maybe_fall_back(self) -> None:
         s, opts = self.stats, self.opts
         tried = s.accept_lengths[self.window_start:]
-        if opts.fallback_threshold <= 0 or len(tried) < opts.fallback_window:
+        need = opts.fallback_window if s.fallbacks == 0 else min(opts.fallback_window, REPROBE_WINDOW)
+        if opts.fallback_threshold <= 0 or len(tried) < need:
             return
         recent = tried[-opts.fallback_window:]
         if sum(recent) / len(recent) < opts.fallback_threshold:

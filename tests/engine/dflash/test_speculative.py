@@ -228,6 +228,11 @@ def test_speculation_is_tried_again_after_a_plain_stretch(target, random_draft, 
     assert stats.verify_steps == 2 * stats.fallbacks or stats.verify_steps == 2 * stats.fallbacks + 1
     assert 1 + stats.spec_tokens + stats.plain_steps == 60
     assert stats.plain_path == ("static" if verify_path == "static" else "eager")
+    wide, wide_stats = speculative_generate(target, random_draft, prompt, 60, spec_len=4, fallback_threshold=1.5,
+                                            fallback_window=6, reprobe_after=3, verify_path=verify_path)
+    # the first try is judged after 6 verify steps, every later one after REPROBE_WINDOW = 2
+    assert wide == ref and wide_stats.fallbacks >= 2
+    assert wide_stats.verify_steps - 6 - 2 * (wide_stats.fallbacks - 1) in (0, 1)
     once, once_stats = speculative_generate(target, random_draft, prompt, 60, spec_len=4, fallback_threshold=1.5,
                                             fallback_window=2, reprobe_after=0, verify_path=verify_path)
     assert once == ref and once_stats.fallbacks == 1 and once_stats.verify_steps == 2
