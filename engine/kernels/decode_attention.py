@@ -3,7 +3,7 @@
 The captured decode step attends over the whole preallocated cache with a mask of the keys each
 query sees (``engine.model.attention.attention_static``). A fused attention kernel with one
 query token parallelises over heads only (two KV heads here): at 16K keys that was 1.4 ms per
-layer on the H200. This one splits the keys into chunks of ``CHUNK`` keys, one program per (KV
+layer on the H200. This one splits the keys into chunks of ``chunk_for(L)`` keys, one program per (KV
 head, chunk, block of query rows), each keeping a running maximum, sum and weighted sum of
 values (the online softmax) over its chunk; a second launch combines the chunks per query row.
 Chunks past the last written cache slot return at once, so the cost follows the tokens in the
@@ -24,7 +24,13 @@ import triton.language as tl
 from engine.kernels.fused import check_device
 
 WHAT = "the Triton decode attention kernel"
-CHUNK = 256  # keys per program
+CHUNK: int | None = None  # keys per program; None: ``chunk_for`` the cache's length (a benchmark may fix it)
+# Keys per program by the cache's length: the captured 35B step on the H200 (2026-12-01,
+# bench/profile_decode.py --attention-chunks 64,128,256) took 2.91 / 3.00 / 3.08 ms with a short
+# cache and 3.15 / 3.19 / 3.01 ms with 16,384 keys. Few keys favour small chunks (fewer serial steps
+# per program), many keys fewer chunks to combine; between the two the rule keeps 64 chunks or fewer.
+CHUNK_BY_LENGTH = ((4096, 64), (8192, 128))
+LONG_CHUNK = 256
 BLOCK_S = 32  # keys per step inside a chunk
 BLOCK_Q = 16  # query rows (group * tokens) per program
 MAX_HEAD_DIM = 256
@@ -127,6 +133,11 @@ def supports(q: torch.Tensor, keys: torch.Tensor) -> bool:
             and q.shape[1] % keys.shape[0] == 0)
 
 
+def chunk_for(length: int) -> int:
+    """Keys per program for a cache of ``length`` slots (``CHUNK_BY_LENGTH``)."""
+    return next((chunk for most, chunk in CHUNK_BY_LENGTH if length <= most), LONG_CHUNK)
+
+
 def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                             slots: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
     """q [T, n_head, D] against the cache ``keys``, ``values`` [n_kv, L, D] -> [T, n_head * D] in q's dtype.
@@ -134,10 +145,11 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     ``visible`` [T, L] bool: the keys each query sees; ``slots`` [T]: the cache slots the step
     wrote, none of which may be past a key some query sees (keys past the largest slot are never
     read). Scale 1 / sqrt(D), as ``F.scaled_dot_product_attention``'s default. ``chunk``: keys per
-    program, a power of two of at least ``BLOCK_S`` (default: the module's ``CHUNK``, read at
-    each call, so a benchmark can set it before a step is captured).
+    program, a power of two of at least ``BLOCK_S`` (default: the module's ``CHUNK`` if set, read
+    at each call so that a benchmark can set it before a step is captured, else ``chunk_for(L)``).
     """
-    chunk = CHUNK if chunk is None else chunk
+    if chunk is None:
+        chunk = CHUNK if CHUNK is not None else chunk_for(keys.shape[1])
     if chunk < BLOCK_S or chunk & (chunk - 1):
         raise ValueError(f"the decode attention's chunk must be a power of two of at least {BLOCK_S} keys, got {chunk}")
     check_device(q, WHAT)

@@ -52,8 +52,9 @@ def case(T, n_head, n_kv, D, L, past, seed, dtype=torch.float32, holes=False, de
 @pytest.mark.parametrize("holes", [False, True])
 def test_matches_grouped_attention(T, n_head, n_kv, D, L, past, holes):
     q, keys, values, visible, slots = case(T, n_head, n_kv, D, L, past, seed=T + L, holes=holes)
-    out = da.decode_attention_triton(q, keys, values, visible, slots)
+    out = da.decode_attention_triton(q, keys, values, visible, slots, chunk=256)  # the layouts described above
     ref = grouped_attention(q, keys, values, visible)
+    assert rel_err(da.decode_attention_triton(q, keys, values, visible, slots), ref) < 1e-5  # chunk_for(L)
     assert out.shape == (T, n_head * D) and out.dtype == q.dtype
     assert rel_err(out, ref) < 1e-5
 
@@ -66,6 +67,26 @@ def test_other_chunk_sizes_give_the_same_attention(chunk):
     assert rel_err(out, grouped_attention(q, keys, values, visible)) < 1e-5
     with pytest.raises(ValueError, match="power of two of at least 32"):
         da.decode_attention_triton(q, keys, values, visible, slots, chunk=48)
+
+
+def test_chunk_follows_the_cache_length(monkeypatch):
+    """64 keys per program up to 4,096 cache slots, 128 up to 8,192, 256 beyond; a module-level
+    ``CHUNK`` (a benchmark's) overrides the rule."""
+    assert [da.chunk_for(n) for n in (1, 600, 4096, 4097, 8192, 8193, 262144)] == [64, 64, 64, 128, 128, 256, 256]
+    q, keys, values, visible, slots = case(2, 4, 2, 32, 300, 150, seed=6)
+    seen = []
+    real = da._chunk_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            seen.append(grid[1])  # programs along the keys: the cache's chunks
+            return real[grid]
+
+    monkeypatch.setattr(da, "_chunk_kernel", Spy())
+    da.decode_attention_triton(q, keys, values, visible, slots)
+    monkeypatch.setattr(da, "CHUNK", 256)
+    da.decode_attention_triton(q, keys, values, visible, slots)
+    assert seen == [5, 2]  # 300 slots: 5 chunks of 64, then 2 of 256
 
 
 def test_more_query_rows_than_one_block():
