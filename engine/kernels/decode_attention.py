@@ -17,6 +17,8 @@ exact float32 for float32 caches); masked keys weigh zero. Importing this module
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -127,10 +129,17 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, slots_ptr, out_ptr, T, N_CHUNKS: tl.c
 
 def supports(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether these shapes fit the kernel: a power-of-two head size up to ``MAX_HEAD_DIM`` and at
-    most ``MAX_TOKENS`` query tokens."""
+    most ``MAX_TOKENS`` query tokens; under the Triton interpreter float32 caches only (its
+    ``tl.dot`` of bf16 or fp16 operands returns garbage: a 16 x 16 product was 2.6e10 off)."""
     D = q.shape[-1]
+    if _interpreted_low_precision(keys):
+        return False
     return (q.dim() == 3 and 16 <= D <= MAX_HEAD_DIM and D & (D - 1) == 0 and 1 <= q.shape[0] <= MAX_TOKENS
             and q.shape[1] % keys.shape[0] == 0)
+
+
+def _interpreted_low_precision(keys: torch.Tensor) -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" and keys.dtype != torch.float32
 
 
 def chunk_for(length: int) -> int:
@@ -153,6 +162,9 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     if chunk < BLOCK_S or chunk & (chunk - 1):
         raise ValueError(f"the decode attention's chunk must be a power of two of at least {BLOCK_S} keys, got {chunk}")
     check_device(q, WHAT)
+    if _interpreted_low_precision(keys):
+        raise ValueError(f"the Triton interpreter cannot run the decode attention on {keys.dtype} caches (its tl.dot "
+                         f"of low-precision operands is wrong); use float32 or a GPU")
     T, n_head, D = q.shape
     n_kv, L, _ = keys.shape
     if not supports(q, keys) or values.shape != keys.shape or visible.shape != (T, L) or slots.shape != (T,):

@@ -89,6 +89,16 @@ def test_chunk_follows_the_cache_length(monkeypatch):
     assert seen == [5, 2]  # 300 slots: 5 chunks of 64, then 2 of 256
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's limit")
+def test_the_interpreter_takes_float32_caches_only():
+    """Under the Triton interpreter a bf16 cache is not taken (its tl.dot of bf16 operands returns
+    garbage): ``supports`` says no, so the step keeps torch's attention, and a forced call says why."""
+    q, keys, values, visible, slots = case(2, 4, 2, 32, 64, 10, seed=2, dtype=torch.bfloat16)
+    assert not da.supports(q, keys)
+    with pytest.raises(ValueError, match="interpreter cannot run the decode attention on torch.bfloat16"):
+        da.decode_attention_triton(q, keys, values, visible, slots)
+
+
 def test_more_query_rows_than_one_block():
     """16 tokens of 4 query heads per KV head: 64 rows, four row blocks."""
     q, keys, values, visible, slots = case(16, 8, 2, 16, 280, 200, seed=3)
