@@ -118,11 +118,19 @@ def generate(
                   f"tokens per target forward | draft {extra['draft_s'] * 1000:.1f} ms, verify "
                   f"{extra['verify_s'] * 1000:.1f} ms, rollback {extra['rollback_s'] * 1000:.1f} ms | paths: draft "
                   f"{extra.get('draft_path', 'eager')}, verify {extra.get('verify_path', 'eager')}"
-                  f"{' | fell back to plain decoding' if extra['fallback'] else ''}[/dim]")
+                  f"{_plain_stretches(extra)}[/dim]")
     if "pflash_kept_tokens" in extra:
         err.print(f"[dim]pflash kept {extra['pflash_kept_tokens']}/{extra['pflash_total_tokens']} tokens | "
                   f"drafter {extra['pflash_drafter_s'] * 1000:.1f} ms | target prefill "
                   f"{extra['pflash_target_prefill_s'] * 1000:.1f} ms[/dim]")
+
+
+def _plain_stretches(extra: dict) -> str:
+    """What the speculative loop's plain stretches did, for the timings line ('' when none ran)."""
+    if not extra.get("fallback"):
+        return ""
+    return (f" | plain stretches {extra.get('fallbacks', 1)}x ({extra.get('plain_steps', 0)} tokens, "
+            f"{extra.get('plain_path', 'eager')}), first at token {extra.get('fallback_at')}")
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

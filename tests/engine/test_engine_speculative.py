@@ -68,3 +68,21 @@ def test_spec_len_without_a_draft_is_refused(files):
 def test_spec_len_beyond_block_size_is_refused(eng):
     with pytest.raises(ConfigError, match="spec_len"):
         eng.generate([1, 2, 3], 4, spec_len=64)
+
+
+def test_default_generation_hands_unpredictable_stretches_to_plain_decoding(eng):
+    """With the engine's defaults a draft that never helps (random) hands the generation to plain
+    decoding after 8 verify steps, tries again after 32 plain tokens, and the timings and the
+    CLI's line say so; the output is plain decoding's."""
+    from engine.cli import _plain_stretches
+
+    ids = eng.tokenizer.encode("def add(a, b):")
+    plain = eng.generate(ids, 80, ignore_eos=True)
+    spec = eng.generate(ids, 80, ignore_eos=True, spec_len=4)
+    extra = spec.timings.extra
+    assert spec.ids == plain.ids
+    assert extra["fallback"] and extra["fallbacks"] >= 2 and extra["plain_steps"] >= 32
+    assert extra["plain_path"] == "eager"  # the CPU verifies eagerly, so plain steps are eager forwards
+    line = _plain_stretches(extra)
+    assert f"plain stretches {extra['fallbacks']}x ({extra['plain_steps']} tokens, eager)" in line
+    assert _plain_stretches({"fallback": False}) == ""

@@ -169,3 +169,22 @@ def test_graph_plain_stretches_match_plain_on_cuda(cuda_target, prompt):
     assert new == ref
     assert stats.plain_path == stats.verify_path == stats.draft_path == "cuda_graph"
     assert stats.fallbacks >= 3 and 1 + stats.spec_tokens + stats.plain_steps == 64
+
+
+def test_training_passes_take_the_fused_experts_on_cuda(cuda_target, prompt):
+    """train-draft's target passes run the fused-MoE executor on CUDA: the same features (float32)
+    and labels as the reference executor's loop over experts."""
+    from engine.dflash.train import pass_executor
+    from engine.model.moe import FusedExpertExecutor
+
+    fused = pass_executor(cuda_target)
+    assert isinstance(fused, FusedExpertExecutor) and fused.impl == "triton"
+    seq = torch.tensor(prompt + list(range(50, 90)), device="cuda")
+    ref_features, ref_labels = target_pass(cuda_target, seq, (1, 3), "target")
+    saved, cuda_target.executor = cuda_target.executor, fused
+    try:
+        features, labels = target_pass(cuda_target, seq, (1, 3), "target")
+    finally:
+        cuda_target.executor = saved
+    assert torch.equal(labels, ref_labels)
+    assert float((features - ref_features).abs().max() / ref_features.abs().max()) < 1e-4

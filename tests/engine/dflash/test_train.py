@@ -90,9 +90,12 @@ def test_training_writes_draft_and_report_and_resumes_exactly(target, tokenizer,
             raise KeyboardInterrupt
 
     out_b = tmp_path / "b" / "draft.gguf"
+    executor = target.executor
+    assert train_module.pass_executor(target) is executor  # the CPU keeps the reference executor
     with pytest.raises(KeyboardInterrupt):
         train_draft(target, tokenizer, _cfg(target), corpus, out_b, _opts(), target_name="target.gguf",
                     progress=interrupt)
+    assert target.executor is executor  # given back, interrupted or not
     assert not out_b.exists()
     seen = []
     report_b = train_draft(target, tokenizer, _cfg(target), corpus, out_b, _opts(), target_name="target.gguf",
