@@ -50,6 +50,9 @@ def generate(
     keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="PFlash: share of prompt chunks kept"),
     draft: Optional[Path] = typer.Option(None, "--draft", help="DFlash draft GGUF (checked against the target)"),
     spec_len: Optional[int] = typer.Option(None, "--spec-len", help="DFlash: tokens verified per target forward"),
+    spec_fallback: Optional[float] = typer.Option(
+        None, "--spec-fallback", help="DFlash: acceptance length under which plain decoding takes a stretch of the "
+        "generation before speculation is tried again (default 1.2; 0: speculate throughout)"),
     cuda_graph: bool = typer.Option(
         False, "--cuda-graph/--no-cuda-graph", help="replay plain decoding from a captured CUDA graph where the "
         "configuration allows it (all experts on the GPU); off by default until its GPU tests have passed"),
@@ -65,6 +68,9 @@ def generate(
         spec_len = 8
     if spec_len is not None and draft is None:
         raise ConfigError("--spec-len needs --draft")
+    if spec_fallback is not None and (draft is None or spec_fallback < 0):
+        raise ConfigError("--spec-fallback needs --draft" if draft is None else
+                          f"--spec-fallback must be >= 0 (0: no plain stretches), got {spec_fallback}")
     if weights not in ("dense", "quantized"):
         raise ConfigError(f"--weights must be dense or quantized, got {weights!r}")
     if cold_format not in ("dense", "quantized"):
@@ -93,7 +99,8 @@ def generate(
         sys.stdout.flush()
 
     result = eng.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                          pflash_keep_ratio=keep_ratio, spec_len=spec_len, on_token=None if as_json else stream)
+                          pflash_keep_ratio=keep_ratio, spec_len=spec_len, spec_fallback=spec_fallback,
+                          on_token=None if as_json else stream)
     if as_json:
         out = result.as_dict()
         out["load_s"] = eng.load_s

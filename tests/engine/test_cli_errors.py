@@ -2,6 +2,7 @@
 traceback, within a second."""
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,3 +88,16 @@ def test_train_module_usage_error_exits_2(capsys):
 
     assert train_main(["train", "--bogus"]) == 2
     assert "No such option" in capsys.readouterr().err
+
+
+def test_negative_spec_fallback_is_one_clear_error(capsys):
+    """``--spec-fallback -1`` with the shipped target and draft: one line naming the option, exit 2,
+    before the model loads."""
+    root = Path(__file__).resolve().parents[2] / "models"
+    if not (root / "luce-draft.gguf").is_file():
+        pytest.skip("the shipped models are not present")
+    status = main(["generate", "--model", str(root / "luce-target.gguf"), "--draft", str(root / "luce-draft.gguf"),
+                   "--prompt", "def f(x):", "-n", "4", "--device", "cpu", "--spec-fallback", "-1"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert status == 2 and "Traceback" not in err
+    assert err.startswith("error:") and "--spec-fallback must be >= 0" in err and "loaded" not in err

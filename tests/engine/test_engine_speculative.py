@@ -86,3 +86,12 @@ def test_default_generation_hands_unpredictable_stretches_to_plain_decoding(eng)
     line = _plain_stretches(extra)
     assert f"plain stretches {extra['fallbacks']}x ({extra['plain_steps']} tokens, eager)" in line
     assert _plain_stretches({"fallback": False}) == ""
+
+
+def test_spec_fallback_zero_speculates_throughout_and_a_negative_one_is_refused(eng):
+    ids = eng.tokenizer.encode("def add(a, b):")
+    spec = eng.generate(ids, 40, ignore_eos=True, spec_len=4, spec_fallback=0)
+    assert spec.ids == eng.generate(ids, 40, ignore_eos=True).ids
+    assert not spec.timings.extra["fallback"] and spec.timings.extra["plain_steps"] <= 1
+    with pytest.raises(ConfigError, match="spec_fallback must be >= 0"):
+        eng.generate(ids, 4, spec_len=4, spec_fallback=-1)
