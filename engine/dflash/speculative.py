@@ -321,12 +321,13 @@ class _Generation:
         s = self.stats
         s.verify_steps += 1
         s.drafted += n - 1
-        s.accepted += accepted
         s.rollbacks += keep < n
         before = len(self.new)
         done = self._commit(committed)
-        s.spec_tokens += len(self.new) - before
-        s.accept_lengths.append(len(self.new) - before)
+        got = len(self.new) - before  # fewer than committed where the generation ended inside the block
+        s.accepted += min(accepted, got - 1)  # drafted tokens that were accepted and kept
+        s.spec_tokens += got
+        s.accept_lengths.append(got)
         return choice[accepted], done
 
     def _plain_step(self, token: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -49,6 +49,9 @@ def test_static_verify_step_matches_plain(target, right_draft, prompt, plain, sp
     assert new == ref
     assert stats.verify_path == "static" and stats.draft_path == "static" and stats.verify_path_note is None
     assert stats.rollbacks > 0 and max(stats.accept_lengths) == spec_len
+    # whole blocks to the end (a last single token is a plain step); only what was kept is counted
+    assert stats.plain_steps <= 1 and 1 + stats.spec_tokens + stats.plain_steps == 61
+    assert stats.accepted == stats.spec_tokens - stats.verify_steps
     eager, eager_stats = speculative_generate(target, right_draft, prompt, 61, spec_len=spec_len,
                                               fallback_threshold=0)
     assert eager_stats.accept_lengths == stats.accept_lengths  # the fixed-shape draft proposed the same blocks
