@@ -10,8 +10,9 @@ and replayed. Masked keys add nothing after the softmax, so the proposals are th
 A full-attention, non-causal draft (every published one) runs ``DFlashDraft.forward_in_cache``:
 the block's own keys and values go into the cache rows just past the context (the rows the
 next extension overwrites), so each layer attends over one buffer with one mask and the engine's
-fused kernels, about a third of the launches of the general path. Other drafts, and a block
-that would not fit the cache, take the general path.
+fused kernels, with no copy of the cache (on the H200 the shipped draft's proposal span fell from
+0.5-0.7 to 0.26-0.31 ms at spec_len 4). Other drafts, and a block that would not fit the cache,
+take the general path.
 
 With ``context`` (the verify step's captured hidden buffers), the cache's extension after a
 verify block is a fixed-shape step of its own: the context rows of all of the block's tokens

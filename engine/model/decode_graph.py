@@ -216,8 +216,8 @@ class DecodeGraph:
     @torch.inference_mode()
     def capture_rollbacks(self) -> None:
         """Capture the state restore of every kept length now (a verify loop's set-up), rather than
-        at each one's first use inside the loop. The state is left as it was: a restore reads only
-        the step's records and start states, which nothing here changes."""
+        at each one's first use inside the loop. The state is left as it was: the captures' warm-up
+        runs write the recurrent and conv states, which are put back."""
         if self.graph is None or self._rollback_eager or not self.records:
             return
         saved = [(t, t.clone()) for t in (*self.state.conv.values(), *self.state.recurrent.values())]
