@@ -208,7 +208,9 @@ class _Generation:
         self.last_progress: float | None = None  # prefill time does not count as a stall
         self.plain_left: int | None = 0  # plain tokens before speculating again; None: to the end
         self.window_start = 0  # verify steps before it belong to an earlier try (not in the fallback window)
-        self.plain: Any = None  # the fixed-shape one-token step, built at the first plain step; False: eager
+        self.plain: Any = None  # the fixed-shape one-token step (False: eager forwards), built at the first plain step
+        if opts.fallback_threshold > 0 and self.verify_step is not None:
+            self.plain = self._plain_decoder()  # here, so that its capture stays out of the decode loop
         self.pending: list[torch.Tensor] = []  # plain steps' context rows, not yet in the draft cache
         self.pending_start = 0  # position of the first of them
 
