@@ -86,7 +86,7 @@ def plain_run(eng: Engine, ids: list[int], n: int) -> dict:
 
 
 def spec_run(eng: Engine, draft: DFlashDraft, ids: list[int], n: int, spec_len: int, rollback: str,
-             fallback: float = 0.0) -> dict:
+             fallback: float | str = 0.0) -> dict:
     new, s = speculative_generate(eng.model, draft, ids, n, spec_len=spec_len, rollback=rollback,
                                   fallback_threshold=fallback, stall_timeout_s=eng.stall_timeout_s,
                                   verify_path="graph" if eng.cuda_graph else "eager")
@@ -119,12 +119,13 @@ def main() -> None:
                          "the bus (then a budget under 100%% decodes and verifies from the captured steps too)")
     ap.add_argument("--fallbacks", default="0",
                     help="comma-separated acceptance thresholds under which plain decoding takes over for a "
-                         "stretch (0: pure speculation); each adds its rows")
+                         "stretch (0: pure speculation; auto: where speculation is slower than timed plain "
+                         "steps); each adds its rows")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     spec_lens = [int(x) for x in args.spec_lens.split(",") if x]
     rollbacks = [x for x in args.rollbacks.split(",") if x]
-    fallbacks = [float(x) for x in args.fallbacks.split(",") if x]
+    fallbacks = [x if x == "auto" else float(x) for x in args.fallbacks.split(",") if x]
 
     eng = Engine.from_gguf(args.target, device=args.device, dtype=args.dtype, cuda_graph=args.graph,
                           cold_device=args.cold_device)
@@ -173,7 +174,7 @@ def main() -> None:
                        "per_prompt_tok_s": [r["tok_s"] for r in runs],
                        "per_prompt_accept": [r["accept"] for r in runs]}
                 result["rows"].append(row)
-                line = (f"{budget_text:>7} {name:>9} {spec_len:>4} {rollback:>9} {fallback:>6.2f} "
+                line = (f"{budget_text:>7} {name:>9} {spec_len:>4} {rollback:>9} {str(fallback):>6} "
                         f"{plain_tok_s:>7.1f} {med['tok_s']:>7.1f} {row['speedup']:>8.2f} {med['accept']:>6.2f} "
                         f"{med['verify_ms']:>7.2f} {med['draft_ms']:>6.2f} {med['rollback_ms']:>6.2f} "
                         f"{100 * med['plain_share']:>6.1f} {same:>5.2f}")

@@ -50,9 +50,10 @@ def generate(
     keep_ratio: Optional[float] = typer.Option(None, "--keep-ratio", help="PFlash: share of prompt chunks kept"),
     draft: Optional[Path] = typer.Option(None, "--draft", help="DFlash draft GGUF (checked against the target)"),
     spec_len: Optional[int] = typer.Option(None, "--spec-len", help="DFlash: tokens verified per target forward"),
-    spec_fallback: Optional[float] = typer.Option(
+    spec_fallback: Optional[str] = typer.Option(
         None, "--spec-fallback", help="DFlash: acceptance length under which plain decoding takes a stretch of the "
-        "generation before speculation is tried again (default 1.2; 0: speculate throughout)"),
+        "generation before speculation is tried again (default 1.2; 0: speculate throughout; auto: where "
+        "speculation commits tokens more slowly than timed plain steps)"),
     cuda_graph: bool = typer.Option(
         False, "--cuda-graph/--no-cuda-graph", help="replay plain decoding from a captured CUDA graph where the "
         "configuration allows it (all experts on the GPU); off by default until its GPU tests have passed"),
@@ -68,9 +69,7 @@ def generate(
         spec_len = 8
     if spec_len is not None and draft is None:
         raise ConfigError("--spec-len needs --draft")
-    if spec_fallback is not None and (draft is None or spec_fallback < 0):
-        raise ConfigError("--spec-fallback needs --draft" if draft is None else
-                          f"--spec-fallback must be >= 0 (0: no plain stretches), got {spec_fallback}")
+    fallback = None if spec_fallback is None else _spec_fallback(spec_fallback, draft)
     if weights not in ("dense", "quantized"):
         raise ConfigError(f"--weights must be dense or quantized, got {weights!r}")
     if cold_format not in ("dense", "quantized"):
@@ -99,7 +98,7 @@ def generate(
         sys.stdout.flush()
 
     result = eng.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                          pflash_keep_ratio=keep_ratio, spec_len=spec_len, spec_fallback=spec_fallback,
+                          pflash_keep_ratio=keep_ratio, spec_len=spec_len, spec_fallback=fallback,
                           on_token=None if as_json else stream)
     if as_json:
         out = result.as_dict()
@@ -132,12 +131,30 @@ def generate(
                   f"{extra['pflash_target_prefill_s'] * 1000:.1f} ms[/dim]")
 
 
+def _spec_fallback(text: str, draft: Path | None) -> float | str:
+    """``--spec-fallback``'s value: ``auto`` or a non-negative number (checked before the model loads)."""
+    if draft is None:
+        raise ConfigError("--spec-fallback needs --draft")
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(f"--spec-fallback must be >= 0 (0: no plain stretches) or auto, got {text!r}")
+    return value
+
+
 def _plain_stretches(extra: dict) -> str:
     """What the speculative loop's plain stretches did, for the timings line ('' when none ran)."""
+    times = ""
+    if extra.get("step_ms") and extra.get("plain_step_ms"):
+        times = f" | step {extra['step_ms']:.2f} ms, plain step {extra['plain_step_ms']:.2f} ms"
     if not extra.get("fallback"):
-        return ""
+        return times
     return (f" | plain stretches {extra.get('fallbacks', 1)}x ({extra.get('plain_steps', 0)} tokens, "
-            f"{extra.get('plain_path', 'eager')}), first at token {extra.get('fallback_at')}")
+            f"{extra.get('plain_path', 'eager')}), first at token {extra.get('fallback_at')}{times}")
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

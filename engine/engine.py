@@ -313,7 +313,7 @@ class Engine:
                  top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[str] | None = None, ignore_eos: bool = False,
                  pflash_keep_ratio: float | None = None, spec_len: int | None = None,
-                 spec_fallback: float | None = None,
+                 spec_fallback: float | str | None = None,
                  on_token: Callable[[int, str], None] | None = None) -> Generation:
         """Prefill ``ids`` and decode up to ``max_new_tokens`` new tokens.
 
@@ -325,7 +325,8 @@ class Engine:
         ``spec_len`` decodes speculatively with the attached DFlash draft, verifying that many
         tokens per target forward (needs ``draft=`` at load); greedy output is unchanged.
         ``spec_fallback``: the acceptance length under which plain decoding takes a stretch of the
-        generation before speculation is tried again (default 1.2; 0: speculate throughout).
+        generation before speculation is tried again (default 1.2; 0: speculate throughout;
+        ``"auto"``: where speculation commits tokens more slowly than timed plain steps).
         """
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -337,8 +338,8 @@ class Engine:
             raise ConfigError("spec_len needs a DFlash draft: load the engine with draft=PATH")
         if spec_fallback is None:
             spec_fallback = self.defaults.get("spec_fallback", DEFAULT_SPEC_FALLBACK)
-        if spec_fallback < 0:
-            raise ConfigError(f"spec_fallback must be >= 0 (0: no plain stretches), got {spec_fallback}")
+        if spec_fallback != "auto" and (isinstance(spec_fallback, str) or spec_fallback < 0):
+            raise ConfigError(f"spec_fallback must be >= 0 (0: no plain stretches) or 'auto', got {spec_fallback!r}")
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
         prompt = self._ids_tensor(ids)
         gen = make_generator(params, self.device)
@@ -461,7 +462,7 @@ class Engine:
     def _speculative(self, ids: Sequence[int], max_new_tokens: int, params: SamplingParams, eos: set[int],
                      stop: list[str], spec_len: int, on_token: Callable[[int, str], None] | None,
                      extra: dict[str, Any], t0: float, prefilled: Any = None,
-                     fallback: float = 1.2) -> Generation:
+                     fallback: float | str = DEFAULT_SPEC_FALLBACK) -> Generation:
         from engine.dflash.speculative import speculative_generate
 
         stream = _TextStream(self.tokenizer, on_token)

@@ -37,6 +37,16 @@ DEFAULT_ROLLBACK = "capture"
 VERIFY_PATHS = ("eager", "static", "graph")
 REPROBE_GROWTH = 8  # a plain stretch after repeated failed tries grows to at most this many times reprobe_after
 REPROBE_WINDOW = 2  # verify steps after which a new try is first judged (a failed try costs this many)
+# fallback_threshold="auto": the generation opens with this many plain steps, which time the plain
+# rate; a window of verify steps then falls back when it commits tokens more slowly than that rate
+CALIBRATION_STEPS = 4
+
+
+def dflash_slower(accept_lengths: Sequence[int], step_s: Sequence[float], plain_s: Sequence[float]) -> bool:
+    """Whether verify steps that committed ``accept_lengths`` tokens in ``step_s`` seconds each
+    made fewer tokens per second than plain steps of ``plain_s`` seconds (their median)."""
+    plain = sorted(plain_s)[len(plain_s) // 2]
+    return sum(accept_lengths) / max(sum(step_s), 1e-12) < 1.0 / max(plain, 1e-12)
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,8 @@ class SpecOptions:
 
     spec_len: int  # tokens verified per target forward: the last committed token + spec_len - 1 drafted
     rollback: str = DEFAULT_ROLLBACK
-    fallback_threshold: float = 1.2  # acceptance length under which plain decoding takes over; 0: never
+    fallback_threshold: float | str = 1.2  # acceptance length under which plain decoding takes over; 0: never;
+                                           # "auto": where speculation commits tokens slower than plain steps
     fallback_window: int = 8  # verify steps the running acceptance length is taken over
     reprobe_after: int = 32  # plain tokens before speculation is tried again (doubling after each failed try,
                              # up to REPROBE_GROWTH times); 0: plain decoding to the end
@@ -57,8 +68,9 @@ class SpecOptions:
             raise ValueError(f"verify_path must be one of {VERIFY_PATHS}, got {self.verify_path!r}")
         if self.rollback not in ROLLBACK_MODES:
             raise ValueError(f"rollback must be one of {ROLLBACK_MODES}, got {self.rollback!r}")
-        if self.fallback_threshold < 0:
-            raise ValueError(f"fallback_threshold must be >= 0, got {self.fallback_threshold}")
+        if self.fallback_threshold != "auto" and (isinstance(self.fallback_threshold, str)
+                                                  or self.fallback_threshold < 0):
+            raise ValueError(f"fallback_threshold must be >= 0 or 'auto', got {self.fallback_threshold!r}")
         if self.fallback_window < 1:
             raise ValueError(f"fallback_window must be at least 1, got {self.fallback_window}")
         if self.reprobe_after < 0:
@@ -90,6 +102,8 @@ class SpecStats:
     fallbacks: int = 0  # times plain decoding took over (speculation is tried again after a stretch)
     plain_steps: int = 0  # target forwards of one token (after a fallback, or a last single token)
     plain_path: str = "eager"  # the path those forwards took: eager, static or cuda_graph
+    step_ms: float = 0.0  # median wall time of a verify step (draft, verify, rollback, commit)
+    plain_step_ms: float = 0.0  # median wall time of a plain step (0 when none ran)
     stop_reason: str = "length"
     verify_path: str = "eager"  # the path full verify blocks took (a shorter last block runs eagerly)
     verify_path_note: str | None = None  # why a requested graph was not captured
@@ -106,6 +120,10 @@ class SpecStats:
         d["acceptance_length"] = self.acceptance_length
         d["draft_accept_rate"] = self.accepted / self.drafted if self.drafted else 0.0
         return d
+
+
+def _median(values: Sequence[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
 
 
 class _Clock:
@@ -137,7 +155,7 @@ class _Clock:
 def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int], max_new_tokens: int, *,
                          spec_len: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                          eos_ids: Collection[int] = (), stop: Callable[[list[int]], bool] | None = None,
-                         rollback: str = DEFAULT_ROLLBACK, fallback_threshold: float = 1.2,
+                         rollback: str = DEFAULT_ROLLBACK, fallback_threshold: float | str = 1.2,
                          fallback_window: int = 8, reprobe_after: int = 32, stall_timeout_s: float = 120.0,
                          prefilled: Any = None, verify_path: str = "eager") -> tuple[list[int], SpecStats]:
     """Generate up to ``max_new_tokens`` after ``ids`` with ``draft`` proposing blocks.
@@ -150,7 +168,10 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     ``reprobe_after`` tokens, then speculation is tried again; each further fallback doubles the
     plain stretch (up to ``REPROBE_GROWTH`` times). A new try is first judged after
     ``REPROBE_WINDOW`` verify steps (a failed one costs only those), then over the usual window.
-    ``reprobe_after=0`` decodes plainly to the end.
+    ``reprobe_after=0`` decodes plainly to the end. ``fallback_threshold="auto"`` judges by time
+    instead: the generation opens with ``CALIBRATION_STEPS`` plain steps, and a window of verify
+    steps falls back when it commits fewer tokens per second than those plain steps (the
+    break-even acceptance of the hardware at hand rather than a fixed one).
     Plain steps run through a fixed-shape one-token step (captured with ``verify_path="graph"``)
     and keep the draft's context: their captured target layers join the draft cache on resuming.
 
@@ -209,7 +230,12 @@ class _Generation:
         self.plain_left: int | None = 0  # plain tokens before speculating again; None: to the end
         self.window_start = 0  # verify steps before it belong to an earlier try (not in the fallback window)
         self.plain: Any = None  # the fixed-shape one-token step (False: eager forwards), built at the first plain step
-        if opts.fallback_threshold > 0 and self.verify_step is not None:
+        self.auto = opts.fallback_threshold == "auto"
+        self.step_s: list[float] = []  # wall time of each verify step (the host syncs once per step)
+        self.plain_s: list[float] = []  # wall time of each plain step
+        if self.auto:
+            self.plain_left = CALIBRATION_STEPS
+        if (self.auto or opts.fallback_threshold > 0) and self.verify_step is not None:
             self.plain = self._plain_decoder()  # here, so that its capture stays out of the decode loop
         self.pending: list[torch.Tensor] = []  # plain steps' context rows, not yet in the draft cache
         self.pending_start = 0  # position of the first of them
@@ -267,18 +293,23 @@ class _Generation:
             # the fixed-shape step verifies a whole block even near the end (the commit stops at
             # max_new); eager verification runs only the tokens still wanted
             n = self.opts.spec_len if self.verify_step is not None and left >= 2 else min(self.opts.spec_len, left)
+            t = time.perf_counter()
             if self.plain_left is None or self.plain_left > 0 or n < 2:
                 token, done = self._plain_step(token)
+                self.plain_s.append(time.perf_counter() - t)
                 if self.plain_left:
                     self.plain_left -= 1
             else:
                 token, done = self._spec_step(token, n)
+                self.step_s.append(time.perf_counter() - t)
                 self._maybe_fall_back()
         self.stats.decode_s = time.perf_counter() - t1
         self.stats.new_tokens = len(self.new)
         self.stats.draft_s = self.clock.total("draft")
         self.stats.verify_s = self.clock.total("verify")
         self.stats.rollback_s = self.clock.total("rollback")
+        self.stats.step_ms = 1000 * _median(self.step_s)
+        self.stats.plain_step_ms = 1000 * _median(self.plain_s)
         return self.new, self.stats
 
     def _spec_step(self, token: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
@@ -393,10 +424,14 @@ class _Generation:
         s, opts = self.stats, self.opts
         tried = s.accept_lengths[self.window_start:]
         need = opts.fallback_window if s.fallbacks == 0 else min(opts.fallback_window, REPROBE_WINDOW)
-        if opts.fallback_threshold <= 0 or len(tried) < need:
+        if (not self.auto and opts.fallback_threshold <= 0) or len(tried) < need:
             return
         recent = tried[-opts.fallback_window:]
-        if sum(recent) / len(recent) < opts.fallback_threshold:
+        if self.auto:
+            slower = dflash_slower(recent, self.step_s[-len(recent):], self.plain_s[-4 * CALIBRATION_STEPS:])
+        else:
+            slower = sum(recent) / len(recent) < opts.fallback_threshold
+        if slower:
             s.fallback = True
             s.fallbacks += 1
             if s.fallback_at is None:

@@ -100,4 +100,5 @@ def test_negative_spec_fallback_is_one_clear_error(capsys):
                    "--prompt", "def f(x):", "-n", "4", "--device", "cpu", "--spec-fallback", "-1"])
     err = " ".join(capsys.readouterr().err.split())
     assert status == 2 and "Traceback" not in err
-    assert err.startswith("error:") and "--spec-fallback must be >= 0" in err and "loaded" not in err
+    assert err.startswith("error:") and "--spec-fallback must be >= 0 (0: no plain stretches) or auto, got '-1'" in err
+    assert "loaded" not in err

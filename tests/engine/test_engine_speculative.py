@@ -93,5 +93,16 @@ def test_spec_fallback_zero_speculates_throughout_and_a_negative_one_is_refused(
     spec = eng.generate(ids, 40, ignore_eos=True, spec_len=4, spec_fallback=0)
     assert spec.ids == eng.generate(ids, 40, ignore_eos=True).ids
     assert not spec.timings.extra["fallback"] and spec.timings.extra["plain_steps"] <= 1
-    with pytest.raises(ConfigError, match="spec_fallback must be >= 0"):
+    with pytest.raises(ConfigError, match="spec_fallback must be >= 0 .* or 'auto'"):
         eng.generate(ids, 4, spec_len=4, spec_fallback=-1)
+
+
+def test_auto_spec_fallback_through_the_engine(eng):
+    """``spec_fallback="auto"`` opens with timed plain steps and keeps plain decoding's output."""
+    from engine.dflash.speculative import CALIBRATION_STEPS
+
+    ids = eng.tokenizer.encode("def add(a, b):")
+    spec = eng.generate(ids, 40, ignore_eos=True, spec_len=4, spec_fallback="auto")
+    assert spec.ids == eng.generate(ids, 40, ignore_eos=True).ids
+    extra = spec.timings.extra
+    assert extra["plain_steps"] >= CALIBRATION_STEPS and extra["plain_step_ms"] > 0 and extra["step_ms"] > 0

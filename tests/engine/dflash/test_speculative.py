@@ -263,3 +263,44 @@ def test_plain_stretches_keep_the_draft_context(target, right_draft, prompt, pla
     assert torch.equal(run.cache.positions[:n], ref.positions[:n])
     for a, b in zip(run.cache.k + run.cache.v, ref.k + ref.v):
         torch.testing.assert_close(a[:, :n], b[:, :n], atol=1e-4, rtol=1e-4)
+
+
+def test_dflash_slower_compares_token_rates():
+    from engine.dflash.speculative import dflash_slower
+
+    # 4 steps of 1 ms committing 1 token each: 1,000 tok/s against plain steps of 0.4 ms (2,500 tok/s)
+    assert dflash_slower([1, 1, 1, 1], [1e-3] * 4, [4e-4, 5e-4, 3e-4])
+    # 5 tokens per 1 ms step: 5,000 tok/s, faster than plain
+    assert not dflash_slower([5, 5], [1e-3, 1e-3], [4e-4])
+    assert dflash_slower([2, 2], [1e-3, 1e-3], [4e-4, 4e-4, 9e-3])  # the median plain step: 0.4 ms
+
+
+@pytest.mark.parametrize("slower", [True, False])
+def test_auto_fallback_opens_with_timed_plain_steps_and_judges_by_rate(target, random_draft, prompt, plain,
+                                                                     monkeypatch, slower):
+    """``fallback_threshold="auto"``: CALIBRATION_STEPS plain steps first, then each window of verify
+    steps is judged by ``dflash_slower`` on their wall times against the plain steps'."""
+    from engine.dflash import speculative as sp
+
+    seen = []
+
+    def judge(accepts, step_s, plain_s):
+        seen.append((list(accepts), list(step_s), list(plain_s)))
+        return slower
+
+    monkeypatch.setattr(sp, "dflash_slower", judge)
+    ref = plain(target, prompt, 40)
+    new, stats = speculative_generate(target, random_draft, prompt, 40, spec_len=4, fallback_threshold="auto",
+                                      fallback_window=3, reprobe_after=4)
+    assert new == ref
+    accepts, step_s, plain_s = seen[0]
+    assert len(accepts) == len(step_s) == 3 and len(plain_s) == sp.CALIBRATION_STEPS
+    assert all(t > 0 for t in step_s + plain_s) and stats.step_ms > 0 and stats.plain_step_ms > 0
+    assert accepts == stats.accept_lengths[:3]
+    assert stats.fallback == slower and (stats.fallbacks >= 2 if slower else stats.fallbacks == 0)
+    assert stats.plain_steps >= sp.CALIBRATION_STEPS
+
+
+def test_auto_fallback_is_validated(target, random_draft, prompt):
+    with pytest.raises(ConfigError, match="fallback_threshold must be >= 0 or 'auto', got 'sometimes'"):
+        speculative_generate(target, random_draft, prompt, 4, spec_len=4, fallback_threshold="sometimes")
