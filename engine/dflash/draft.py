@@ -252,16 +252,25 @@ class DFlashDraft(nn.Module):
 @dataclass(frozen=True)
 class FusedDraftWeights:
     """Each draft layer's q, k, v and gate, up matrices concatenated (one product each), for
-    ``DFlashDraft.forward_in_cache``: copies, made once per inference step."""
+    ``DFlashDraft.forward_in_cache``: copies of the draft's weights."""
 
     qkv: list[torch.Tensor]
     gate_up: list[torch.Tensor]
 
     @classmethod
     def of(cls, draft: DFlashDraft) -> "FusedDraftWeights":
+        """The draft's merged matrices, made once and kept on the draft until one of its
+        parameters changes (a real-scale draft's would be hundreds of MB per generation)."""
+        # inference tensors keep no version counter: only their addresses then
+        key = tuple((p.data_ptr(), -1 if p.is_inference() else p._version) for p in draft.parameters())
+        cached = getattr(draft, "_fused_weights", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
         with torch.no_grad():
-            return cls([torch.cat([l.q, l.k, l.v]).detach() for l in draft.layers],
-                       [torch.cat([l.gate, l.up]).detach() for l in draft.layers])
+            fused = cls([torch.cat([l.q, l.k, l.v]).detach() for l in draft.layers],
+                        [torch.cat([l.gate, l.up]).detach() for l in draft.layers])
+        object.__setattr__(draft, "_fused_weights", (key, fused))  # a plain attribute, not a module buffer
+        return fused
 
 
 def in_cache_blocker(cfg: DraftConfig) -> str | None:

@@ -260,3 +260,17 @@ def test_in_cache_path_is_for_full_attention_drafts_and_a_full_cache_takes_the_m
     ref = F.linear(block_hidden(draft, cache, F.embedding(block, embed), 6)[1:], output).argmax(-1)
     assert torch.equal(step.step(torch.tensor(9), 6), ref)
     assert cache.length == 6 and torch.equal(cache.k[0][:, 6:], torch.zeros_like(cache.k[0][:, 6:]))
+
+
+def test_merged_weights_are_made_once_per_version_of_the_draft():
+    """``FusedDraftWeights.of`` returns the same copies until a parameter changes in place."""
+    draft = _draft()
+    first = FusedDraftWeights.of(draft)
+    assert FusedDraftWeights.of(draft) is first
+    torch.testing.assert_close(first.qkv[0], torch.cat([draft.layers[0].q, draft.layers[0].k, draft.layers[0].v]))
+    with torch.no_grad():
+        draft.layers[1].up.mul_(2)
+    again = FusedDraftWeights.of(draft)
+    assert again is not first
+    torch.testing.assert_close(again.gate_up[1], torch.cat([draft.layers[1].gate, draft.layers[1].up]))
+    assert "_fused_weights" not in dict(draft.named_buffers()) and "_fused_weights" not in draft.state_dict()
