@@ -220,7 +220,6 @@ class DFlashDraft(nn.Module):
             h = h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
         return rms_norm(h, self.norm, cfg.rms_eps).view(R, T, cfg.hidden)
 
-
     def forward_in_cache(self, x: torch.Tensor, positions: torch.Tensor, cache: "DraftCache", slots: torch.Tensor,
                          visible: torch.Tensor, fused: "FusedDraftWeights") -> torch.Tensor:
         """``forward`` of one block of a full-attention, non-causal draft, with its keys and values

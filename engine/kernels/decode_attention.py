@@ -30,7 +30,7 @@ CHUNK: int | None = None  # keys per program; None: ``chunk_for`` the cache's le
 # Keys per program by the cache's length: the captured 35B step on the H200 (2026-12-01,
 # bench/profile_decode.py --attention-chunks 64,128,256) took 2.91 / 3.00 / 3.08 ms with a short
 # cache and 3.15 / 3.19 / 3.01 ms with 16,384 keys. Few keys favour small chunks (fewer serial steps
-# per program), many keys fewer chunks to combine; between the two the rule keeps 64 chunks or fewer.
+# per program), many keys fewer chunks to combine; up to 16K keys the rule keeps 64 chunks or fewer.
 CHUNK_BY_LENGTH = ((4096, 64), (8192, 128))
 LONG_CHUNK = 256
 BLOCK_S = 32  # keys per step inside a chunk
