@@ -11,9 +11,9 @@ CUDA events (the graph's device time plus its launch, no host work between): the
 the target's verify block, the draft cache's extension, the state restore of a partial acceptance
 (keep = 1), and the plain one-token step for comparison. ``host`` is the step's wall time less
 the graphs' device time: Python, small launches outside the graphs, and the one host sync.
-``--trace N`` then profiles a generation of N tokens per spec_len with torch.profiler and writes
-two tables to ``--trace-dir``: device time by kernel, and host time by op (what the Python
-around the graphs costs).
+``--trace N`` then profiles a generation of N tokens per spec_len with torch.profiler, from its
+first verify step on (no prefill), and writes two tables to ``--trace-dir``: device time by
+kernel, and host time by op (what the Python around the graphs costs).
 """
 
 from __future__ import annotations
@@ -119,8 +119,19 @@ def trace(eng: Engine, draft, ids: list[int], new_tokens: int, opts: SpecOptions
     from torch.profiler import ProfilerActivity, profile
 
     run = _Generation(eng.model, draft, ids, new_tokens, opts, SamplingParams(), set(), None)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    first_step = run._spec_step
+
+    def step(*args, **kwargs):  # the profile starts at the first verify step: no prefill in it
+        run._spec_step = first_step
+        prof.start()
+        return first_step(*args, **kwargs)
+
+    run._spec_step = step
+    try:
         _, stats = run.run()
+    finally:
+        prof.stop()
     steps = max(stats.verify_steps, 1)
     events = prof.key_averages()
     text = (f"spec_len {opts.spec_len}: {stats.verify_steps} verify steps, {stats.new_tokens} tokens, "
