@@ -122,16 +122,23 @@ def trace(eng: Engine, draft, ids: list[int], new_tokens: int, opts: SpecOptions
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     first_step = run._spec_step
 
+    started = []
+
     def step(*args, **kwargs):  # the profile starts at the first verify step: no prefill in it
         run._spec_step = first_step
         prof.start()
+        started.append(True)
         return first_step(*args, **kwargs)
 
     run._spec_step = step
     try:
         _, stats = run.run()
     finally:
-        prof.stop()
+        if started:
+            prof.stop()
+    if not started:
+        print(f"trace of spec_len {opts.spec_len}: no verify step ran", flush=True)
+        return
     steps = max(stats.verify_steps, 1)
     events = prof.key_averages()
     text = (f"spec_len {opts.spec_len}: {stats.verify_steps} verify steps, {stats.new_tokens} tokens, "
