@@ -26,22 +26,6 @@ SWITCHES = {"add+norm": (norm, "FUSED_ADD_NORM"), "norm+rope": (attention, "FUSE
             "moe gate": (moe, "FUSED_GATE")}
 
 
-def worst(model: Qwen35MoE, T: int, n: int, kernels: str) -> float:
-    dev = model.device
-    ids = torch.randint(0, model.cfg.vocab, (7 + n,), generator=torch.Generator().manual_seed(9)).to(dev)
-    eager, static = model.new_state(64), model.new_state(64)
-    with torch.inference_mode():
-        model.forward(ids[:7], eager, logits="none")
-        model.forward(ids[:7], static, logits="none")
-        step = DecodeGraph(model, static, tokens=T, kernels=kernels, graph=False)
-        out = 0.0
-        for pos in range(7, 7 + n, T):
-            ref = model.forward(ids[pos:pos + T], eager, logits="all").logits.double()
-            got = step.step(ids[pos:pos + T]).double()
-            out = max(out, float((got - ref).abs().max() / ref.abs().max()))
-    return out
-
-
 def logits_of(model: Qwen35MoE, T: int, n: int, kernels: str | None) -> list[torch.Tensor]:
     """Teacher-forced logits per step: eager forwards (``kernels`` None) or the static step."""
     ids = torch.randint(0, model.cfg.vocab, (7 + n,), generator=torch.Generator().manual_seed(9)).to(model.device)
@@ -64,43 +48,42 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=1)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    models = {}
+    models, eager = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
         with GGUFFile(args.model) as f:
             models[dtype] = Qwen35MoE.from_gguf(f, device=device, dtype=dtype)
-    ref = logits_of(models[torch.float32], args.block, args.tokens, None)
-    bf = models[torch.bfloat16]
+        eager[dtype] = logits_of(models[dtype], args.block, args.tokens, None)
+    bf, ref = models[torch.bfloat16], eager[torch.float32]
     kernels = ("torch", "triton") if device == "cuda" else ("torch",)
-    print("distance from float32 eager forwards: eager bf16 "
-          f"{distance(logits_of(bf, args.block, args.tokens, None), ref):.4f}, "
+    print(f"distance from float32 eager forwards: eager bf16 {distance(eager[torch.bfloat16], ref):.4f}, "
           + ", ".join(f"static bf16 ({k}) {distance(logits_of(bf, args.block, args.tokens, k), ref):.4f}"
                       for k in kernels), flush=True)
-    for dtype in (torch.float32, torch.bfloat16):
-        with GGUFFile(args.model) as f:
-            model = Qwen35MoE.from_gguf(f, device=device, dtype=dtype)
-        print(f"{dtype}: static step (torch kernels) {worst(model, args.block, args.tokens, 'torch'):.4f}", flush=True)
+
+    for dtype, model in models.items():
+        def vs_eager(kernels: str) -> float:
+            return distance(logits_of(model, args.block, args.tokens, kernels), eager[dtype])
+
+        print(f"{dtype}: static step (torch kernels) {vs_eager('torch'):.4f}", flush=True)
         if device != "cuda":
             continue
-        print(f"{dtype}: static step (triton kernels) {worst(model, args.block, args.tokens, 'triton'):.4f}", flush=True)
+        print(f"{dtype}: static step (triton kernels) {vs_eager('triton'):.4f}", flush=True)
         for name, (module, flag) in SWITCHES.items():
             setattr(module, flag, False)
             try:
-                print(f"{dtype}:   without the fused {name}: {worst(model, args.block, args.tokens, 'triton'):.4f}",
-                      flush=True)
+                print(f"{dtype}:   without the fused {name}: {vs_eager('triton'):.4f}", flush=True)
             finally:
                 setattr(module, flag, None)
         # the two parts the Triton step swaps whole: the fused-MoE executor and the GDN decode rule
         executor, rule = decode_graph.static_executor, decode_graph.decode_delta_rule
-        decode_graph.static_executor = lambda m, k: m.executor
-        print(f"{dtype}:   without the fused-MoE executor: {worst(model, args.block, args.tokens, 'triton'):.4f}",
-              flush=True)
-        decode_graph.static_executor = executor
-        decode_graph.decode_delta_rule = lambda hk, hv, impl, in_place=True: rule(hk, hv, impl="torch",
-                                                                                   in_place=in_place)
-        print(f"{dtype}:   without the GDN decode kernel: {worst(model, args.block, args.tokens, 'triton'):.4f}",
-              flush=True)
-        decode_graph.decode_delta_rule = rule
-
+        try:
+            decode_graph.static_executor = lambda m, k: m.executor
+            print(f"{dtype}:   without the fused-MoE executor: {vs_eager('triton'):.4f}", flush=True)
+            decode_graph.static_executor = executor
+            decode_graph.decode_delta_rule = lambda hk, hv, impl, in_place=True: rule(hk, hv, impl="torch",
+                                                                                       in_place=in_place)
+            print(f"{dtype}:   without the GDN decode kernel: {vs_eager('triton'):.4f}", flush=True)
+        finally:
+            decode_graph.static_executor, decode_graph.decode_delta_rule = executor, rule
 
 if __name__ == "__main__":
     main()

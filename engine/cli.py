@@ -135,14 +135,13 @@ def _spec_fallback(text: str, draft: Path | None) -> float | str:
     """``--spec-fallback``'s value: ``auto`` or a non-negative number (checked before the model loads)."""
     if draft is None:
         raise ConfigError("--spec-fallback needs --draft")
-    if text == "auto":
-        return text
+    from engine.dflash.speculative import check_fallback
+
     try:
-        value = float(text)
+        value = text if text == "auto" else float(text)
+        check_fallback(value)
     except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ConfigError(f"--spec-fallback must be >= 0 (0: no plain stretches) or auto, got {text!r}")
+        raise ConfigError(f"--spec-fallback must be >= 0 (0: no plain stretches) or auto, got {text!r}") from None
     return value
 
 

@@ -28,10 +28,6 @@ if TYPE_CHECKING:
 
 GRAPH_MIN_TOKENS = 1024  # smallest state a captured decode step is built for
 MAX_DECODE_GRAPHS = 3  # captured decode steps kept per engine (each owns a state of its capacity)
-# DFlash: the acceptance length under which plain decoding takes a stretch (speculative_generate's
-# fallback_threshold). On the H200 table of 2026-12-01 it took prose from 0.22-0.49x of plain decoding
-# (pure speculation) to 0.74-0.85x, and code from 0.48-0.76x to 0.84-1.08x.
-DEFAULT_SPEC_FALLBACK = 1.2
 
 
 def graph_capacity(tokens: int) -> int:
@@ -336,10 +332,15 @@ class Engine:
             spec_len = self.defaults.get("spec_len")
         if spec_len is not None and self.draft is None:
             raise ConfigError("spec_len needs a DFlash draft: load the engine with draft=PATH")
+        from engine.dflash.speculative import DEFAULT_FALLBACK, check_fallback
+
         if spec_fallback is None:
-            spec_fallback = self.defaults.get("spec_fallback", DEFAULT_SPEC_FALLBACK)
-        if spec_fallback != "auto" and (isinstance(spec_fallback, str) or spec_fallback < 0):
-            raise ConfigError(f"spec_fallback must be >= 0 (0: no plain stretches) or 'auto', got {spec_fallback!r}")
+            spec_fallback = self.defaults.get("spec_fallback", DEFAULT_FALLBACK)
+        try:
+            check_fallback(spec_fallback)  # before the prefill
+        except ValueError:
+            raise ConfigError(f"spec_fallback must be >= 0 (0: no plain stretches) or 'auto', "
+                              f"got {spec_fallback!r}") from None
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
         prompt = self._ids_tensor(ids)
         gen = make_generator(params, self.device)
@@ -461,8 +462,8 @@ class Engine:
 
     def _speculative(self, ids: Sequence[int], max_new_tokens: int, params: SamplingParams, eos: set[int],
                      stop: list[str], spec_len: int, on_token: Callable[[int, str], None] | None,
-                     extra: dict[str, Any], t0: float, prefilled: Any = None,
-                     fallback: float | str = DEFAULT_SPEC_FALLBACK) -> Generation:
+                     extra: dict[str, Any], t0: float, prefilled: Any = None, *,
+                     fallback: float | str) -> Generation:
         from engine.dflash.speculative import speculative_generate
 
         stream = _TextStream(self.tokenizer, on_token)

@@ -202,15 +202,9 @@ class DecodeGraph:
         if self.graph is None or self._rollback_eager:
             self._restore(keep)
             return
-        if keep not in self._rollbacks:  # its warm-up runs restore the state already
-            try:
-                self._rollbacks[keep] = capture_graph(lambda: self._restore(keep), self.model.device)
-            except RuntimeError as exc:  # an op that cannot be captured: the same restore, eagerly
-                warnings.warn(f"the rollback's state restore could not be captured ({exc}); it runs eagerly",
-                              stacklevel=2)
-                self._rollback_eager = True
-                self._restore(keep)
-                return
+        if keep not in self._rollbacks and not self._capture_restore(keep):  # its warm-up runs restore already
+            self._restore(keep)
+            return
         self._rollbacks[keep].replay()
 
     @torch.inference_mode()
@@ -223,15 +217,23 @@ class DecodeGraph:
         saved = [(t, t.clone()) for t in (*self.state.conv.values(), *self.state.recurrent.values())]
         try:
             for keep in range(1, self.tokens):
-                if keep not in self._rollbacks:
-                    self._rollbacks[keep] = capture_graph(lambda k=keep: self._restore(k), self.model.device)
-        except RuntimeError as exc:  # an op that cannot be captured: every restore runs eagerly
-            warnings.warn(f"the rollback's state restore could not be captured ({exc}); it runs eagerly",
-                          stacklevel=2)
-            self._rollback_eager = True
+                if keep not in self._rollbacks and not self._capture_restore(keep):
+                    break
         finally:
             for t, copy in saved:
                 t.copy_(copy)
+
+    def _capture_restore(self, keep: int) -> bool:
+        """Capture the restore of ``keep``; False, with one warning, where an op cannot be captured
+        (every restore of this step then runs eagerly)."""
+        try:
+            self._rollbacks[keep] = capture_graph(lambda: self._restore(keep), self.model.device)
+            return True
+        except RuntimeError as exc:
+            warnings.warn(f"the rollback's state restore could not be captured ({exc}); it runs eagerly",
+                          stacklevel=3)
+            self._rollback_eager = True
+            return False
 
     def _restore(self, keep: int) -> None:
         """The GDN layers' states after the first ``keep`` tokens of the last step, from what the

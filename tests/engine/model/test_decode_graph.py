@@ -371,24 +371,34 @@ def test_static_step_matches_eager_bf16_on_the_shipped_target():
     assert worst <= BF16_LOGITS_TOL
 
 
+def _teacher_forced_logits(model, ids, T, step_kwargs=None):
+    """Logits of ``ids[7:]`` in blocks of T after a prompt of ``ids[:7]``: eager forwards, or the
+    static step built with ``step_kwargs``; and that step (None for eager)."""
+    state = model.new_state(64)
+    model.forward(ids[:7], state, logits="none")
+    step = None if step_kwargs is None else DecodeGraph(model, state, tokens=T, **step_kwargs)
+    out = [(step.step(ids[p:p + T]) if step else model.forward(ids[p:p + T], state, logits="all").logits)
+           .double().clone() for p in range(7, ids.shape[0], T)]
+    return out, step
+
+
+def _no_further_from_float32(fp32, bf16, ids, T, step_kwargs):
+    """The bf16 static step is no further from float32 eager forwards than eager bf16 is (plus the
+    bf16 bound); returns the step."""
+    ref, _ = _teacher_forced_logits(fp32, ids, T)
+    eager, _ = _teacher_forced_logits(bf16, ids, T)
+    static, step = _teacher_forced_logits(bf16, ids, T, step_kwargs)
+    far = max(rel_err(a, b) for a, b in zip(eager, ref))
+    assert max(rel_err(a, b) for a, b in zip(static, ref)) <= 1.25 * far + BF16_LOGITS_TOL
+    return step
+
+
 @pytest.mark.skipif(not SHIPPED.is_file(), reason="models/luce-target.gguf not present")
 def test_triton_static_step_in_bf16_stays_as_close_to_float32_as_eager():
     """The CPU twin of the CUDA test below, under the Triton interpreter (fused MoE, GDN decode,
-    split-key attention, norms): a block of 4 then one of 4, the static bf16 step no further from
-    float32 eager forwards than eager bf16 is."""
+    norms; the split-key attention declines bf16 there): two blocks of 4."""
     fp32, bf16 = load(SHIPPED, "cpu", torch.float32), load(SHIPPED, "cpu", torch.bfloat16)
-    ids = tokens(fp32.cfg.vocab, 15, seed=9)
-
-    def run(model, kernels):
-        state = model.new_state(32)
-        model.forward(ids[:7], state, logits="none")
-        step = DecodeGraph(model, state, tokens=4, kernels=kernels, graph=False) if kernels else None
-        return [(step.step(ids[p:p + 4]) if step else model.forward(ids[p:p + 4], state, logits="all").logits)
-                .double().clone() for p in (7, 11)]
-
-    ref, eager, static = run(fp32, None), run(bf16, None), run(bf16, "triton")
-    far = max(rel_err(a, b) for a, b in zip(eager, ref))
-    assert max(rel_err(a, b) for a, b in zip(static, ref)) <= 1.25 * far + BF16_LOGITS_TOL
+    _no_further_from_float32(fp32, bf16, tokens(fp32.cfg.vocab, 15, seed=9), 4, {"kernels": "triton", "graph": False})
 
 
 @pytest.mark.gpu
@@ -404,22 +414,8 @@ def test_cuda_graph_replay_in_bf16_stays_as_close_to_float32_as_eager(T):
     and the captured step's fused-MoE kernels round differently from torch's (on the H200 the step
     was 0.168 from eager bf16 with them and 0.011 with torch's experts, and exact in float32)."""
     fp32, bf16 = load(SHIPPED, "cuda", torch.float32), load(SHIPPED, "cuda", torch.bfloat16)
-    ids = tokens(fp32.cfg.vocab, 7 + 32, seed=9).cuda()
-
-    def run(model, graph):
-        state = model.new_state(64)
-        model.forward(ids[:7], state, logits="none")
-        step = DecodeGraph(model, state, tokens=T, graph=True) if graph else None
-        out = [(step.step(ids[p:p + T]) if step else model.forward(ids[p:p + T], state, logits="all").logits)
-               .double().clone() for p in range(7, 39, T)]
-        return step, out
-
-    _, ref = run(fp32, False)
-    _, eager = run(bf16, False)
-    step, captured = run(bf16, True)
+    step = _no_further_from_float32(fp32, bf16, tokens(fp32.cfg.vocab, 7 + 32, seed=9).cuda(), T, {"graph": True})
     assert step.captured and step.path == "cuda_graph" and step.gdn_backend == "triton"
-    far = max(rel_err(a, b) for a, b in zip(eager, ref))
-    assert max(rel_err(a, b) for a, b in zip(captured, ref)) <= 1.25 * far + BF16_LOGITS_TOL
 
 
 @pytest.mark.gpu
