@@ -34,7 +34,7 @@ from common import commit, machine
 
 from engine.dflash.compat import open_compatible
 from engine.dflash.draft import DFlashDraft
-from engine.dflash.speculative import speculative_generate
+from engine.dflash.speculative import check_fallback, speculative_generate
 from engine.dflash.train import new_draft_config
 from engine.engine import Engine
 from tuner.workloads import code_prompts, long_form_prompts
@@ -125,7 +125,12 @@ def main() -> None:
     args = ap.parse_args()
     spec_lens = [int(x) for x in args.spec_lens.split(",") if x]
     rollbacks = [x for x in args.rollbacks.split(",") if x]
-    fallbacks = [x if x == "auto" else float(x) for x in args.fallbacks.split(",") if x]
+    try:
+        fallbacks = [x if x == "auto" else float(x) for x in args.fallbacks.split(",") if x]
+        for f in fallbacks:
+            check_fallback(f)
+    except ValueError:
+        raise SystemExit(f"--fallbacks takes comma-separated numbers >= 0 or auto, got {args.fallbacks!r}") from None
 
     eng = Engine.from_gguf(args.target, device=args.device, dtype=args.dtype, cuda_graph=args.graph,
                           cold_device=args.cold_device)
