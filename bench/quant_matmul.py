@@ -55,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="time decode tiles at the 35B shapes instead")
     ap.add_argument("--write-tuned", type=Path, default=None, help="with --sweep: write the fastest tiles here")
+    ap.add_argument("--grid", choices=("blocks", "rows", "both"), default="both",
+                    help="with --sweep: the block tiles, the row kernels' warps and unroll (engine.kernels.quant.rows), "
+                         "or both; the table's current tiles for a shape are always among the candidates")
+    ap.add_argument("--verbose", action="store_true", help="with --sweep: print every candidate's time")
     ap.add_argument("--sweep-shapes", type=lambda s: s.split(","), default=None,
                     help="with --sweep: only these shapes (attn_qkv, attn_out, gdn_in, gdn_out, shared_gate_up, "
                          "shared_down, lm_head, experts); the table keeps its other entries")
@@ -159,6 +163,11 @@ def decode_shapes() -> list[tuple[str, str, int, int]]:
 
 TILE_GRID = [dict(gemv_block_n=bn, gemv_block_k=bk) for bn in (4, 8, 16, 32) for bk in (128, 256, 512, 1024)]
 TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_split_k=1)]
+# the row kernels: warps (splitting K; in the experts' down launch one pair each, so at least top-k) x unroll
+ROWS_GRID = {kind: [dict(gemv_rows_warps=w, gemv_rows_unroll=u) for w in warps for u in (2, 4, 8)]
+             for kind, warps in (("gemv", (2, 4, 8)), ("moe_gate_up", (2, 4, 8)), ("moe_down", (8, 16)))}
+ROWS_VARIANTS = [dict(gemv_split_k=1), dict(gemv_rows_unroll=16)]
+FIELDS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k", "gemv_rows_warps", "gemv_rows_unroll")
 
 
 def sweep(args, rng) -> None:
@@ -166,7 +175,10 @@ def sweep(args, rng) -> None:
     variants of the grid's best, each checked against the reference before timing."""
     from datetime import datetime, timezone
 
-    from engine.kernels.quant.tuned import write_table
+    from dataclasses import replace
+
+    from engine.kernels.quant.reference import SPLIT_QTYPES, split_layout_on
+    from engine.kernels.quant.tuned import config_for, write_table
 
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev)
@@ -181,16 +193,20 @@ def sweep(args, rng) -> None:
         for label, kind, n, k in decode_shapes():
             if (k % 256 and qtype not in (Q.Q4_0, Q.Q8_0)) or (args.sweep_shapes and label not in args.sweep_shapes):
                 continue
+            # the layout the loader gives these weights on this device (``split_layout_on``)
+            layout = "split" if qtype in SPLIT_QTYPES and split_layout_on(dev) else "ggml"
             if kind == "gemv":
                 qm = QuantMatrix.from_gguf_bytes(random_quantized((n, k), qtype, rng, 0.02), qtype, n, k).to(dev)
+                qm = qm.with_layout(layout)
                 copies = max(1, -(-ROTATE_BYTES // qm.nbytes))
-                mats = rotating([qm] + [QuantMatrix(qm.raw.clone(), qtype, n, k) for _ in range(copies - 1)])
+                mats = rotating([qm] + [replace(qm, raw=qm.raw.clone()) for _ in range(copies - 1)])
                 x = torch.randn(1, k, device=dev).bfloat16()
-                ref = qmatmul_reference(x, qm.raw, qtype, n, k)
+                ref = qmatmul_reference(x, qm.ggml_raw, qtype, n, k)
                 nbytes = qm.nbytes
             else:
                 stack = [QuantExperts.from_gguf_bytes(random_quantized((EXPERTS, a, b), qtype, rng, 0.02), qtype,
-                                                      EXPERTS, a, b).to(dev) for a, b in ((n, k), (n, k), (k, n))]
+                                                      EXPERTS, a, b).to(dev).with_layout(layout)
+                         for a, b in ((n, k), (n, k), (k, n))]
                 x = torch.randn(1, k, device=dev).bfloat16()
                 ids = torch.randperm(EXPERTS, device=dev)[:PAIRS].reshape(1, PAIRS)
                 w = torch.softmax(torch.randn(1, PAIRS, device=dev), -1)
@@ -213,28 +229,45 @@ def sweep(args, rng) -> None:
                 if not err < 2e-2:
                     raise SystemExit(f"{qtype.name} {label} {tiles} {down}: kernel differs from the reference "
                                      f"by {err:.2e}")
-                return graph_time_ms(fn, args.warmup, args.repeats)["ms"]
+                ms = graph_time_ms(fn, args.warmup, args.repeats)["ms"]
+                if args.verbose:
+                    print(f"    {label} {kind} {tiles} {down or ''}: {ms * 1e3:.1f} us", flush=True)
+                return ms
 
-            def fastest(time_of):
-                """The grid at 4 warps, then warps and no-split variants of its best (the defaults kept
-                unless beaten): (ms, tiles)."""
-                results = [(time_of({}), {})] + [(time_of(t), t) for t in TILE_GRID]
-                best = min(results, key=lambda r: r[0])[1]
-                results += [(time_of(best | v), best | v) for v in TILE_VARIANTS]
+            def current(kind_, n_, k_):
+                """The tiles the table now gives this launch (the defaults where it has none)."""
+                cfg = config_for(kind_, qtype.name, n_, k_, dev, QuantKernelConfig())
+                return {f: getattr(cfg, f) for f in FIELDS}
+
+            def fastest(time_of, kind_, n_, k_):
+                """Among the defaults and the table's current tiles: the block grid at 4 warps, then warps
+                and no-split variants of its best; the row kernels' grid, then split and unroll variants
+                of its best (each with ``--grid``): (ms, tiles)."""
+                results = [(time_of({}), {}), (time_of(current(kind_, n_, k_)), current(kind_, n_, k_))]
+                for on, grid, variants in ((args.grid != "rows", TILE_GRID, TILE_VARIANTS),
+                                           (args.grid != "blocks", ROWS_GRID[kind_],
+                                            ROWS_VARIANTS if kind_ == "gemv" else ROWS_VARIANTS[1:])):
+                    if not on:
+                        continue
+                    part = [(time_of(t), t) for t in grid]
+                    best = min(part, key=lambda r: r[0])[1]
+                    part += [(time_of(best | v), best | v) for v in variants]
+                    results += part
                 return min(results, key=lambda r: r[0])
 
             default = timed({})
-            best_ms, best = fastest(timed)
-            launches = [(kind, n, k, best)]
-            if kind == "moe":  # then the down launch's own tiles, with the gate/up launch's best
-                best_ms, down = fastest(lambda t: timed(best, t))
+            if kind == "gemv":
+                best_ms, best = fastest(timed, "gemv", n, k)
+                launches = [(kind, n, k, best)]
+            else:  # the gate/up launch's tiles, then the down launch's own with the gate/up launch's best
+                _, best = fastest(timed, "moe_gate_up", n, k)
+                best_ms, down = fastest(lambda t: timed(best, t), "moe_down", k, n)
                 launches = [("moe_gate_up", n, k, best), ("moe_down", k, n, down)]
             measured = {"shape": label, "us": best_ms * 1e3, "default_us": default * 1e3, "bytes": nbytes}
             for kind_, n_, k_, tiles in launches:
                 cfg = QuantKernelConfig(**tiles)
                 entries.append({"kind": kind_, "qtype": qtype.name, "n": n_, "k": k_, **measured,
-                                **{f: getattr(cfg, f) for f in ("gemv_block_n", "gemv_block_k", "gemv_num_warps",
-                                                                "gemv_split_k")}})
+                                **{f: getattr(cfg, f) for f in FIELDS}})
             print(f"{qtype.name:>5} {f'{n}x{k}':>16} {kind:>7} {nbytes / 1e6:7.2f} {default * 1e3:10.1f} "
                   f"{best_ms * 1e3:8.1f} {gbps(nbytes, best_ms):6.0f} {default / best_ms:6.2f}x  "
                   f"{[t for *_, t in launches]}", flush=True)

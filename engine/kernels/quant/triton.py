@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
+from engine.kernels.quant import rows
 from engine.kernels.quant.reference import QuantExperts, QuantMatrix
 from engine.kernels.moe.triton import align_by_expert, pair_block
 from engine.kernels.quant.tuned import config_for
@@ -46,6 +47,11 @@ class QuantKernelConfig:
     wait on per-element decoding (0 turns that off).
 
     ``gemv_split_k`` 0 splits K only as far as needed to give every SM two programs.
+
+    ``gemv_rows_warps`` > 0 takes the row kernels of ``engine.kernels.quant.rows`` for one token
+    over Q4_0/Q8_0 in the split layout (one weight row per lane, that many warps splitting K or, in
+    the experts' down launch, one pair each), ``gemv_rows_unroll`` blocks per lane in flight; the
+    block tiles above then do not apply to those launches.
     """
 
     gemv_max_m: int = 16
@@ -59,10 +65,16 @@ class QuantKernelConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    gemv_rows_warps: int = 0
+    gemv_rows_unroll: int = 4
 
     def __post_init__(self) -> None:
         check_tiles(self, {"gemv_block_n": 1, "gemv_block_k": 16, "block_m": 16, "block_n": 16, "block_k": 16},
                     ("gemv_num_warps", "num_warps"))
+        for name in ("gemv_rows_warps", "gemv_rows_unroll"):
+            v = getattr(self, name)
+            if v < 0 or v & (v - 1) or v > 32 or (name == "gemv_rows_unroll" and v == 0):
+                raise ValueError(f"{name} must be a power of two up to 32 (gemv_rows_warps may be 0), got {v}")
         if not 0 <= self.gemv_max_m <= 16:
             raise ValueError(f"gemv_max_m must be in [0, 16], got {self.gemv_max_m}")
         if self.dequant_min_m < 0:
@@ -375,6 +387,10 @@ def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
     M = x.shape[0]
     if not 1 <= M <= 16:
         raise ValueError(f"the GEMV kernel takes 1 to 16 rows of x, got {M}")
+    if config.gemv_rows_warps and M == 1 and rows.rows_fit(qm.qtype, qm.layout):
+        return rows.gemv_rows(x, qm, lambda s: torch.empty(s, qm.n, dtype=torch.float32, device=x.device),
+                              _split_counters(x.device), config.gemv_rows_warps, config.gemv_rows_unroll,
+                              config.gemv_split_k)
     bn, bk = config.gemv_block_n, config.gemv_block_k
     n_tiles = triton.cdiv(qm.n, bn)
     splits = _split_k(n_tiles, qm.k, bk, config, x.device) if n_tiles <= MAX_SPLIT_TILES else 1
@@ -647,8 +663,8 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
             raise ValueError(f"a shared expert rides in the decode launches only (up to "
                              f"{(config or QuantKernelConfig()).gemv_max_m} tokens), got {T}")
         return _grouped_quantized_moe(x, gate, up, down, ids.long(), w, config or QuantKernelConfig())
+    s_gu, s_down, gate_inp = shared if shared is not None else (None, None, w)  # w: unread without one
     if shared is not None:
-        s_gu, s_down, gate_inp = shared
         if not shared_fits(gate, down, s_gu, s_down) or gate_inp.shape != (gate.k,):
             raise ValueError(f"the shared expert ({s_gu.qtype.name} [{s_gu.n}, {s_gu.k}] {s_gu.layout}, down "
                              f"[{s_down.n}, {s_down.k}], gate_inp {tuple(gate_inp.shape)}) does not match the "
@@ -663,18 +679,25 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     n_routed = T * top_k
     n_pairs = n_routed + (T if shared is not None else 0)
     act = torch.empty(n_pairs, gate.n, dtype=x.dtype, device=x.device)
-    s_gu, s_down, gate_inp = shared if shared is not None else (None, None, w)
     sgu_raw = s_gu.raw if s_gu is not None else gate.raw  # unread without a shared expert
     sd_raw = s_down.raw if s_down is not None else down.raw
     sgu_stride = s_gu.raw.stride(0) if s_gu is not None else 0
     sd_stride = s_down.raw.stride(0) if s_down is not None else 0
     bn, bk = c_up.gemv_block_n, c_up.gemv_block_k
-    _moe_gate_up_kernel[(n_pairs, triton.cdiv(gate.n, bn))](
-        x, gate.raw, up.raw, ids, act, sgu_raw, gate.n, n_routed, gate.k, top_k,
-        x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
-        sgu_stride, QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
-        SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, num_warps=c_up.gemv_num_warps)
+    if c_up.gemv_rows_warps >= 2 and rows.rows_fit(gate.qtype, gate.layout):
+        rows.moe_gate_up_rows(x, gate, up, ids, act, n_routed, top_k, s_gu, c_up.gemv_rows_warps,
+                              c_up.gemv_rows_unroll)
+    else:
+        _moe_gate_up_kernel[(n_pairs, triton.cdiv(gate.n, bn))](
+            x, gate.raw, up.raw, ids, act, sgu_raw, gate.n, n_routed, gate.k, top_k,
+            x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
+            sgu_stride, QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
+            SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, num_warps=c_up.gemv_num_warps)
     bn, bk = c_down.gemv_block_n, c_down.gemv_block_k
+    if c_down.gemv_rows_warps >= triton.next_power_of_2(top_k) and rows.rows_fit(down.qtype, down.layout):
+        rows.moe_down_rows(act, down, ids, w, out, x, n_routed, (s_down, gate_inp) if shared is not None else None,
+                           c_down.gemv_rows_warps, c_down.gemv_rows_unroll)
+        return out
     _moe_down_kernel[(T, triton.cdiv(down.n, bn))](
         act, down.raw, ids, w, out, x, sd_raw, gate_inp, down.n, n_routed, down.k, top_k,
         act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), x.stride(0), sd_stride,

@@ -22,6 +22,7 @@ import torch
 TABLE = Path(__file__).with_name("tuned.json")
 KINDS = ("gemv", "experts", "moe_gate_up", "moe_down")
 TILE_KEYS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k")
+ROW_KEYS = ("gemv_rows_warps", "gemv_rows_unroll")  # optional: the row kernels (``engine.kernels.quant.rows``)
 
 
 @lru_cache(maxsize=None)
@@ -38,7 +39,8 @@ def load_table(path: Path) -> dict[tuple[str, str, str, int, int], dict[str, int
         return {}
     try:
         data = json.loads(path.read_text())
-        return {(data["device"], e["kind"], e["qtype"], int(e["n"]), int(e["k"])): {k: int(e[k]) for k in TILE_KEYS}
+        return {(data["device"], e["kind"], e["qtype"], int(e["n"]), int(e["k"])):
+                {k: int(e[k]) for k in (*TILE_KEYS, *(k for k in ROW_KEYS if k in e))}
                 for e in data["entries"]}
     except (ValueError, KeyError, TypeError) as exc:
         warnings.warn(f"{path}: not a tile table ({exc!r}); the quantized kernels keep their default tiles",

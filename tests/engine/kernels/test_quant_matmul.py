@@ -482,3 +482,107 @@ def test_split_layout_is_for_cuda_and_can_be_switched_off(monkeypatch):
     assert split_layout_on("cuda")
     monkeypatch.setenv("LUCE_TUNE_SPLIT_LAYOUT", "0")
     assert not split_layout_on("cuda")
+
+
+ROWS = [tq.QuantKernelConfig(gemv_rows_warps=w, gemv_rows_unroll=u, gemv_split_k=s)
+        for w, u, s in ((1, 1, 1), (2, 4, 0), (4, 2, 3), (8, 8, 1))]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("N", [1, 33, 70])
+def test_row_kernel_gemv_matches_the_reference(qtype, N):
+    """One weight row per lane (``engine.kernels.quant.rows``): odd row counts (a partial last
+    program), K of 3 and 9 blocks shared out unevenly among warps, unroll runs longer than a warp's
+    blocks, K splits added in order; the codes' exponent-trick conversion gives every code exactly."""
+    for i, k in enumerate((96, 288)):
+        qm = make(qtype, N, k, seed=N + i, maker="bytes").with_layout("split")
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(N + i))
+        ref = qmatmul_reference(x, qm.ggml_raw, qtype, N, k)
+        for config in ROWS:
+            out = tq.qmatmul(x, qm, config)
+            assert out.shape == (1, N) and rel_err(out, ref) < 1e-5, config
+        assert not tq._split_counters(x.device).any()
+        half = tq.qmatmul(x.bfloat16(), qm, ROWS[1])
+        assert half.dtype == torch.bfloat16 and rel_err(half, ref) < 2e-2
+
+
+def test_row_kernel_codes_cover_every_byte():
+    """Every Q4_0 byte (both nibbles) and every Q8_0 code, each in a block of its own scale 1:
+    the row kernel's dot with one-hot x gives the code itself."""
+    from engine.kernels.quant.reference import split_rows
+
+    for qtype, per_block in ((Q.Q4_0, 16), (Q.Q8_0, 32)):
+        size = GGML_QUANT_SIZES[qtype][1]
+        codes = np.arange(256, dtype=np.uint8)
+        n_blocks = 256 // per_block
+        blocks = np.zeros((n_blocks, size), dtype=np.uint8)
+        blocks[:, :2] = np.frombuffer(np.float16(1).tobytes(), dtype=np.uint8)
+        blocks[:, 2:] = codes.reshape(n_blocks, per_block)
+        k = 32 * n_blocks
+        qm = QuantMatrix(split_rows(torch.from_numpy(blocks.reshape(1, -1)), qtype), qtype, 1, k, "split")
+        want = qm.dequantize()[0]
+        for j in range(k):
+            x = torch.zeros(1, k)
+            x[0, j] = 1.0
+            assert tq.qmatmul(x, qm, ROWS[0]).item() == want[j].item(), (qtype.name, j)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("T", [1, 3])
+def test_row_kernels_for_the_experts_match_the_reference(qtype, T):
+    """The routed experts' two launches with one row per lane (gate and up halves of the warps;
+    one pair per warp in down, the shared expert's blocks shared out after): against the separate
+    computation, with a dead pair (-1), a top-k of 3 (warps past it idle) and a shared expert."""
+    stack, shared, x, ids, w, ref = _moe_with_shared_case(qtype, "split", T, 5, 3, 96, 64, seed=T)
+    for wu, wd, u in ((2, 4, 1), (4, 4, 2), (8, 8, 4)):
+        up = tq.QuantKernelConfig(gemv_rows_warps=wu, gemv_rows_unroll=u)
+        down = tq.QuantKernelConfig(gemv_rows_warps=wd, gemv_rows_unroll=u)
+        out = tq.quantized_moe_triton(x, *stack, ids, w, up, down, shared=shared)
+        assert rel_err(out, ref) < 1e-5, (wu, wd, u)
+        routed_only = tq.quantized_moe_triton(x, *stack, ids, w, up, down)
+        assert rel_err(routed_only, tq.quantized_moe_triton(x, *stack, ids, w)) < 1e-5
+
+
+def test_row_kernel_settings_are_checked():
+    with pytest.raises(ValueError, match="gemv_rows_warps must be a power of two"):
+        tq.QuantKernelConfig(gemv_rows_warps=3)
+    with pytest.raises(ValueError, match="gemv_rows_unroll must be a power of two"):
+        tq.QuantKernelConfig(gemv_rows_unroll=0)
+    from engine.kernels.quant import rows
+
+    qm = make(Q.Q4_K, 3, 256, seed=0)
+    with pytest.raises(ValueError, match="Q4_0/Q8_0 in the split layout"):
+        rows.gemv_rows(torch.randn(1, 256), qm, None, None)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k", [(12352, 2048), (2048, 4096), (2048, 512), (248320, 2048)])
+def test_cuda_row_kernel_gemv_real_shapes(real_weights, qtype, n, k):
+    """The row kernel at the 35B projection shapes and the LM head, every grid setting's corner:
+    float32 to the reference, bf16 within its rounding, the same bits on a repeat, counters zeroed."""
+    qm = real_weights(qtype, n, k).with_layout("split")
+    x = torch.randn(1, k, device="cuda", generator=torch.Generator("cuda").manual_seed(n + k))
+    ref = qmatmul_reference(x, qm.ggml_raw, qtype, n, k)
+    for w, u, s in ((1, 2, 0), (4, 4, 0), (8, 8, 1), (2, 16, 2)):
+        config = tq.QuantKernelConfig(gemv_rows_warps=w, gemv_rows_unroll=u, gemv_split_k=s)
+        exact = tq.qmatmul(x, qm, config)
+        assert rel_err(exact, ref) < 1e-4, (w, u, s)
+        assert torch.equal(tq.qmatmul(x, qm, config), exact)
+        assert rel_err(tq.qmatmul(x.bfloat16(), qm, config), ref) < 2e-2
+    assert not tq._split_counters(x.device).any()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_cuda_row_kernels_for_the_experts_real_shapes(T):
+    """The routed experts with the shared expert riding along, 35B shapes, Q4_0 split, row kernels."""
+    stack, shared, x, ids, w, ref = _moe_with_shared_case(Q.Q4_0, "split", T, 16, 8, 2048, 512, seed=T,
+                                                          device="cuda")
+    for wu, wd, u in ((2, 8, 2), (8, 8, 4), (4, 16, 8)):
+        up = tq.QuantKernelConfig(gemv_rows_warps=wu, gemv_rows_unroll=u)
+        down = tq.QuantKernelConfig(gemv_rows_warps=wd, gemv_rows_unroll=u)
+        assert rel_err(tq.quantized_moe_triton(x, *stack, ids, w, up, down, shared=shared), ref) < 1e-4
+        assert rel_err(tq.quantized_moe_triton(x.bfloat16(), *stack, ids, w, up, down, shared=shared), ref) < 2e-2

@@ -1,0 +1,72 @@
+"""The row kernels compiled for Hopper on any machine: Triton's own compiler and ptxas (shipped in
+its wheel) build them for sm_90 without a GPU, so a kernel that the interpreter runs but the
+compiler rejects (a non-constexpr global, an unsupported construct) fails here, in CI, and the
+machine code is checked for what the design relies on: each block's 16 code bytes loaded as one
+16-byte vector, no register spills to local memory, no int-to-float conversion unit per code."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+pytestmark = pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's NVIDIA backend tools are not installed")
+
+# Run in a fresh interpreter: a test module of this session may have set TRITON_INTERPRET before the
+# kernels were decorated, and interpreted kernels do not compile.
+_COMPILE = """
+import json, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.kernels.quant import rows
+name, types, constexprs, warps, cubin, cuobjdump = json.loads(sys.argv[1])
+fn = getattr(rows, name)
+sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
+aligned = [i for i, (a, t) in enumerate(sig.items()) if t.startswith("*") or a.startswith("stride")]
+src = ASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                attrs={(i,): [["tt.divisibility", 16]] for i in aligned})  # as the launcher specializes them
+open(cubin, "wb").write(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"])
+print(subprocess.run([cuobjdump, "--dump-sass", cubin], check=True, capture_output=True, text=True).stdout)
+"""
+
+
+def _sass(name: str, types: dict[str, str], constexprs: dict[str, int], warps: int, tmp_path: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    arg = json.dumps([name, types, constexprs, warps, str(tmp_path / "k.cubin"), str(CUOBJDUMP)])
+    done = subprocess.run([sys.executable, "-c", _COMPILE, arg], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _check(sass: str, least_vectors: int) -> None:
+    ops = re.findall(r"\b(LDG\.E\.\w+|LDL|STL|I2F[.\w]*)\b", sass)
+    assert ops.count("LDG.E.128") >= least_vectors, sorted(set(ops))
+    assert "LDG.E.U8" not in ops and "LDL" not in ops and "STL" not in ops, sorted(set(ops))
+    assert not [op for op in ops if op.startswith("I2F") and op != "I2F.RP"], sorted(set(ops))
+
+
+@pytest.mark.parametrize("qtype", [0, 1], ids=["Q4_0", "Q8_0"])
+def test_gemv_row_kernel_compiles_with_vector_loads(qtype, tmp_path):
+    types = {"x_ptr": "*fp32", "w_ptr": "*u8", "out_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    consts = {"N_BLOCKS": 64, "SPLIT_BLOCKS": 32, "QTYPE": qtype, "SPLIT_AT": 64 * (16 if qtype == 0 else 32),
+              "WARPS": 4, "UNROLL": 4, "SPLITS": 2}
+    _check(_sass("_gemv_rows_kernel", types, consts, 4, tmp_path), 4 * (1 + qtype))
+
+
+def test_expert_row_kernels_compile_with_vector_loads(tmp_path):
+    types = {"x_ptr": "*fp32", "g_ptr": "*u8", "u_ptr": "*u8", "ids_ptr": "*i64", "act_ptr": "*fp32",
+             "sgu_ptr": "*u8"}
+    consts = {"N_BLOCKS": 64, "QTYPE": 0, "SPLIT_AT": 1024, "WARPS": 8, "UNROLL": 4, "HAS_SHARED": True}
+    _check(_sass("_moe_gate_up_rows_kernel", types, consts, 8, tmp_path), 4)
+    types = {"act_ptr": "*fp32", "d_ptr": "*u8", "ids_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*fp32",
+             "x_ptr": "*fp32", "sd_ptr": "*u8", "gi_ptr": "*fp32"}
+    consts = {"N_BLOCKS": 16, "TOP_K": 8, "QTYPE": 0, "SPLIT_AT": 256, "WARPS": 8, "UNROLL": 8, "HAS_SHARED": True,
+              "BLOCK_H": 2048}
+    _check(_sass("_moe_down_rows_kernel", types, consts, 8, tmp_path), 8)
