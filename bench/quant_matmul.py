@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sweep", action="store_true", help="time decode tiles at the 35B shapes instead")
     ap.add_argument("--write-tuned", type=Path, default=None, help="with --sweep: write the fastest tiles here")
     ap.add_argument("--grid", choices=("blocks", "rows", "both"), default="both",
-                    help="with --sweep: the block tiles, the row kernels' warps and unroll (engine.kernels.quant.rows), "
+                    help="with --sweep: the block tiles, the row kernels' warps and unroll "
+                         "(engine.kernels.quant.rows), "
                          "or both; the table's current tiles for a shape are always among the candidates")
     ap.add_argument("--verbose", action="store_true", help="with --sweep: print every candidate's time")
     ap.add_argument("--sweep-shapes", type=lambda s: s.split(","), default=None,
@@ -166,7 +167,7 @@ TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_split
 # the row kernels: warps (splitting K; in the experts' down launch one pair each, so at least top-k) x unroll
 ROWS_GRID = {kind: [dict(gemv_rows_warps=w, gemv_rows_unroll=u) for w in warps for u in (2, 4, 8)]
              for kind, warps in (("gemv", (2, 4, 8)), ("moe_gate_up", (2, 4, 8)), ("moe_down", (8, 16)))}
-ROWS_VARIANTS = [dict(gemv_split_k=1), dict(gemv_rows_unroll=16)]
+ROWS_VARIANTS = [dict(gemv_split_k=1), dict(gemv_split_k=2)]
 FIELDS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k", "gemv_rows_warps", "gemv_rows_unroll")
 
 
@@ -178,10 +179,11 @@ def sweep(args, rng) -> None:
     from dataclasses import replace
 
     from engine.kernels.quant.reference import SPLIT_QTYPES, split_layout_on
-    from engine.kernels.quant.tuned import config_for, write_table
+    from engine.kernels.quant.tuned import TABLE, load_table, write_table
 
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev)
+    before = dict(load_table(TABLE))  # the table as it stands: each shape's current tiles are a candidate
     entries = []
     if args.sweep_shapes and args.write_tuned is not None and args.write_tuned.exists():  # keep the shapes not swept
         kept = json.loads(args.write_tuned.read_text())
@@ -210,9 +212,19 @@ def sweep(args, rng) -> None:
                 x = torch.randn(1, k, device=dev).bfloat16()
                 ids = torch.randperm(EXPERTS, device=dev)[:PAIRS].reshape(1, PAIRS)
                 w = torch.softmax(torch.randn(1, PAIRS, device=dev), -1)
-                ref = quantized_moe(x, stack, ids, w, impl="torch")
+                # the shared expert rides in the same two launches, as in the engine's decode step
+                s_gu = QuantMatrix.from_gguf_bytes(random_quantized((2 * n, k), qtype, rng, 0.02), qtype, 2 * n,
+                                                   k).to(dev).with_layout(layout)
+                s_down = QuantMatrix.from_gguf_bytes(random_quantized((k, n), qtype, rng, 0.02), qtype, k,
+                                                     n).to(dev).with_layout(layout)
+                shared = (s_gu, s_down, torch.randn(k, device=dev) * 0.05)
+                gu = qmatmul_reference(x.float(), s_gu.ggml_raw, qtype, 2 * n, k)
+                act = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
+                gate = torch.sigmoid(x.float() @ shared[2])[:, None]
+                ref = (quantized_moe(x, stack, ids, w, impl="torch").float()
+                       + gate * qmatmul_reference(act, s_down.ggml_raw, qtype, k, n))
                 draws = rotating([torch.randperm(EXPERTS, device=dev)[:PAIRS].reshape(1, PAIRS) for _ in range(64)])
-                nbytes = PAIRS * sum(e.nbytes for e in stack) // EXPERTS
+                nbytes = PAIRS * sum(e.nbytes for e in stack) // EXPERTS + s_gu.nbytes + s_down.nbytes
 
             def timed(tiles, down=None, kind=kind, label=label):
                 """Milliseconds per call with these tiles (for ``moe``: the gate/up launch's, and the
@@ -223,8 +235,8 @@ def sweep(args, rng) -> None:
                     fn = lambda: qmatmul(x, mats(), cfg)  # noqa: E731
                     out = qmatmul(x, mats(), cfg)
                 else:
-                    fn = lambda: quantized_moe_triton(x, *stack, draws(), w, cfg, down_cfg)  # noqa: E731
-                    out = quantized_moe_triton(x, *stack, ids, w, cfg, down_cfg)
+                    fn = lambda: quantized_moe_triton(x, *stack, draws(), w, cfg, down_cfg, shared)  # noqa: E731
+                    out = quantized_moe_triton(x, *stack, ids, w, cfg, down_cfg, shared)
                 err = rel_err(out, ref)
                 if not err < 2e-2:
                     raise SystemExit(f"{qtype.name} {label} {tiles} {down}: kernel differs from the reference "
@@ -235,9 +247,9 @@ def sweep(args, rng) -> None:
                 return ms
 
             def current(kind_, n_, k_):
-                """The tiles the table now gives this launch (the defaults where it has none)."""
-                cfg = config_for(kind_, qtype.name, n_, k_, dev, QuantKernelConfig())
-                return {f: getattr(cfg, f) for f in FIELDS}
+                """The tiles the table gave this launch when the sweep began (the defaults where it had none)."""
+                return {f: getattr(QuantKernelConfig(), f) for f in FIELDS} | before.get(
+                    (name, kind_, qtype.name, n_, k_), {})
 
             def fastest(time_of, kind_, n_, k_):
                 """Among the defaults and the table's current tiles: the block grid at 4 warps, then warps
@@ -246,7 +258,7 @@ def sweep(args, rng) -> None:
                 results = [(time_of({}), {}), (time_of(current(kind_, n_, k_)), current(kind_, n_, k_))]
                 for on, grid, variants in ((args.grid != "rows", TILE_GRID, TILE_VARIANTS),
                                            (args.grid != "blocks", ROWS_GRID[kind_],
-                                            ROWS_VARIANTS if kind_ == "gemv" else ROWS_VARIANTS[1:])):
+                                            ROWS_VARIANTS if kind_ == "gemv" else [])):
                     if not on:
                         continue
                     part = [(time_of(t), t) for t in grid]

@@ -153,6 +153,7 @@ def _moe_down_rows_kernel(
     stride_ap, stride_de, stride_dn, stride_ot, stride_xt, stride_sd,
     N_BLOCKS: tl.constexpr, TOP_K: tl.constexpr, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr,
     WARPS: tl.constexpr, UNROLL: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
+    SHARED_UNROLL: tl.constexpr,
 ):
     """Token ``t``, rows ``32 pid_n ..`` of the output: its pairs' ``down[e] act[p]``, one pair per warp
     (``WARPS`` >= ``TOP_K``, a power of two), weighted and added in pair order; with ``HAS_SHARED``,
@@ -181,12 +182,13 @@ def _moe_down_rows_kernel(
         PER: tl.constexpr = (N_BLOCKS + WARPS - 1) // WARPS
         kb0, n_sh = _slices(N_BLOCKS, o_w, PER)
         y = _rows_dot(sd_ptr + rows * stride_sd + 0 * o_w[None, :], act_ptr + (N_ROUTED + t) * stride_ap + 0 * o_w,
-                      kb0, n_sh, PER, N_BLOCKS, QTYPE, SPLIT_AT, UNROLL, WARPS)
+                      kb0, n_sh, PER, N_BLOCKS, QTYPE, SPLIT_AT, SHARED_UNROLL, WARPS)
         acc += gate * tl.sum(y, axis=1)
     tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=o_n < H)
 
 
 _CODE = {Q.Q4_0: 0, Q.Q8_0: 1}
+MAX_UNROLL = 8  # 16 blocks a lane spill registers to local memory (seen in the sm_90 machine code)
 
 
 def rows_fit(qtype: Q, layout: str) -> bool:
@@ -195,9 +197,9 @@ def rows_fit(qtype: Q, layout: str) -> bool:
 
 
 def _check_warps(warps: int, unroll: int, least: int = 1) -> None:
-    for name, v, lo in (("warps", warps, least), ("unroll", unroll, 1)):
-        if v < lo or v & (v - 1) or v > 32:
-            raise ValueError(f"the row kernels' {name} must be a power of two in [{lo}, 32], got {v}")
+    for name, v, lo, hi in (("warps", warps, least, 32), ("unroll", unroll, 1, MAX_UNROLL)):
+        if v < lo or v & (v - 1) or v > hi:
+            raise ValueError(f"the row kernels' {name} must be a power of two in [{lo}, {hi}], got {v}")
 
 
 def rows_splits(n: int, k: int, warps: int, unroll: int, device: torch.device, splits: int = 0) -> int:
@@ -261,7 +263,8 @@ def moe_down_rows(act: torch.Tensor, down: QuantExperts, ids: torch.Tensor, w: t
         act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), x.stride(0),
         s_down.raw.stride(0) if s_down is not None else 0, N_BLOCKS=down.k // 32, TOP_K=top_k,
         QTYPE=_CODE[down.qtype], SPLIT_AT=down.split_at, WARPS=warps, UNROLL=unroll, HAS_SHARED=shared is not None,
-        BLOCK_H=triton.next_power_of_2(down.n), num_warps=warps)
+        BLOCK_H=triton.next_power_of_2(down.n), SHARED_UNROLL=min(unroll, triton.next_power_of_2(
+            triton.cdiv(down.k // 32, warps))), num_warps=warps)
 
 
 def _gemv_moe_check(qe: QuantExperts) -> None:

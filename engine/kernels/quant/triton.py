@@ -73,8 +73,9 @@ class QuantKernelConfig:
                     ("gemv_num_warps", "num_warps"))
         for name in ("gemv_rows_warps", "gemv_rows_unroll"):
             v = getattr(self, name)
-            if v < 0 or v & (v - 1) or v > 32 or (name == "gemv_rows_unroll" and v == 0):
-                raise ValueError(f"{name} must be a power of two up to 32 (gemv_rows_warps may be 0), got {v}")
+            most = rows.MAX_UNROLL if name == "gemv_rows_unroll" else 32
+            if v < 0 or v & (v - 1) or v > most or (name == "gemv_rows_unroll" and v == 0):
+                raise ValueError(f"{name} must be a power of two up to {most} (gemv_rows_warps may be 0), got {v}")
         if not 0 <= self.gemv_max_m <= 16:
             raise ValueError(f"gemv_max_m must be in [0, 16], got {self.gemv_max_m}")
         if self.dequant_min_m < 0:

@@ -32,7 +32,8 @@ sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.ar
 aligned = [i for i, (a, t) in enumerate(sig.items()) if t.startswith("*") or a.startswith("stride")]
 src = ASTSource(fn=fn, signature=sig, constexprs=constexprs,
                 attrs={(i,): [["tt.divisibility", 16]] for i in aligned})  # as the launcher specializes them
-open(cubin, "wb").write(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"])
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+open(cubin, "wb").write(kernel.asm["cubin"])
 print(subprocess.run([cuobjdump, "--dump-sass", cubin], check=True, capture_output=True, text=True).stdout)
 """
 
@@ -68,5 +69,5 @@ def test_expert_row_kernels_compile_with_vector_loads(tmp_path):
     types = {"act_ptr": "*fp32", "d_ptr": "*u8", "ids_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*fp32",
              "x_ptr": "*fp32", "sd_ptr": "*u8", "gi_ptr": "*fp32"}
     consts = {"N_BLOCKS": 16, "TOP_K": 8, "QTYPE": 0, "SPLIT_AT": 256, "WARPS": 8, "UNROLL": 8, "HAS_SHARED": True,
-              "BLOCK_H": 2048}
+              "BLOCK_H": 2048, "SHARED_UNROLL": 2}
     _check(_sass("_moe_down_rows_kernel", types, consts, 8, tmp_path), 8)
