@@ -20,8 +20,10 @@ def machine() -> str:
 
 
 def commit() -> str:
+    """The checkout's commit, with ``-dirty`` where tracked files differ from it (a tree copied to
+    another machine with its .git from an earlier commit reads as that commit, dirty)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -151,7 +151,7 @@ class _ProgressBar:
 
 
 _METRIC_FORMATS = {"loss": "loss {:.3f}", "tf_accept": "accept {:.2f}", "agree": "agree {:.3f}", "lr": "lr {:.2e}",
-                   "tok_per_s": "{:,.0f} tok/s"}
+                   "passes": "target passes {:,.0f}", "tok_per_s": "{:,.0f} tok/s"}
 
 
 def _metrics_text(metrics: dict[str, float]) -> str:

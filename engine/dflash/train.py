@@ -296,6 +296,7 @@ def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pa
             metrics = {"loss": loss_value, "tf_accept": accept_value, "lr": opts.lr_at(step - 1)}
             if distilled is not None:
                 metrics["agree"] = rows.agreement
+                metrics["passes"] = rows.passes  # each sequence's target pass runs when first drawn
             progress(step, opts.steps, metrics)
         if step % opts.ckpt_every == 0:
             save()

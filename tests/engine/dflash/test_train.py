@@ -128,6 +128,8 @@ def test_distilled_training_anchors_in_the_generated_part_and_reports_agreement(
     assert len(anchors) == 6 and anchors[0].shape == (2, 8)
     assert report.distill["agreement"] == 1.0 and report.distill["target_passes"] == 6
     assert metrics[-1]["agree"] == 1.0
+    # each step's batch of 2 draws sequences it had not seen yet in the first epoch (6 sequences)
+    assert [m["passes"] for m in metrics] == [2, 4, 6, 6, 6, 6]
     data = json.loads(out.with_suffix(".acceptance.json").read_text())
     assert data["distill"]["sequences"] == 6 and data["distill"]["new_tokens"] == 20
     assert cache_path(out).is_file()
