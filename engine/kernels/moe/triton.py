@@ -111,6 +111,17 @@ def _gemv_down_kernel(
 
 
 @triton.jit
+def pair_route(ids_ptr, p, N_ROUTED, TOP_K):
+    """Decode pair ``p`` of a launch whose pairs from ``N_ROUTED`` on are the tokens' shared experts:
+    whether it is one, whether it computes (a routed id of -1 does not), its expert (int64, 0 when
+    none) and its token."""
+    shared = p >= N_ROUTED
+    e = tl.load(ids_ptr + tl.minimum(p, N_ROUTED - 1))
+    live = (e >= 0) | shared
+    return shared, live, tl.maximum(e, 0).to(tl.int64), tl.where(shared, p - N_ROUTED, p // TOP_K)
+
+
+@triton.jit
 def pair_block(pairs_ptr, block_expert_ptr, pid_m, n_pairs, BLOCK_M: tl.constexpr):
     """Block ``pid_m`` of the pairs grouped by ``align_by_expert``: its expert (int64, 0 for an
     unused block), whether it is used, its pair indices [BLOCK_M] and which of them are real."""

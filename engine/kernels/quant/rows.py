@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
+from engine.kernels.moe.triton import pair_route
 from engine.kernels.quant.reference import QuantExperts, QuantMatrix
 
 ROWS_PER_PROGRAM = 32  # rows of W per program: one per lane of a warp
@@ -123,11 +124,7 @@ def _moe_gate_up_rows_kernel(
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     HALF: tl.constexpr = WARPS // 2
-    shared = p >= N_ROUTED
-    e = tl.load(ids_ptr + tl.minimum(p, N_ROUTED - 1))
-    live = (e >= 0) | shared
-    e = tl.maximum(e, 0).to(tl.int64)
-    tok = tl.where(shared, p - N_ROUTED, p // TOP_K)
+    shared, live, e, tok = pair_route(ids_ptr, p, N_ROUTED, TOP_K)
     o_n = pid_n * LANES + tl.arange(0, LANES)
     rows = tl.minimum(o_n, FFN - 1).to(tl.int64)[:, None]  # [32, 1]
     o_w = tl.arange(0, WARPS)

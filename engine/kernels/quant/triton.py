@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.kernels.quant import rows
 from engine.kernels.quant.reference import QuantExperts, QuantMatrix
-from engine.kernels.moe.triton import align_by_expert, pair_block
+from engine.kernels.moe.triton import align_by_expert, pair_block, pair_route
 from engine.kernels.quant.tuned import config_for
 from engine.kernels.tiles import check_tiles
 
@@ -478,11 +478,7 @@ def _moe_gate_up_kernel(
     expert, whose gate rows are the first ``FFN`` rows of ``sgu`` and its up rows the next."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
-    shared = p >= N_ROUTED
-    e = tl.load(ids_ptr + tl.minimum(p, N_ROUTED - 1))
-    live = (e >= 0) | shared
-    e = tl.maximum(e, 0).to(tl.int64)
-    tok = tl.where(shared, p - N_ROUTED, p // TOP_K)
+    shared, live, e, tok = pair_route(ids_ptr, p, N_ROUTED, TOP_K)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(o_n, FFN - 1).to(tl.int64)[:, None]
     p_x = x_ptr + tok * stride_xt
