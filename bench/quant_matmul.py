@@ -55,10 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="time decode tiles at the 35B shapes instead")
     ap.add_argument("--write-tuned", type=Path, default=None, help="with --sweep: write the fastest tiles here")
-    ap.add_argument("--grid", choices=("blocks", "rows", "both"), default="both",
+    ap.add_argument("--grid", choices=("blocks", "rows", "both", "none"), default="both",
                     help="with --sweep: the block tiles, the row kernels' warps and unroll "
-                         "(engine.kernels.quant.rows), "
-                         "or both; the table's current tiles for a shape are always among the candidates")
+                         "(engine.kernels.quant.rows), both, or none (the defaults and the table's tiles only); "
+                         "the table's current tiles for a shape are always among the candidates")
     ap.add_argument("--verbose", action="store_true", help="with --sweep: print every candidate's time")
     ap.add_argument("--sweep-shapes", type=lambda s: s.split(","), default=None,
                     help="with --sweep: only these shapes (attn_qkv, attn_out, gdn_in, gdn_out, shared_gate_up, "
@@ -256,8 +256,8 @@ def sweep(args, rng) -> None:
                 and no-split variants of its best; the row kernels' grid, then split and unroll variants
                 of its best (each with ``--grid``): (ms, tiles)."""
                 results = [(time_of({}), {}), (time_of(current(kind_, n_, k_)), current(kind_, n_, k_))]
-                for on, grid, variants in ((args.grid != "rows", TILE_GRID, TILE_VARIANTS),
-                                           (args.grid != "blocks", ROWS_GRID[kind_],
+                for on, grid, variants in ((args.grid in ("blocks", "both"), TILE_GRID, TILE_VARIANTS),
+                                           (args.grid in ("rows", "both"), ROWS_GRID[kind_],
                                             ROWS_VARIANTS if kind_ == "gemv" else [])):
                     if not on:
                         continue
