@@ -174,18 +174,18 @@ def _block_codes(p_row, kb, m_b, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr):
     CODES: tl.constexpr = 16 if QTYPE == 0 else 32
     p_c, _ = _block_ptrs(p_row[:, :, None], kb[None, :, None], CODES, SPLIT_AT)  # [BN, NB, 1]
     _, p_d = _block_ptrs(p_row, kb[None, :], CODES, SPLIT_AT)  # [BN, NB]
-    # integer -> float32 by the exponent trick: a code ORed into the mantissa of 2^23, then 2^23 (and
-    # Q8_0's +128) subtracted, two full-rate ALU operations instead of the conversion unit's quarter rate
+    # the conversion unit's int-to-float (I2F) rather than the exponent trick of the row kernels: here
+    # the trick's extra ALU operations cost 3-7% at the 35B shapes on the H200 (docs/benchmarks.md)
     if QTYPE == 0:  # d, qs[16]: code i is qs[i] & 15, code i + 16 is qs[i] >> 4
         q = _u8(p_c + o_i[None, None, :])  # [BN, NB, 16]
-        lo = ((q & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        hi = ((q >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    else:  # Q8_0: d, qs[32] int8; the byte with its top bit flipped is the code + 128
-        p_q = p_c + o_i[None, None, :]
-        lo = ((_u8(p_q) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-        hi = ((_u8(p_q + 16) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+        lo = q & 15
+        hi = q >> 4
+    else:  # Q8_0: d, qs[32] int8
+        p_q = (p_c + o_i[None, None, :]).to(tl.pointer_type(tl.int8))
+        lo = tl.load(p_q).to(tl.int32)
+        hi = tl.load(p_q + 16).to(tl.int32)
     d = tl.where(m_b[None, :], _f16(p_d), 0.0)
-    return lo, hi, d
+    return lo.to(tl.float32), hi.to(tl.float32), d
 
 
 @triton.jit
