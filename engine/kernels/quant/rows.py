@@ -1,20 +1,24 @@
 """Single-token decode kernels over Q4_0/Q8_0 rows in the split layout, one weight row per lane.
 
-The blockwise kernels of ``engine.kernels.quant.triton`` lay a tile's lanes along K, so every
-lane needs its own slice of x: Triton moves x through shared memory into that layout with
-barriers at every step, and each weight byte costs eight bytes of x read back. Here the 32
-lanes of a warp hold 32 rows of W and the warps of a program split K: lanes of a warp read the
-same x values (one broadcast per load), each lane loads a whole block's codes as one 16-byte
-vector, and ``UNROLL`` blocks per lane are in flight before the first product. The codes become
-float32 by the exponent trick (a code ORed into the mantissa of 2^23, then 2^23 and the code's
-offset subtracted: two full-rate ALU operations, not the conversion unit's quarter rate), with
-Q4_0's -8 and Q8_0's sign applied in the same subtraction. Each lane sums its blocks in float32;
-the warps' sums are added once at the end, and split-K programs add their partial sums in split
-order (the arrival-counter pattern of ``_gemv_kernel``), so results are deterministic.
+The block kernels of ``engine.kernels.quant.triton`` lay a tile's lanes along K, so every lane
+needs its own slice of x, and every code goes through the int-to-float conversion unit. Here the
+32 lanes of a warp hold 32 rows of W and the warps of a program split K: the lanes of a warp read
+the same x values (Triton still stages x through shared memory, as broadcast reads), each lane
+loads a whole block's codes as one 16-byte vector with ``UNROLL`` blocks in flight, and the codes
+become float32 by the exponent trick (a code ORed into the mantissa of 2^23, then 2^23 and the
+code's offset subtracted: two full-rate ALU operations), Q4_0's -8 and Q8_0's sign applied in the
+same subtraction. Each lane sums its blocks in float32; the warps' sums are added once at the end,
+and split-K programs add their partial sums in split order (the arrival-counter pattern of
+``_gemv_kernel``), so results are deterministic.
+
+They are candidates of the tile sweep (``gemv_rows_warps`` > 0 in a table entry), not the
+default: on the H200 at the Qwen3.6-35B-A3B shapes they ran 9-41% slower than the block kernels
+(about 6.6 instructions per weight; docs/benchmarks.md), and the sweep decides per GPU.
 
 - ``gemv_rows``: ``x @ W.T`` for one row of x.
-- ``moe_rows``: the routed experts (and a shared expert riding as one more pair) of one token:
-  gate/up with SiLU, then down summed over the token's pairs with their routing weights.
+- ``moe_gate_up_rows`` and ``moe_down_rows``: the routed experts (and a shared expert riding as
+  one more pair) of few tokens: gate/up with SiLU, then down summed over each token's pairs with
+  their routing weights.
 """
 
 from __future__ import annotations
