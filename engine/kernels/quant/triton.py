@@ -51,7 +51,9 @@ class QuantKernelConfig:
     ``gemv_rows_warps`` > 0 takes the row kernels of ``engine.kernels.quant.rows`` for one token
     over Q4_0/Q8_0 in the split layout (one weight row per lane, that many warps splitting K or, in
     the experts' down launch, one pair each), ``gemv_rows_unroll`` blocks per lane in flight; the
-    block tiles above then do not apply to those launches.
+    block tiles above then do not apply to those launches. The experts' gate/up launch needs at
+    least 2 warps (gate and up halves) and the down launch at least top-k rounded up to a power of
+    two (a pair each); fewer keep the block kernels there.
     """
 
     gemv_max_m: int = 16

@@ -49,6 +49,16 @@ def test_entries_apply_on_their_device_and_shape_only(table):
     assert tuned.config_for("gemv", "Q4_0", 40, 256, CPU, default) is default  # measured elsewhere
 
 
+def test_row_kernel_settings_come_from_the_table_when_an_entry_has_them(table):
+    """An entry may name the row kernels (``gemv_rows_warps``, ``gemv_rows_unroll``); entries
+    written before them keep the block kernels (``gemv_rows_warps`` 0)."""
+    default = triton_quant.QuantKernelConfig()
+    tuned.write_table(table, "cpu", [entry(gemv_rows_warps=4, gemv_rows_unroll=8), entry(n=24)], {})
+    got = tuned.config_for("gemv", "Q4_0", 40, 256, CPU, default)
+    assert (got.gemv_rows_warps, got.gemv_rows_unroll, got.gemv_split_k) == (4, 8, 2)
+    assert tuned.config_for("gemv", "Q4_0", 24, 256, CPU, default).gemv_rows_warps == 0
+
+
 def test_a_broken_table_warns_and_keeps_the_defaults(table):
     table.write_text("{not json")
     default = triton_quant.QuantKernelConfig()
