@@ -253,8 +253,8 @@ def sweep(args, rng) -> None:
 
             def fastest(time_of, kind_, n_, k_):
                 """Among the defaults and the table's current tiles: the block grid at 4 warps, then warps
-                and no-split variants of its best; the row kernels' grid, then split and unroll variants
-                of its best (each with ``--grid``): (ms, tiles)."""
+                and no-split variants of its best; the row kernels' grid, then (GEMV) K-split variants of
+                its best (each as ``--grid`` says): (ms, tiles)."""
                 results = [(time_of({}), {}), (time_of(current(kind_, n_, k_)), current(kind_, n_, k_))]
                 for on, grid, variants in ((args.grid in ("blocks", "both"), TILE_GRID, TILE_VARIANTS),
                                            (args.grid in ("rows", "both"), ROWS_GRID[kind_],
