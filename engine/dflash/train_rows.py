@@ -3,7 +3,8 @@
 Corpus rows are fresh windows every step, each sent through the target once. Distilled rows
 are the target's own greedy continuations (``engine.dflash.distill``): a fixed set, drawn
 epoch by epoch, whose target passes are kept after the first, so once every sequence has
-been seen a step costs only the draft. Anchors of distilled rows lie in the generated part,
+been seen a step costs only the draft. A step's rows share one length and go through the
+target together (``Qwen35MoE.forward_rows``), not one forward per row. Anchors of distilled rows lie in the generated part,
 where each block's labels are what the target itself goes on to generate.
 """
 
@@ -24,13 +25,41 @@ def target_pass(model: Qwen35MoE, ids: torch.Tensor, layer_ids: tuple[int, ...],
                 labels: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Context features [L, n_features * hidden] and labels [L] (the token expected at each position)."""
     out = model.forward(ids, model.new_state(ids.shape[0]), capture_layers=layer_ids, logits="none")
-    features = torch.cat([out.hidden[i] for i in layer_ids], dim=-1)
+    return _features_labels(model, ids, out.final_hidden, out.hidden, layer_ids, labels)
+
+
+PASS_TOKENS = 8192  # tokens per batched target pass (rows of one length, ``target_passes``)
+
+
+@torch.inference_mode()
+def target_passes(model: Qwen35MoE, ids: torch.Tensor, layer_ids: tuple[int, ...],
+                  labels: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``target_pass`` of every row of ``ids`` [R, L], as few target forwards as ``PASS_TOKENS``
+    allows (``Qwen35MoE.forward_rows``): features [R, L, n_features * hidden], labels [R, L]."""
+    per = max(1, PASS_TOKENS // ids.shape[1])
+    features, labels_out = [], []
+    for r in range(0, ids.shape[0], per):
+        part = ids[r:r + per]
+        final, hidden = model.forward_rows(part, capture_layers=layer_ids)
+        f, lab = _features_labels(model, part.reshape(-1), final.reshape(-1, final.shape[-1]),
+                                  {i: t.reshape(-1, t.shape[-1]) for i, t in hidden.items()}, layer_ids, labels,
+                                  rows=part.shape[0])
+        features.append(f.view(*part.shape, -1))
+        labels_out.append(lab.view(part.shape))
+    return torch.cat(features), torch.cat(labels_out)
+
+
+def _features_labels(model: Qwen35MoE, ids: torch.Tensor, final: torch.Tensor, hidden: dict[int, torch.Tensor],
+                     layer_ids: tuple[int, ...], labels: str, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and labels of ``rows`` rows of equal length laid end to end (ids [rows * L])."""
+    features = torch.cat([hidden[i] for i in layer_ids], dim=-1)
     if labels == "corpus":
         return features, ids
-    rows = 1024  # the logits of 1024 positions at a time: [1024, vocab] float32
-    choice = torch.cat([linear(out.final_hidden[r:r + rows], model.weights.output).argmax(-1)
-                        for r in range(0, ids.shape[0], rows)])
-    return features, torch.cat([ids[:1], choice[:-1]])
+    chunk = 1024  # the logits of 1024 positions at a time: [1024, vocab] float32
+    choice = torch.cat([linear(final[r:r + chunk], model.weights.output).argmax(-1)
+                        for r in range(0, ids.shape[0], chunk)]).view(rows, -1)
+    by_row = ids.view(rows, -1)
+    return features, torch.cat([by_row[:, :1], choice[:, :-1]], dim=1).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -51,9 +80,8 @@ class CorpusRows:
 
     def batch(self, step: int) -> Rows:
         ids = self.sampler.batch(step, self.seq_len - 1).to(self.model.device)
-        passes = [target_pass(self.model, row, self.layer_ids, self.labels) for row in ids]
-        # clones leave inference mode, so autograd may save them
-        return Rows(ids, torch.stack([f for f, _ in passes]).clone(), torch.stack([l for _, l in passes]).clone(), 1)
+        features, labels = target_passes(self.model, ids, self.layer_ids, self.labels)
+        return Rows(ids, features.clone(), labels.clone(), 1)  # clones leave inference mode, so autograd may save them
 
 
 class DistilledRows:
@@ -95,15 +123,17 @@ class DistilledRows:
 
     def batch(self, step: int) -> Rows:
         index = self.indices(step)
-        for i in index[~self.done[index]].unique().tolist():
-            ids = self.sequences[i]
-            features, labels = target_pass(self.model, ids, self.layer_ids, self.labels)
+        new = index[~self.done[index]].unique()
+        if new.numel():  # the sequences drawn for the first time, in batched target passes
+            at = new.to(self.model.device)
+            features, labels = target_passes(self.model, self.sequences[at], self.layer_ids, self.labels)
             with torch.no_grad():
-                self.features[i].copy_(features)
-                self.labels_of[i].copy_(labels)
+                self.features[at] = features
+                self.labels_of[at] = labels
             if self.labels == "target":
-                same, total = agreement(labels, ids, self.prompt_len)
-                self.agree, self.compared = self.agree + same, self.compared + total
-            self.done[i] = True
+                for row, ids in zip(labels, self.sequences[at]):
+                    same, total = agreement(row, ids, self.prompt_len)
+                    self.agree, self.compared = self.agree + same, self.compared + total
+            self.done[new] = True
         at = index.to(self.model.device)
         return Rows(self.sequences[at], self.features[at], self.labels_of[at], self.prompt_len)

@@ -122,6 +122,24 @@ def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Ten
     return linear(out * torch.sigmoid(gate), w.o)
 
 
+def attention_rows(w: AttentionWeights, x: torch.Tensor, rows: int, cfg: ModelConfig, rope: Rope) -> torch.Tensor:
+    """``attention_forward`` over ``rows`` sequences of equal length from empty caches, each causal
+    over itself: x [rows * L, hidden] (row-major), ``rope`` the (cos, sin) of every token's position
+    [rows * L, rope_dim // 2] -> [rows * L, hidden]. One attention call over the rows as a batch."""
+    T = x.shape[0]
+    L = T // rows
+    if rows < 1 or L * rows != T:
+        raise ValueError(f"{T} tokens do not split into {rows} rows of equal length")
+    q, k, v, gate = _project(w, x, torch.empty(0), cfg, rope)
+
+    def batch(t: torch.Tensor) -> torch.Tensor:  # [rows * L, heads, D] -> [rows, heads, L, D]
+        return t.reshape(rows, L, *t.shape[1:]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True,
+                                         enable_gqa=cfg.n_head != cfg.n_head_kv)
+    return linear(out.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim) * torch.sigmoid(gate), w.o)
+
+
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """q [T, n_head, D] against keys, values [n_head_kv, K, D] with ``visible`` [T, K] bool -> [T, n_head * D].
 

@@ -268,10 +268,16 @@ def gdn_prologue_reference(qkv: torch.Tensor, conv_state: torch.Tensor, conv_wei
                            cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
     """The delta rule's inputs from the projections: (q, k [T, hv, dk] unit rows, v [T, hv, dv],
     g, beta [T, hv] float32). ``conv_state`` is updated in place."""
-    T = qkv.shape[0]
-    hk, hv, dk, dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
     mixed, new_conv = causal_conv(qkv, conv_state, conv_weight)
     conv_state.copy_(new_conv)
+    return _prologue_after_conv(mixed, b, alpha, a, dt_bias, cfg)
+
+
+def _prologue_after_conv(mixed: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor,
+                         dt_bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """``gdn_prologue_reference`` from the causal conv's output [T, conv_dim] on (token by token)."""
+    T = mixed.shape[0]
+    hk, hv, dk, dv = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
     mixed = F.silu(mixed)
     q, k, v = mixed.split([cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
     # value head p reads key head p // (hv / hk): HF/fla order, undone from GGUF's tiling at load
@@ -301,12 +307,8 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
                 cfg: ModelConfig, delta_rule: DeltaRuleFn, record: GDNRecord | None = None) -> torch.Tensor:
     """x [T, hidden] (already normed) -> [T, hidden]; updates both states in place and, with
     ``record``, copies what rebuilding a shorter prefix's state needs into its buffers."""
-    T = x.shape[0]
     hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
-    if w.in_proj is not None:  # the four input projections in one matrix product, split by columns
-        qkv, z, b, alpha = linear(x, w.in_proj).split([cfg.gdn_conv_dim, cfg.gdn_value_dim, hv, hv], dim=-1)
-    else:
-        qkv, z, b, alpha = linear(x, w.qkv), linear(x, w.z), linear(x, w.beta), linear(x, w.alpha)
+    qkv, z, b, alpha = _gdn_projections(w, x, cfg)
     inputs = None
     if _fused_prologue(qkv, w, cfg):  # one launch; with a record, straight into its buffers
         out = (record.q, record.k, record.v, record.g, record.beta) if record is not None else None
@@ -326,7 +328,44 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
                 buf.copy_(t)
     o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5)
     recurrent_state.copy_(s)
+    return _gdn_output(w, o, z, cfg, x.dtype)
 
-    z = z.view(T, hv, dv)
-    o = rms_norm(o, w.norm, cfg.rms_eps, gate=z, out_dtype=x.dtype)  # gated RMSNorm, float32 inside
+
+def _gdn_projections(w: GDNWeights, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """qkv [T, conv_dim], z [T, value_dim], b and alpha [T, hv] from the normed x [T, hidden]."""
+    hv = cfg.gdn_v_heads
+    if w.in_proj is not None:  # the four input projections in one matrix product, split by columns
+        return linear(x, w.in_proj).split([cfg.gdn_conv_dim, cfg.gdn_value_dim, hv, hv], dim=-1)
+    return linear(x, w.qkv), linear(x, w.z), linear(x, w.beta), linear(x, w.alpha)
+
+
+def _gdn_output(w: GDNWeights, o: torch.Tensor, z: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    """The delta rule's output o [T, hv, dv] through the gated RMSNorm (gate z) and the output projection."""
+    T, hv, dv = o.shape
+    o = rms_norm(o, w.norm, cfg.rms_eps, gate=z.view(T, hv, dv), out_dtype=dtype)  # float32 inside
     return linear(o.reshape(T, hv * dv), w.out)
+
+
+def gdn_rows(w: GDNWeights, x: torch.Tensor, rows: int, cfg: ModelConfig, delta_rule: DeltaRuleFn) -> torch.Tensor:
+    """``gdn_forward`` over ``rows`` sequences of equal length from empty states, each its own
+    recurrence: x [rows * L, hidden] (row-major) -> [rows * L, hidden]. The projections and the
+    token-wise parts run once over every token; the causal conv restarts at each row; the delta
+    rule takes the rows as extra heads (heads never mix), in one call."""
+    T = x.shape[0]
+    L = T // rows
+    if rows < 1 or L * rows != T:
+        raise ValueError(f"{T} tokens do not split into {rows} rows of equal length")
+    hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
+    qkv, z, b, alpha = _gdn_projections(w, x, cfg)
+    C, K = qkv.shape[-1], w.conv.shape[-1]
+    seq = F.pad(qkv.reshape(rows, L, C).transpose(1, 2), (K - 1, 0))  # [rows, C, K-1+L]: empty conv states
+    mixed = F.conv1d(seq, w.conv[:, None, :].to(seq.dtype), groups=C).transpose(1, 2).reshape(T, C)
+    q, k, v, g, beta = _prologue_after_conv(mixed, b, alpha, w.a, w.dt_bias, cfg)
+
+    def as_heads(t: torch.Tensor) -> torch.Tensor:  # [rows * L, hv, ...] -> [L, rows * hv, ...]
+        return t.reshape(rows, L, hv, *t.shape[2:]).transpose(0, 1).reshape(L, rows * hv, *t.shape[2:])
+
+    state = torch.zeros(rows * hv, dk, dv, dtype=torch.float32, device=x.device)
+    o, _ = delta_rule(as_heads(q), as_heads(k), as_heads(v), as_heads(g), as_heads(beta), state, dk ** -0.5)
+    o = o.reshape(L, rows, hv, dv).transpose(0, 1).reshape(T, hv, dv)
+    return _gdn_output(w, o, z, cfg, x.dtype)

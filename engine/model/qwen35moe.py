@@ -13,19 +13,20 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
-from engine.model.attention import attention_forward, rope_cos_sin
+from engine.model.attention import attention_forward, attention_rows, rope_cos_sin
 from engine.model.config import ModelConfig
-from engine.model.gated_deltanet import DeltaRule, DeltaRuleFn, GDNRecord, gdn_forward
+from engine.model.gated_deltanet import DeltaRule, DeltaRuleFn, GDNRecord, gdn_forward, gdn_rows
 from engine.model.moe import ExpertExecutor, RoutingObserver, TorchExpertExecutor, moe_forward
 from engine.model.norm import add_rms_norm
 from engine.model.state import ModelState
-from engine.model.weights import AttentionWeights, ModelWeights, TensorSource, load_weights
+from engine.model.weights import AttentionWeights, GDNWeights, ModelWeights, TensorSource, load_weights
 from engine.model.linear import linear
 
 LOGITS_MODES = ("all", "last", "none")
 
 # (layer index, its attention weights, normed input [T, hidden]) -> mixer output [T, hidden]
 AttendFn = Callable[[int, AttentionWeights, torch.Tensor], torch.Tensor]
+GDNFn = Callable[[int, GDNWeights, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -128,14 +129,39 @@ class Qwen35MoE:
             out = linear(final if logits == "all" else final[-1:], self.weights.output).float()
         return ForwardOutput(logits=out, final_hidden=final, hidden=hidden)
 
-    def run_layers(self, h: torch.Tensor, state: ModelState, attend: AttendFn, *, delta_rule: DeltaRuleFn,
+    @torch.inference_mode()
+    def forward_rows(self, ids: torch.Tensor, *, capture_layers: Iterable[int] = ()
+                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """``forward`` of each row of ``ids`` [R, L] from an empty state, all rows in one pass: the
+        token-wise work (norms, projections, experts) over every token at once, each row's
+        attention causal over itself, its Gated DeltaNet recurrence its own. Returns the final
+        hidden [R, L, hidden] and the residual stream after each layer in ``capture_layers``
+        ([R, L, hidden]); no state is kept (training passes over sequences of one length)."""
+        if ids.dim() != 2 or ids.numel() == 0:
+            raise ValueError(f"ids must be a non-empty [rows, length] tensor, got shape {tuple(ids.shape)}")
+        R, L = ids.shape
+        cfg = self.cfg
+        capture = set(capture_layers)
+        if bad := [i for i in capture if not 0 <= i < cfg.n_layers]:
+            raise ValueError(f"capture_layers {sorted(bad)} outside 0..{cfg.n_layers - 1}")
+        cos, sin = rope_cos_sin(torch.arange(L, device=self.device), cfg.rope_dim, cfg.rope_theta)
+        rope = (cos.repeat(R, 1), sin.repeat(R, 1))
+        h = F.embedding(ids.reshape(-1).to(self.device), self.weights.embed)
+        final, hidden = self.run_layers(
+            h, None, lambda i, w, x: attention_rows(w, x, R, cfg, rope), delta_rule=self.delta_rule,
+            executor=self.executor, observer=self.routing_observer, capture=capture,
+            gdn=lambda i, w, x: gdn_rows(w, x, R, cfg, self.delta_rule))
+        return final.view(R, L, -1), {i: t.view(R, L, -1) for i, t in hidden.items()}
+
+    def run_layers(self, h: torch.Tensor, state: ModelState | None, attend: AttendFn, *, delta_rule: DeltaRuleFn,
                    executor: ExpertExecutor, observer: RoutingObserver | None = None,
-                   capture: Collection[int] = (), record: "dict[int, GDNRecord] | None" = None
-                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                   capture: Collection[int] = (), record: "dict[int, GDNRecord] | None" = None,
+                   gdn: GDNFn | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Every layer over the embedded tokens ``h`` [T, hidden], then the final norm.
 
         ``attend`` runs the attention mixers (it owns their KV caches); the Gated DeltaNet
-        states of ``state`` are updated in place. Returns the final hidden [T, hidden] and the
+        states of ``state`` are updated in place, or ``gdn(i, mixer, x)`` runs those mixers
+        instead (then ``state`` may be None). Returns the final hidden [T, hidden] and the
         residual stream after each layer in ``capture``; ``record`` (GDN layer -> buffers) keeps
         what rebuilding a shorter prefix's GDN states needs. ``state``'s lengths are the caller's.
         """
@@ -148,6 +174,8 @@ class Qwen35MoE:
                 hidden[i - 1] = h
             if isinstance(layer.mixer, AttentionWeights):
                 mixed = attend(i, layer.mixer, x)
+            elif gdn is not None:
+                mixed = gdn(i, layer.mixer, x)
             else:
                 mixed = gdn_forward(layer.mixer, x, state.conv[i], state.recurrent[i], cfg, delta_rule,
                                     record[i] if record else None)

@@ -11,7 +11,7 @@ from engine.dflash.draft import DFlashDraft
 from engine.dflash.rollback import make_rollback
 from engine.dflash.speculative import speculative_generate
 from engine.dflash.train import new_draft_config
-from engine.dflash.train_rows import DistilledRows, target_pass
+from engine.dflash.train_rows import DistilledRows, target_pass, target_passes
 from engine.gguf.reader import GGUFFile
 from engine.model.qwen35moe import Qwen35MoE
 from engine.train.batches import TokenStream
@@ -188,3 +188,22 @@ def test_training_passes_take_the_fused_experts_on_cuda(cuda_target, prompt):
         cuda_target.executor = saved
     assert torch.equal(labels, ref_labels)
     assert float((features - ref_features).abs().max() / ref_features.abs().max()) < 1e-4
+
+
+def test_batched_training_passes_equal_one_forward_per_row_on_cuda(cuda_target):
+    """train-draft's rows go through the target together (fla's chunk kernel with the rows as extra
+    heads, one attention call, the fused experts over every token): float32 features within fla's
+    chunk precision of one forward per row, and the same labels but for near ties."""
+    from engine.dflash.train import pass_executor
+
+    saved, cuda_target.executor = cuda_target.executor, pass_executor(cuda_target)
+    try:
+        ids = torch.randint(0, cuda_target.cfg.vocab, (6, 160), device="cuda", generator=torch.Generator("cuda")
+                            .manual_seed(1))
+        features, labels = target_passes(cuda_target, ids, (1, 3), "target")
+        for r in range(6):
+            ref_features, ref_labels = target_pass(cuda_target, ids[r], (1, 3), "target")
+            assert float((labels[r] == ref_labels).float().mean()) >= 0.99
+            assert float((features[r] - ref_features).abs().max() / ref_features.abs().max()) < 1e-3
+    finally:
+        cuda_target.executor = saved
