@@ -4,8 +4,9 @@ Corpus rows are fresh windows every step, each sent through the target once. Dis
 are the target's own greedy continuations (``engine.dflash.distill``): a fixed set, drawn
 epoch by epoch, whose target passes are kept after the first, so once every sequence has
 been seen a step costs only the draft. A step's rows share one length and go through the
-target together (``Qwen35MoE.forward_rows``), not one forward per row. Anchors of distilled rows lie in the generated part,
-where each block's labels are what the target itself goes on to generate.
+target together (``Qwen35MoE.forward_rows``), not one forward per row. Anchors of distilled
+rows lie in the generated part, where each block's labels are what the target itself goes on
+to generate.
 """
 
 from __future__ import annotations
