@@ -7,9 +7,7 @@
 # 18_vs_llamacpp.sh in the next call.
 source "$(dirname "$0")/env.sh"
 bash "$(dirname "$0")/17_llamacpp_build.sh" > /tmp/llstart.log 2>&1 || true
-(luce make-model --preset qwen3.6-35b-a3b --quant q4_0 -o /tmp/q35.part.gguf > "$OUT/make.log" 2>&1 \
-  && mv /tmp/q35.part.gguf /tmp/q35.gguf) &
-maker=$!
+start_q35
 t0=$(date +%s)
 timeout ${TESTS_S:-200} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p no:cacheprovider \
   tests/engine/kernels/test_decode_attention.py tests/engine/model/test_decode_graph.py \
@@ -22,7 +20,7 @@ timeout ${SWEEP_S:-170} python3 bench/quant_matmul.py --sweep --qtypes Q4_0 --wa
   --write-tuned engine/kernels/quant/tuned.json --json "$OUT/tiles_sweep.json" 2>&1 | tee "$OUT/tiles_sweep.log" \
   | grep -v Warn | tail -12
 cp engine/kernels/quant/tuned.json "$OUT/tuned.json" && cp engine/kernels/quant/tuned.json /tmp/tuned.json || true
-wait $maker || echo "make-model failed"
+[ -z "$maker" ] || wait $maker || echo "make-model failed"
 timeout ${PROFILE_S:-130} python3 bench/profile_decode.py --model /tmp/q35.gguf --weights quantized --experts quantized \
   --steps 8 --rows 30 > "$OUT/profile.log" 2>&1 || echo "profile rc=$?"
 grep -E "experts|static step|decode step" "$OUT/profile.log" | head -6 || true

@@ -4,9 +4,7 @@
 # then `luce-tune generate` streaming from the real-shape file through the captured step with every
 # expert in Q4_0 on the device (allow it 90 s: the load, the slots and the capture).
 source "$(dirname "$0")/env.sh"
-(luce make-model --preset qwen3.6-35b-a3b --quant q4_0 -o /tmp/q35.part.gguf > "$OUT/make.log" 2>&1 \
-  && mv /tmp/q35.part.gguf /tmp/q35.gguf) &
-maker=$!
+start_q35
 t0=$(date +%s)
 timeout ${TESTS_S:-90} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p no:cacheprovider \
   tests/engine/kernels/test_moe_gate.py tests/engine/kernels/test_quant_matmul.py tests/engine/test_hybrid_quantized.py \
@@ -17,7 +15,7 @@ grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 || true
 timeout ${SWEEP_S:-60} python3 bench/quant_matmul.py --sweep --qtypes Q4_0 --sweep-shapes experts --warmup 3 --repeats 20 \
   --write-tuned engine/kernels/quant/tuned.json 2>&1 | tee "$OUT/tiles_sweep.log" | grep -v Warn | tail -3
 cp engine/kernels/quant/tuned.json "$OUT/tuned.json" || true
-wait $maker || echo "make-model failed"
+[ -z "$maker" ] || wait $maker || echo "make-model failed"
 timeout ${PROFILE_S:-80} python3 bench/profile_decode.py --model /tmp/q35.gguf --weights quantized --experts quantized \
   --steps 8 --rows 30 > "$OUT/profile.log" 2>&1 || echo "profile rc=$?"
 grep -E "experts|static step|decode step" "$OUT/profile.log" | head -6 || true

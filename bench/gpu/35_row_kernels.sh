@@ -3,9 +3,7 @@
 # GPU tests, the decode tiles swept with them against the table's current tiles (the fastest per
 # shape written to the table, copied to $OUT), then the captured 35B step profiled with that table.
 source "$(dirname "$0")/env.sh"
-(luce make-model --preset qwen3.6-35b-a3b --quant q4_0 -o /tmp/q35.part.gguf > "$OUT/make.log" 2>&1 \
-  && mv /tmp/q35.part.gguf /tmp/q35.gguf) &
-maker=$!
+start_q35
 t0=$(date +%s)
 timeout ${TESTS_S:-150} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p no:cacheprovider \
   tests/engine/kernels/test_quant_matmul.py -k "${TESTS_K:-row_kernel}" > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
@@ -17,7 +15,7 @@ timeout ${SWEEP_S:-240} python3 bench/quant_matmul.py --sweep --qtypes Q4_0 --gr
   || echo "sweep rc=$?"
 grep -v "^    " "$OUT/tiles_sweep.log" | grep -v Warn | tail -12 || true
 cp engine/kernels/quant/tuned.json "$OUT/tuned.json" || true
-wait $maker || echo "make-model failed"
+[ -z "$maker" ] || wait $maker || echo "make-model failed"
 timeout ${PROFILE_S:-100} python3 bench/profile_decode.py --model /tmp/q35.gguf --weights quantized --experts quantized \
   --steps 8 --rows 30 > "$OUT/profile.log" 2>&1 || echo "profile rc=$?"
 grep -E "experts|static step|decode step" "$OUT/profile.log" | head -6 || true

@@ -25,3 +25,11 @@ capped35_toml() {
     -e 's#^load_timeout_s = .*#load_timeout_s = 200#' -e 's#^niah_cases = .*#niah_cases = 0#' "$@" \
     appliance.toml > "$out"
 }
+# Starts writing the Q4_0 file of the 35B shapes to /tmp/q35.gguf in the background (under a temporary
+# name until it is whole), unless it is there; `wait $maker` before using it.
+start_q35() {
+  if [ -f /tmp/q35.gguf ]; then maker=; return; fi
+  (luce make-model --preset qwen3.6-35b-a3b --quant q4_0 -o /tmp/q35.part.gguf > "$OUT/make.log" 2>&1 \
+    && mv /tmp/q35.part.gguf /tmp/q35.gguf) &
+  maker=$!
+}
