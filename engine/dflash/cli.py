@@ -68,7 +68,8 @@ def train_draft(
     --distill-batch; bf16 on CUDA). They are kept in <out>.distill.pt and reused by a run with
     the same target, corpus and settings. Anchors lie in the generated part, so every block
     learns what the target goes on to generate; each sequence goes through the engine's target
-    once (features and labels are kept on the device: N x (P + G) x features x hidden values),
+    once, a step's new ones in one batched forward (features and labels are kept on the device:
+    N x (P + G) x features x hidden values),
     and the report gives the share of generated tokens the engine's greedy choice agrees with.
     """
     from engine.dflash.train import TrainOptions, new_draft_config, train_draft as run
@@ -89,6 +90,11 @@ def train_draft(
     err.print(f"[dim]{target.name}: {eng.model.cfg.n_layers} layers, hidden {eng.model.cfg.hidden}, on {eng.device}; "
               f"draft {cfg.n_layers} layers reading target layers {list(cfg.target_layer_ids)}, "
               f"block {cfg.block_size}[/dim]")
+    if distill and (epochs := steps * batch / distill) > MANY_EPOCHS:
+        err.print(f"[yellow]{steps} steps of {batch} rows over {distill} distilled sequences is {epochs:.0f} epochs: "
+                  f"drafts that see their sequences this often learn them rather than the target (held-out "
+                  f"acceptance 1.2-1.4 against 6.7 on their own rows, docs/benchmarks.md); more --distill "
+                  f"sequences generalize better[/yellow]")
     with _ProgressBar(err, enabled=progress) as bar:
         report = run(eng.model, eng.tokenizer, cfg, corpus, out, opts, target_name=target.name, target_path=target,
                      resume=not restart, progress=bar.stage("train-draft"), distill_progress=bar.stage("distill"))
@@ -150,6 +156,7 @@ class _ProgressBar:
             self.progress.__exit__(*exc)
 
 
+MANY_EPOCHS = 4  # distilled epochs past which train-draft warns that the draft will learn its rows
 _METRIC_FORMATS = {"loss": "loss {:.3f}", "tf_accept": "accept {:.2f}", "agree": "agree {:.3f}", "lr": "lr {:.2e}",
                    "passes": "target passes {:,.0f}", "tok_per_s": "{:,.0f} tok/s"}
 
