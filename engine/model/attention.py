@@ -127,9 +127,9 @@ def attention_rows(w: AttentionWeights, x: torch.Tensor, rows: int, cfg: ModelCo
     over itself: x [rows * L, hidden] (row-major), ``rope`` the (cos, sin) of every token's position
     [rows * L, rope_dim // 2] -> [rows * L, hidden]. One attention call over the rows as a batch."""
     T = x.shape[0]
-    L = T // rows
-    if rows < 1 or L * rows != T:
+    if rows < 1 or T % rows:
         raise ValueError(f"{T} tokens do not split into {rows} rows of equal length")
+    L = T // rows
     q, k, v, gate = _project(w, x, torch.empty(0), cfg, rope)
 
     def batch(t: torch.Tensor) -> torch.Tensor:  # [rows * L, heads, D] -> [rows, heads, L, D]

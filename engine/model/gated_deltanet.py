@@ -352,9 +352,9 @@ def gdn_rows(w: GDNWeights, x: torch.Tensor, rows: int, cfg: ModelConfig, delta_
     token-wise parts run once over every token; the causal conv restarts at each row; the delta
     rule takes the rows as extra heads (heads never mix), in one call."""
     T = x.shape[0]
-    L = T // rows
-    if rows < 1 or L * rows != T:
+    if rows < 1 or T % rows:
         raise ValueError(f"{T} tokens do not split into {rows} rows of equal length")
+    L = T // rows
     hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
     qkv, z, b, alpha = _gdn_projections(w, x, cfg)
     C, K = qkv.shape[-1], w.conv.shape[-1]

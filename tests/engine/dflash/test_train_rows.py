@@ -94,6 +94,11 @@ def test_batched_passes_split_by_tokens_and_refuse_bad_shapes(target, monkeypatc
     assert torch.equal(split[1], whole[1]) and float((split[0] - whole[0]).abs().max() / whole[0].abs().max()) < 1e-4
     corpus = target_passes(target, ids, LAYERS, "corpus")
     assert torch.equal(corpus[1], ids)
+    from engine.model.gated_deltanet import gdn_rows
+
+    x = torch.zeros(7, target.cfg.hidden)
+    with pytest.raises(ValueError, match="7 tokens do not split into 2 rows"):
+        gdn_rows(target.weights.layers[0].mixer, x, 2, target.cfg, target.delta_rule)
     for bad in (ids[0], ids[:, :0]):
         with pytest.raises(ValueError, match="non-empty \\[rows, length\\]"):
             target.forward_rows(bad)
