@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import check_device
+from engine.kernels.pdl import begin, launch
 
 WHAT = "the Triton decode attention kernel"
 CHUNK: int | None = None  # keys per program; None: ``chunk_for`` the cache's length (a benchmark may fix it)
@@ -45,7 +46,8 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, slots_ptr, m_ptr, l_ptr, acc_ptr
                   T, L, scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_vt,
                   stride_mh, stride_mc, stride_ah, stride_ac,
                   GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_Q: tl.constexpr, EXACT: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_Q: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     kv = tl.program_id(0)
     c = tl.program_id(1)
     qb = tl.program_id(2)
@@ -97,7 +99,8 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, slots_ptr, m_ptr, l_ptr, acc_ptr
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, slots_ptr, out_ptr, T, N_CHUNKS: tl.constexpr,
                     stride_mh, stride_mc, stride_ah, stride_ac, stride_ot,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
+                    BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     kv = tl.program_id(0)
     r = tl.program_id(1)
     o_t = tl.arange(0, BLOCK_T)
@@ -189,9 +192,9 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         visible.stride(0), m.stride(0), m.stride(1), acc.stride(0), acc.stride(1),
         GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_S=BLOCK_S, BLOCK_Q=BLOCK_Q,
-        EXACT=keys.dtype == torch.float32, num_warps=4)
+        EXACT=keys.dtype == torch.float32, num_warps=4, **launch(keys.device))
     out = torch.empty(T, n_head * D, dtype=q.dtype, device=q.device)
     _combine_kernel[(n_kv, T * group)](
         m, l, acc, slots, out, T, n_chunks, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), out.stride(0),
-        GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_C=16, num_warps=4)
+        GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_C=16, num_warps=4, **launch(keys.device))
     return out

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import check_device
+from engine.kernels.pdl import begin, launch
 
 MAX_HEAD_DIM = 128  # a [128, BLOCK_V] float32 slice of the state still fits in registers
 MAX_TOKENS = 16  # the token count is a compile-time constant: one compiled kernel per T
@@ -40,7 +41,9 @@ def _delta_rule_decode_kernel(
     stride_gt, stride_gh, stride_bt, stride_bh,
     stride_sh, stride_sk, stride_sv, stride_ot, stride_oh, stride_zh, stride_zk, stride_zv,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)
     i_h = tl.program_id(0)
     i_v = tl.program_id(1)
     o_k = tl.arange(0, BLOCK_K)
@@ -125,5 +128,5 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
         s_out.stride(0), s_out.stride(1), s_out.stride(2),
-        T=T, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps)
+        T=T, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps, **launch(q.device))
     return o, s_out

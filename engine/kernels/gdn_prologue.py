@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import check_device
+from engine.kernels.pdl import begin, launch
 
 MAX_TOKENS = 16  # the token count is a compile-time constant: one compiled kernel per T
 MAX_HEAD_DIM = 256
@@ -49,7 +50,9 @@ def _gdn_prologue_kernel(
     T: tl.constexpr, K: tl.constexpr, KM1: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr,
     R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    begin(PDL)
     # KM1 = K - 1 (the conv state's width), R = HV // HK (value heads per key head)
     pid = tl.program_id(0)
     if pid == 2 * HK + HV:  # the gates, every value head and token
@@ -152,5 +155,5 @@ def gdn_prologue_triton(qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight
         alpha.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), window.stride(0) if window is not None else 0,
         T=T, K=K, KM1=K - 1, HK=hk, HV=hv, R=hv // hk, DK=dk, DV=dv, BLOCK=triton.next_power_of_2(max(dk, dv)),
-        BLOCK_H=triton.next_power_of_2(hv), HAS_WINDOW=window is not None, num_warps=4)
+        BLOCK_H=triton.next_power_of_2(hv), HAS_WINDOW=window is not None, num_warps=4, **launch(qkv.device))
     return q, k, v, g, beta

@@ -1,16 +1,24 @@
-"""The small steps around a decode token's experts, one Triton launch each: the router's top-k,
-the shared expert's SwiGLU activation, and the sum of the routed and the gated shared output.
+"""The small steps around a decode token's experts, one Triton launch each: the router, the
+shared expert's SwiGLU activation, and the sum of the routed and the gated shared output.
 
 - ``route_topk_triton``: softmax over the experts, the top k, renormalised to sum 1, which is
   the softmax of the k largest logits; ids in descending order of weight, as ``torch.topk``
-  gives them (a tie goes to the lower expert id). Replaces softmax, topk, sum and divide.
+  gives them (a tie goes to the lower expert id), from logits at hand. Replaces softmax, topk,
+  sum and divide.
+- ``route_triton``: the router's logits ``x . router`` in float32 and then that top-k, for up
+  to 16 tokens: replaces x's conversion to float32, the fp32 GEMV and the top-k launch. The
+  logits are spread over ``BLOCK_E``-expert programs per token, which store them in a scratch
+  row; the program that arrives last at the token's counter (the semaphore of the split
+  GEMVs in ``engine.kernels.quant.triton``) takes the top-k over the row and zeroes the
+  counter for the next call. Scratch and counters are one per device, so calls on one
+  device must not run concurrently on several streams.
 - ``swiglu_triton``: ``silu(gate) * up``.
 - ``shared_combine_triton``: ``y + sigmoid(x . gate_inp) * s`` in float32 (the gate's dot
   product included), cast once to the output dtype.
 
-One program per token row (the router, the combine) or per row and column block (SwiGLU);
-everything in float32 inside. The torch definitions are in ``engine.model.moe``. Importing
-this module needs Triton.
+One program per token row (the top-k, the combine), per row and column block (SwiGLU) or per
+row and expert block (the router); everything in float32 inside. The torch definitions are in
+``engine.model.moe``. Importing this module needs Triton.
 """
 
 from __future__ import annotations
@@ -20,17 +28,20 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import check_device
+from engine.kernels.pdl import begin, launch
 
 WHAT = "the Triton MoE gate kernels"
 MAX_EXPERTS = 1024  # one row of router logits in registers
 MAX_HIDDEN = 16384  # one row of the layer input in registers (the shared expert's gate)
+MAX_TOKENS = 16  # rows of the router's scratch and counters (decode and verify blocks)
+TILE = 2048  # router weights per loop step of a ``route_triton`` program: 16 a thread at 4 warps
+PROGRAMS = 256  # ``route_triton`` programs to aim at (up to 16 experts each): two per SM of an H200
 
 
 @triton.jit
-def _route_topk_kernel(l_ptr, ids_ptr, w_ptr, E, stride_l, K: tl.constexpr, BLOCK_E: tl.constexpr):
-    t = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    logits = tl.load(l_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+def _top_k(logits, e, ids_ptr, w_ptr, K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Stores the ids of the K largest ``logits`` [BLOCK_E] float32 (ids ``e``, -inf past E) and their
+    softmax among themselves, in descending order, ties to the lower id."""
     top = tl.max(logits, axis=0)
     o = tl.arange(0, K)
     ids = tl.zeros([K], dtype=tl.int64)
@@ -41,12 +52,51 @@ def _route_topk_kernel(l_ptr, ids_ptr, w_ptr, E, stride_l, K: tl.constexpr, BLOC
         ids = tl.where(o == i, idx.to(tl.int64), ids)
         w = tl.where(o == i, tl.exp(m - top), w)
         logits = tl.where(e == idx, float("-inf"), logits)
-    tl.store(ids_ptr + t * K + o, ids)
-    tl.store(w_ptr + t * K + o, w / tl.sum(w, axis=0))
+    tl.store(ids_ptr + o, ids)
+    tl.store(w_ptr + o, w / tl.sum(w, axis=0))
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr):
+def _route_topk_kernel(l_ptr, ids_ptr, w_ptr, E, stride_l, K: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    logits = tl.load(l_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    _top_k(logits, e, ids_ptr + t * K, w_ptr + t * K, K, BLOCK_E)
+
+
+@triton.jit
+def _route_kernel(x_ptr, r_ptr, l_ptr, count_ptr, ids_ptr, w_ptr, E, H: tl.constexpr, stride_x, stride_r,
+                  stride_l, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALL_E: tl.constexpr,
+    PDL: tl.constexpr):
+    begin(PDL)
+    pid_e = tl.program_id(0)
+    t = tl.program_id(1)
+    o_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    p_r = r_ptr + o_e.to(tl.int64)[:, None] * stride_r  # [BE, 1]
+    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)  # summed over the columns at the end
+    for h0 in range(0, H, BLOCK_H):
+        o_h = h0 + tl.arange(0, BLOCK_H)
+        m_h = o_h < H
+        x = tl.load(x_ptr + t * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
+        r = tl.load(p_r + o_h[None, :], mask=m_e[:, None] & m_h[None, :], other=0.0)
+        acc += r * x[None, :]
+    p_l = l_ptr + t * stride_l
+    tl.store(p_l + o_e, tl.sum(acc, axis=1), mask=m_e)
+    tl.debug_barrier()  # every thread's logits stored, then one release (``_gemv_kernel``'s semaphore)
+    arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:  # the last expert block of this token: the row is complete
+        tl.debug_barrier()  # the acquire above before any thread's loads below
+        e = tl.arange(0, ALL_E)
+        logits = tl.load(p_l + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
+        _top_k(logits, e, ids_ptr + t * K, w_ptr + t * K, K, ALL_E)
+        tl.atomic_xchg(count_ptr + t, 0)  # ready for the next call (a graph replays it)
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < N
@@ -57,7 +107,8 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK: tl.const
 
 @triton.jit
 def _shared_combine_kernel(y_ptr, s_ptr, x_ptr, gi_ptr, out_ptr, N, H, stride_y, stride_s, stride_x,
-                           BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+                           BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)  # the gate's logit x . gate_inp, recomputed by each column block
     x = tl.load(x_ptr + t * stride_x + h, mask=h < H, other=0.0).to(tl.float32)
@@ -76,18 +127,63 @@ def _rows(name: str, x: torch.Tensor) -> None:
                          f"strides {x.stride()}")
 
 
+def _top_k_outputs(T: int, E: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if not 1 <= k <= E or E > MAX_EXPERTS or k & (k - 1):
+        raise ValueError(f"top-k needs 1 <= k <= E <= {MAX_EXPERTS} with k a power of two, got k={k}, E={E}")
+    return (torch.empty(T, k, dtype=torch.int64, device=device),
+            torch.empty(T, k, dtype=torch.float32, device=device))
+
+
+_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _route_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's logits scratch [MAX_TOKENS, MAX_EXPERTS] float32 and zeroed per-token arrival
+    counters of ``route_triton`` (its own: not the split GEMVs'). Made once, outside any graph
+    capture (the first call on a device comes from a warm-up); every launch leaves them zeroed."""
+    if device not in _scratch:
+        with torch.inference_mode(False):
+            _scratch[device] = (torch.empty(MAX_TOKENS, MAX_EXPERTS, dtype=torch.float32, device=device),
+                                torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device))
+    return _scratch[device]
+
+
 def route_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (ids [T, k] int64, weights [T, k] float32 summing to 1)."""
     _rows("logits", logits)
     check_device(logits, WHAT)
     T, E = logits.shape
-    if not 1 <= k <= E or E > MAX_EXPERTS or k & (k - 1):
-        raise ValueError(f"top-k needs 1 <= k <= E <= {MAX_EXPERTS} with k a power of two, got k={k}, E={E}")
-    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    ids, weights = _top_k_outputs(T, E, k, logits.device)
     if T:
         _route_topk_kernel[(T,)](logits, ids, weights, E, logits.stride(0), K=k,
-                                 BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+                                 BLOCK_E=triton.next_power_of_2(E), num_warps=4, **launch(logits.device))
+    return ids, weights
+
+
+def route_triton(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer input x [T, H] (float32, float16 or bfloat16; T <= 16) and the float32 router [E, H]
+    -> ``route_topk_triton(x.float() @ router.T, k)``, in one launch."""
+    _rows("x", x)
+    _rows("router", router)
+    check_device(x, WHAT)
+    T, H = x.shape
+    E = router.shape[0]
+    if router.device != x.device:
+        raise ValueError(f"x is on {x.device} but the router is on {router.device}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or router.dtype != torch.float32:
+        raise ValueError(f"x must be float32, float16 or bfloat16 and the router float32, got {x.dtype} "
+                         f"and {router.dtype}")
+    if router.shape[1] != H or T > MAX_TOKENS:
+        raise ValueError(f"x must be [T, H] with T <= {MAX_TOKENS} and the router [E, H], got {tuple(x.shape)} "
+                         f"and {tuple(router.shape)}")
+    ids, weights = _top_k_outputs(T, E, k, x.device)
+    if T:
+        scratch, counters = _route_scratch(x.device)
+        block_e = min(16, triton.next_power_of_2(triton.cdiv(E * T, PROGRAMS)))
+        _route_kernel[(triton.cdiv(E, block_e), T)](
+            x, router, scratch, counters, ids, weights, E, H, x.stride(0), router.stride(0), scratch.stride(0),
+            K=k, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(H), TILE // block_e),
+            ALL_E=triton.next_power_of_2(E), num_warps=4, **launch(x.device))
     return ids, weights
 
 
@@ -102,7 +198,8 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, N, dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(N))
     if out.numel():
-        _swiglu_kernel[(T, triton.cdiv(N, block))](gate, up, out, N, gate.stride(0), up.stride(0), BLOCK=block)
+        _swiglu_kernel[(T, triton.cdiv(N, block))](gate, up, out, N, gate.stride(0), up.stride(0), BLOCK=block,
+                                                   **launch(gate.device))
     return out
 
 
@@ -123,5 +220,5 @@ def shared_combine_triton(y: torch.Tensor, shared: torch.Tensor, x: torch.Tensor
     if out.numel():
         _shared_combine_kernel[(T, triton.cdiv(N, block))](
             y, shared, x, gate_inp.contiguous(), out, N, H, y.stride(0), shared.stride(0), x.stride(0),
-            BLOCK=block, BLOCK_H=triton.next_power_of_2(H))
+            BLOCK=block, BLOCK_H=triton.next_power_of_2(H), **launch(x.device))
     return out

@@ -13,13 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.pdl import begin, launch
+
 MAX_DIM = 16384  # one row in registers
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, B, D, eps,
                      stride_xa, stride_xb, stride_ga, stride_gb,
-                     HAS_GATE: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_GATE: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     row = tl.program_id(0)
     a = row // B
     b = row % B
@@ -36,7 +39,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, B, D, eps,
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, h_out_ptr, out_ptr, D, eps, stride_h, stride_r,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     row = tl.program_id(0)
     o = tl.arange(0, BLOCK_D)
     m = o < D
@@ -63,7 +67,7 @@ def add_rms_norm_triton(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, 
         h, memory_format=torch.contiguous_format)
     if h.numel():
         _add_rms_norm_kernel[(A,)](h, r, weight.contiguous(), h_out, out, D, float(eps), h.stride(0), r.stride(0),
-                                   BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8)
+                                   BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8, **launch(h.device))
     return h_out, out
 
 
@@ -92,5 +96,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: 
         _rms_norm_kernel[(A * B,)](
             x3, weight.contiguous(), g3, out, B, D, float(eps),
             x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1),
-            HAS_GATE=gate is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8)
+            HAS_GATE=gate is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+            **launch(x.device))
     return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import check_device
+from engine.kernels.pdl import begin, launch
 
 MAX_HEAD_DIM = 1024
 
@@ -23,7 +24,8 @@ MAX_HEAD_DIM = 1024
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, eps,
                       stride_xt, stride_xh, stride_ct, stride_st,
-                      D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                      D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     row = tl.program_id(0)
     t = row // H
     h = row % H
@@ -70,5 +72,6 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
     if out.numel():
         _norm_rope_kernel[(T * H,)](x, weight.contiguous(), cos, sin, out, H, float(eps),
                                     x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-                                    D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+                                    D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+                                    **launch(x.device))
     return out

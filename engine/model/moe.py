@@ -18,8 +18,9 @@ from engine.model.linear import linear
 RoutingObserver = Callable[[int, torch.Tensor], None]
 
 # Calls of up to this many tokens on CUDA take ``engine.kernels.moe_gate``'s one-launch router
-# top-k, SwiGLU and shared-expert sum. FUSED_GATE None: where they apply; True: for every call of
-# up to that many tokens, whatever the device (tests, with TRITON_INTERPRET=1); False: never.
+# (logits and top-k), SwiGLU and shared-expert sum. FUSED_GATE None: where they apply; True: for
+# every call of up to that many tokens, whatever the device (tests, with TRITON_INTERPRET=1);
+# False: never.
 GATE_MAX_TOKENS = 16
 FUSED_GATE: bool | None = None
 GATE = "MoE gate"
@@ -124,12 +125,12 @@ class FusedExpertExecutor:
 
 def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in float32, top-k, weights renormalised to sum 1: (ids [T, k], weights [T, k])."""
-    logits = F.linear(x.float(), router.float())
-    E = logits.shape[-1]
+    E = router.shape[0]
     if _fused_gate(x, router) and top_k & (top_k - 1) == 0 and top_k <= E <= 1024:
-        routed = fused.attempt(GATE, FUSED_GATE, lambda: _gate_kernels().route_topk_triton(logits, top_k))
+        routed = fused.attempt(GATE, FUSED_GATE, lambda: _gate_kernels().route_triton(x, router.float(), top_k))
         if routed is not None:
             return routed
+    logits = F.linear(x.float(), router.float())
     probs = torch.softmax(logits, dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     return ids, weights / weights.sum(-1, keepdim=True)

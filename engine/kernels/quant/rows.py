@@ -84,6 +84,18 @@ def _slices(n_total, part, PER: tl.constexpr):
 
 
 @triton.jit
+def store_shared_gate(p_x, gi_ptr, p_gate, H, BLOCK_H: tl.constexpr):
+    """Store ``sigmoid(x . gate_inp)`` in float32 at ``p_gate``, x the ``H`` values at ``p_x``: a token's
+    shared-expert gate, computed by one program of the experts' gate/up launch so that each of the
+    down launch's programs (64 to 512 per token at the 35B shapes) loads one scalar rather than all of
+    x and gate_inp."""
+    h = tl.arange(0, BLOCK_H)
+    xv = tl.load(p_x + h, mask=h < H, other=0.0).to(tl.float32)
+    gi = tl.load(gi_ptr + h, mask=h < H, other=0.0).to(tl.float32)
+    tl.store(p_gate, tl.sigmoid(tl.sum(xv * gi, axis=0)))
+
+
+@triton.jit
 def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, N, stride_wn, stride_ps,
                       N_BLOCKS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, QTYPE: tl.constexpr,
                       SPLIT_AT: tl.constexpr, WARPS: tl.constexpr, UNROLL: tl.constexpr, SPLITS: tl.constexpr):
@@ -117,14 +129,15 @@ def _gemv_rows_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, N, stride_wn, 
 
 @triton.jit
 def _moe_gate_up_rows_kernel(
-    x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, FFN, N_ROUTED, TOP_K,
+    x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi_ptr, sgate_ptr, FFN, N_ROUTED, TOP_K,
     stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap, stride_sgu,
     N_BLOCKS: tl.constexpr, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr, WARPS: tl.constexpr,
-    UNROLL: tl.constexpr, HAS_SHARED: tl.constexpr,
+    UNROLL: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Pair ``p``, rows ``32 pid_n ..`` of its expert: ``act[p] = silu(gate x) * up x`` (zero for id -1;
-    pairs from ``N_ROUTED`` on are the tokens' shared experts, gate rows first in ``sgu``). Warps
-    ``0 .. WARPS/2`` read gate rows and the rest up rows, each half splitting K, all in one loop."""
+    pairs from ``N_ROUTED`` on are the tokens' shared experts, gate rows first in ``sgu``, their first
+    programs also storing ``sgate[t] = sigmoid(x[t] . gate_inp)``). Warps ``0 .. WARPS/2`` read gate
+    rows and the rest up rows, each half splitting K, all in one loop."""
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     HALF: tl.constexpr = WARPS // 2
@@ -136,6 +149,8 @@ def _moe_gate_up_rows_kernel(
     p_row = tl.where(is_up, u_ptr + e * stride_ue + rows * stride_un, g_ptr + e * stride_ge + rows * stride_gn)
     if HAS_SHARED:
         p_row = tl.where(shared, sgu_ptr + (rows + tl.where(is_up, FFN, 0)) * stride_sgu, p_row)
+        if shared & (pid_n == 0):
+            store_shared_gate(x_ptr + tok * stride_xt, gi_ptr, sgate_ptr + tok, N_BLOCKS * 32, BLOCK_H)
     PER: tl.constexpr = (N_BLOCKS + HALF - 1) // HALF
     kb0, n_blocks = _slices(N_BLOCKS, o_w % HALF, PER)
     act = tl.zeros([LANES], dtype=tl.float32)
@@ -150,16 +165,15 @@ def _moe_gate_up_rows_kernel(
 
 @triton.jit
 def _moe_down_rows_kernel(
-    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, x_ptr, sd_ptr, gi_ptr, H, N_ROUTED,
-    stride_ap, stride_de, stride_dn, stride_ot, stride_xt, stride_sd,
+    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, sd_ptr, sgate_ptr, H, N_ROUTED,
+    stride_ap, stride_de, stride_dn, stride_ot, stride_sd,
     N_BLOCKS: tl.constexpr, TOP_K: tl.constexpr, QTYPE: tl.constexpr, SPLIT_AT: tl.constexpr,
-    WARPS: tl.constexpr, UNROLL: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
-    SHARED_UNROLL: tl.constexpr,
+    WARPS: tl.constexpr, UNROLL: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_UNROLL: tl.constexpr,
 ):
     """Token ``t``, rows ``32 pid_n ..`` of the output: its pairs' ``down[e] act[p]``, one pair per warp
     (``WARPS`` >= ``TOP_K``, a power of two), weighted and added in pair order; with ``HAS_SHARED``,
     then the shared expert's ``sd act[N_ROUTED + t]`` (its blocks shared out among the warps) times
-    ``sigmoid(x[t] . gate_inp)``."""
+    ``sgate[t]``, the gate the gate/up launch stored."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     o_n = pid_n * LANES + tl.arange(0, LANES)
@@ -176,15 +190,11 @@ def _moe_down_rows_kernel(
     wt = tl.where(m_p, tl.load(w_ptr + pair), 0.0).to(tl.float32)
     acc = tl.sum(y * wt[None, :], axis=1)
     if HAS_SHARED:
-        h = tl.arange(0, BLOCK_H)  # the shared gate's logit, recomputed by each program
-        xv = tl.load(x_ptr + t * stride_xt + h, mask=h < H, other=0.0).to(tl.float32)
-        gi = tl.load(gi_ptr + h, mask=h < H, other=0.0).to(tl.float32)
-        gate = tl.sigmoid(tl.sum(xv * gi, axis=0))
         PER: tl.constexpr = (N_BLOCKS + WARPS - 1) // WARPS
         kb0, n_sh = _slices(N_BLOCKS, o_w, PER)
         y = _rows_dot(sd_ptr + rows * stride_sd + 0 * o_w[None, :], act_ptr + (N_ROUTED + t) * stride_ap + 0 * o_w,
                       kb0, n_sh, PER, N_BLOCKS, QTYPE, SPLIT_AT, SHARED_UNROLL, WARPS)
-        acc += gate * tl.sum(y, axis=1)
+        acc += tl.load(sgate_ptr + t) * tl.sum(y, axis=1)
     tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=o_n < H)
 
 
@@ -239,33 +249,37 @@ def gemv_rows(x: torch.Tensor, qm: QuantMatrix, part_of, counters, warps: int = 
 
 
 def moe_gate_up_rows(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, ids: torch.Tensor, act: torch.Tensor,
-                     n_routed: int, top_k: int, sgu=None, warps: int = 8, unroll: int = 4) -> None:
+                     n_routed: int, top_k: int, shared=None, warps: int = 8, unroll: int = 4) -> None:
     """Fill ``act`` [pairs, ffn] with ``silu(gate x) * up x`` per pair (``quantized_moe_triton``'s
-    first launch); ``sgu``: the shared expert's merged gate/up rows, riding as pairs from ``n_routed``."""
+    first launch); ``shared`` (sgu, gate_inp, sgate): the shared expert's merged gate/up rows, riding
+    as pairs from ``n_routed``, and its gate's weights, whose ``sigmoid(x . gate_inp)`` per token is
+    stored into the float32 ``sgate`` [T] for ``moe_down_rows``."""
     _check_warps(warps, unroll, least=2)
     _gemv_moe_check(gate)
+    sgu, gate_inp, sgate = shared if shared is not None else (None, act, act)  # act: unread without one
     _moe_gate_up_rows_kernel[(act.shape[0], triton.cdiv(gate.n, ROWS_PER_PROGRAM))](
-        x, gate.raw, up.raw, ids, act, sgu.raw if sgu is not None else gate.raw, gate.n, n_routed, top_k,
-        x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
-        sgu.raw.stride(0) if sgu is not None else 0, N_BLOCKS=gate.k // 32, QTYPE=_CODE[gate.qtype],
-        SPLIT_AT=gate.split_at, WARPS=warps, UNROLL=unroll, HAS_SHARED=sgu is not None, num_warps=warps)
+        x, gate.raw, up.raw, ids, act, sgu.raw if sgu is not None else gate.raw, gate_inp, sgate, gate.n,
+        n_routed, top_k, x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1),
+        act.stride(0), sgu.raw.stride(0) if sgu is not None else 0, N_BLOCKS=gate.k // 32, QTYPE=_CODE[gate.qtype],
+        SPLIT_AT=gate.split_at, WARPS=warps, UNROLL=unroll, HAS_SHARED=sgu is not None,
+        BLOCK_H=triton.next_power_of_2(gate.k), num_warps=warps)
 
 
 def moe_down_rows(act: torch.Tensor, down: QuantExperts, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                  x: torch.Tensor, n_routed: int, shared=None, warps: int = 8, unroll: int = 4) -> None:
+                  n_routed: int, shared=None, warps: int = 8, unroll: int = 4) -> None:
     """Fill ``out`` [T, h] with each token's weighted sum over its pairs of ``down[e] act[p]``, plus
-    ``sigmoid(x . gate_inp) * s_down act`` with ``shared`` (s_down, gate_inp) (the second launch)."""
+    ``sgate * s_down act`` with ``shared`` (s_down, sgate), sgate the tokens' shared gates stored by
+    the first launch (the second launch)."""
     top_k = ids.shape[1]
     _check_warps(warps, unroll, least=max(1, triton.next_power_of_2(top_k)))
     _gemv_moe_check(down)
-    s_down, gate_inp = shared if shared is not None else (None, w)
+    s_down, sgate = shared if shared is not None else (None, w)  # w: unread without one
     _moe_down_rows_kernel[(out.shape[0], triton.cdiv(down.n, ROWS_PER_PROGRAM))](
-        act, down.raw, ids, w, out, x, s_down.raw if s_down is not None else down.raw, gate_inp, down.n, n_routed,
-        act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), x.stride(0),
+        act, down.raw, ids, w, out, s_down.raw if s_down is not None else down.raw, sgate, down.n, n_routed,
+        act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0),
         s_down.raw.stride(0) if s_down is not None else 0, N_BLOCKS=down.k // 32, TOP_K=top_k,
         QTYPE=_CODE[down.qtype], SPLIT_AT=down.split_at, WARPS=warps, UNROLL=unroll, HAS_SHARED=shared is not None,
-        BLOCK_H=triton.next_power_of_2(down.n), SHARED_UNROLL=min(unroll, triton.next_power_of_2(
-            triton.cdiv(down.k // 32, warps))), num_warps=warps)
+        SHARED_UNROLL=min(unroll, triton.next_power_of_2(triton.cdiv(down.k // 32, warps))), num_warps=warps)
 
 
 def _gemv_moe_check(qe: QuantExperts) -> None:

@@ -30,8 +30,10 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from engine.kernels.quant import rows
+from engine.kernels.quant.rows import store_shared_gate
 from engine.kernels.quant.reference import QuantExperts, QuantMatrix
 from engine.kernels.moe.triton import align_by_expert, pair_block, pair_route
+from engine.kernels.pdl import begin, launch, launch_next, wait_previous
 from engine.kernels.quant.tuned import config_for
 from engine.kernels.tiles import check_tiles
 
@@ -211,12 +213,40 @@ def _block_dots(lo, hi, d, x_lo, x_hi, x_sum, QTYPE: tl.constexpr):
 
 
 @triton.jit
+def _tile_codes(p_row, k0, K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_AT: tl.constexpr):
+    """The K tile of whole blocks from column ``k0``: its block indices [NB] (clamped into the row) and
+    ``_block_codes`` (blocks past K scaled by zero)."""
+    N_BLOCKS: tl.constexpr = K // 32
+    kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # [NB]
+    m_b = kb < N_BLOCKS
+    kb = tl.minimum(kb, N_BLOCKS - 1)
+    lo, hi, d = _block_codes(p_row, kb, m_b, QTYPE, SPLIT_AT)  # [BN, NB, 16] x2, [BN, NB]
+    return kb, lo, hi, d
+
+
+@triton.jit
+def _tile_dots(acc, acc_b, lo, hi, d, kb, x_ptr, M, stride_xm, o_m, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One K tile's products with the rows of x: into ``acc_b`` [BN, NB] per block for one row (summed
+    at the end), else into ``acc`` [BLOCK_M, BN]."""
+    if BLOCK_M == 1:
+        x_lo, x_hi, x_sum = _block_x(x_ptr, kb, M > 0)
+        acc_b += _block_dots(lo, hi, d, x_lo, x_hi, x_sum, QTYPE)
+    else:
+        for m in tl.static_range(BLOCK_M):
+            x_lo, x_hi, x_sum = _block_x(x_ptr + m * stride_xm, kb, m < M)  # [NB, 16] x2, [NB]
+            b_y = tl.sum(_block_dots(lo, hi, d, x_lo, x_hi, x_sum, QTYPE), axis=1)  # [BN]
+            acc += tl.where(o_m[:, None] == m, b_y[None, :], 0.0)
+    return acc, acc_b
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr,
     stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCKWISE: tl.constexpr, SPLITS: tl.constexpr, SPLIT_AT: tl.constexpr,
+    BLOCKWISE: tl.constexpr, SPLITS: tl.constexpr, SPLIT_AT: tl.constexpr, PDL: tl.constexpr,
 ):
+    launch_next(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     o_m = tl.arange(0, BLOCK_M)
@@ -227,24 +257,18 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_s * K_SPLIT
     if BLOCKWISE:  # Q4_0 / Q8_0, BLOCK_K a multiple of 32: whole blocks at a time
-        N_BLOCKS: tl.constexpr = K // 32
         acc_b = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
-        for k0 in range(0, K_SPLIT, BLOCK_K):
-            kb = (k_lo + k0) // 32 + tl.arange(0, BLOCK_K // 32)  # [NB]
-            m_b = kb < N_BLOCKS
-            kb = tl.minimum(kb, N_BLOCKS - 1)
-            lo, hi, d = _block_codes(p_row, kb, m_b, QTYPE, SPLIT_AT)  # [BN, NB, 16] x2, [BN, NB]
-            if BLOCK_M == 1:  # decode: the sum over blocks waits for the end of the loop
-                x_lo, x_hi, x_sum = _block_x(x_ptr, kb, M > 0)
-                acc_b += _block_dots(lo, hi, d, x_lo, x_hi, x_sum, QTYPE)
-            else:
-                for m in tl.static_range(BLOCK_M):
-                    x_lo, x_hi, x_sum = _block_x(x_ptr + m * stride_xm, kb, m < M)  # [NB, 16] x2, [NB]
-                    b_y = tl.sum(_block_dots(lo, hi, d, x_lo, x_hi, x_sum, QTYPE), axis=1)  # [BN]
-                    acc += tl.where(o_m[:, None] == m, b_y[None, :], 0.0)
-        if BLOCK_M == 1:
+        # the first K tile's weights are loaded while the kernel before may still run (``engine.kernels.pdl``)
+        kb, lo, hi, d = _tile_codes(p_row, k_lo, K, QTYPE, BLOCK_K, SPLIT_AT)
+        wait_previous(PDL)
+        acc, acc_b = _tile_dots(acc, acc_b, lo, hi, d, kb, x_ptr, M, stride_xm, o_m, QTYPE, BLOCK_M)
+        for k0 in range(BLOCK_K, K_SPLIT, BLOCK_K):
+            kb, lo, hi, d = _tile_codes(p_row, k_lo + k0, K, QTYPE, BLOCK_K, SPLIT_AT)
+            acc, acc_b = _tile_dots(acc, acc_b, lo, hi, d, kb, x_ptr, M, stride_xm, o_m, QTYPE, BLOCK_M)
+        if BLOCK_M == 1:  # decode: the sum over blocks waited for the end of the loop
             acc += tl.sum(acc_b, axis=1)[None, :]
     else:
+        wait_previous(PDL)
         for k0 in range(0, K_SPLIT, BLOCK_K):  # the last slice may end past K: masked
             o_k = k_lo + k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < K
@@ -410,7 +434,8 @@ def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
         x, qm.raw, out, part, counters, M, qm.n, qm.k, k_split,
         x.stride(0), qm.raw.stride(0), out.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0,
         QTYPE=_CODE[qm.qtype], BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
-        BLOCKWISE=_blockwise(qm.qtype, bk), SPLITS=splits, SPLIT_AT=qm.split_at, num_warps=config.gemv_num_warps)
+        BLOCKWISE=_blockwise(qm.qtype, bk), SPLITS=splits, SPLIT_AT=qm.split_at, num_warps=config.gemv_num_warps,
+        **launch(x.device))
     return out
 
 
@@ -471,15 +496,18 @@ def qmatmul_experts(x: torch.Tensor, qe: QuantExperts, ids: torch.Tensor,
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, FFN, N_ROUTED, K: tl.constexpr, TOP_K: tl.constexpr,
-    stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap, stride_sgu,
+    x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi_ptr, sgate_ptr, FFN, N_ROUTED, K: tl.constexpr,
+    TOP_K: tl.constexpr, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap, stride_sgu,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
-    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr,
+    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Pair ``p``, rows ``BLOCK_N`` of its expert's gate and up: ``act[p] = silu(gate x) * up x``
     in float32, stored in act's dtype (zero for id -1). Pairs below ``N_ROUTED`` are routed
     (token ``p // TOP_K``); with ``HAS_SHARED``, pair ``N_ROUTED + t`` is token t's shared
-    expert, whose gate rows are the first ``FFN`` rows of ``sgu`` and its up rows the next."""
+    expert, whose gate rows are the first ``FFN`` rows of ``sgu`` and its up rows the next, and
+    its first row block also stores ``sgate[t] = sigmoid(x[t] . gate_inp)`` for the down launch."""
+    begin(PDL)
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     shared, live, e, tok = pair_route(ids_ptr, p, N_ROUTED, TOP_K)
@@ -491,6 +519,8 @@ def _moe_gate_up_kernel(
     if HAS_SHARED:
         p_g = tl.where(shared, sgu_ptr + rows * stride_sgu, p_g)
         p_u = tl.where(shared, sgu_ptr + (rows + FFN) * stride_sgu, p_u)
+        if shared & (pid_n == 0):
+            store_shared_gate(p_x, gi_ptr, sgate_ptr + tok, K, BLOCK_H)
     g = _pair_dot(p_g, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
     u = _pair_dot(p_u, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
     act = g / (1.0 + tl.exp(-g)) * u
@@ -499,15 +529,18 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, x_ptr, sd_ptr, gi_ptr, H, N_ROUTED, FFN: tl.constexpr,
-    TOP_K: tl.constexpr, stride_ap, stride_de, stride_dn, stride_ot, stride_xt, stride_sd,
+    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, sd_ptr, sgate_ptr, H, N_ROUTED, FFN: tl.constexpr,
+    TOP_K: tl.constexpr, stride_ap, stride_de, stride_dn, stride_ot, stride_sd,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
-    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
+    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Token ``t``, rows ``BLOCK_N`` of the output: the routing-weighted sum over its ``TOP_K``
     pairs of ``down[e] act[p]``, added in pair order in float32 (no partial sums leave the
     program); with ``HAS_SHARED``, then its shared expert's ``sd act[N_ROUTED + t]`` times
-    ``sigmoid(x[t] . gate_inp)``."""
+    ``sgate[t]``, the gate ``sigmoid(x[t] . gate_inp)`` the gate/up launch stored once per token
+    (computed here, every row block would read all of x[t] and gate_inp: more than its weights)."""
+    begin(PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -522,13 +555,9 @@ def _moe_down_kernel(
                       QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
         acc += tl.load(w_ptr + p).to(tl.float32) * y
     if HAS_SHARED:
-        h = tl.arange(0, BLOCK_H)  # the shared gate's logit, recomputed by each row block
-        xv = tl.load(x_ptr + t * stride_xt + h, mask=h < H, other=0.0).to(tl.float32)
-        gi = tl.load(gi_ptr + h, mask=h < H, other=0.0).to(tl.float32)
-        gate = tl.sigmoid(tl.sum(xv * gi, axis=0))
         y = _pair_dot(sd_ptr + rows * stride_sd, act_ptr + (N_ROUTED + t) * stride_ap, FFN, t >= 0, H, o_n,
                       QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
-        acc += gate * y
+        acc += tl.load(sgate_ptr + t) * y
     tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=o_n < H)
 
 
@@ -684,25 +713,30 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     sd_raw = s_down.raw if s_down is not None else down.raw
     sgu_stride = s_gu.raw.stride(0) if s_gu is not None else 0
     sd_stride = s_down.raw.stride(0) if s_down is not None else 0
+    # each token's shared gate, sigmoid(x . gate_inp): stored by the gate/up launch, read by the down
+    # launch that follows it on the stream
+    sgate = torch.empty(T, dtype=torch.float32, device=x.device) if shared is not None else w
     bn, bk = c_up.gemv_block_n, c_up.gemv_block_k
     if c_up.gemv_rows_warps >= 2 and rows.rows_fit(gate.qtype, gate.layout):
-        rows.moe_gate_up_rows(x, gate, up, ids, act, n_routed, top_k, s_gu, c_up.gemv_rows_warps,
+        rows.moe_gate_up_rows(x, gate, up, ids, act, n_routed, top_k,
+                              (s_gu, gate_inp, sgate) if shared is not None else None, c_up.gemv_rows_warps,
                               c_up.gemv_rows_unroll)
     else:
         _moe_gate_up_kernel[(n_pairs, triton.cdiv(gate.n, bn))](
-            x, gate.raw, up.raw, ids, act, sgu_raw, gate.n, n_routed, gate.k, top_k,
+            x, gate.raw, up.raw, ids, act, sgu_raw, gate_inp, sgate, gate.n, n_routed, gate.k, top_k,
             x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
             sgu_stride, QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
-            SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, num_warps=c_up.gemv_num_warps)
+            SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, BLOCK_H=triton.next_power_of_2(gate.k),
+            num_warps=c_up.gemv_num_warps, **launch(x.device))
     bn, bk = c_down.gemv_block_n, c_down.gemv_block_k
     if c_down.gemv_rows_warps >= triton.next_power_of_2(top_k) and rows.rows_fit(down.qtype, down.layout):
-        rows.moe_down_rows(act, down, ids, w, out, x, n_routed, (s_down, gate_inp) if shared is not None else None,
+        rows.moe_down_rows(act, down, ids, w, out, n_routed, (s_down, sgate) if shared is not None else None,
                            c_down.gemv_rows_warps, c_down.gemv_rows_unroll)
         return out
     _moe_down_kernel[(T, triton.cdiv(down.n, bn))](
-        act, down.raw, ids, w, out, x, sd_raw, gate_inp, down.n, n_routed, down.k, top_k,
-        act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), x.stride(0), sd_stride,
+        act, down.raw, ids, w, out, sd_raw, sgate, down.n, n_routed, down.k, top_k,
+        act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), sd_stride,
         QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
-        SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, BLOCK_H=triton.next_power_of_2(down.n),
-        num_warps=c_down.gemv_num_warps)
+        SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, num_warps=c_down.gemv_num_warps,
+        **launch(x.device))
     return out

@@ -1,6 +1,7 @@
-"""The one-launch router top-k, SwiGLU and shared-expert sum against the torch definitions: odd
-expert counts and widths, ties, strided rows, bf16; then a model's logits with the fused path
-against the reference path. On the CPU through the Triton interpreter, on CUDA compiled."""
+"""The one-launch router (top-k alone, and logits with top-k), SwiGLU and shared-expert sum against
+the torch definitions: odd expert counts and widths, ties, strided rows, bf16; then a model's
+logits with the fused path against the reference path. On the CPU through the Triton
+interpreter, on CUDA compiled."""
 
 import os
 
@@ -49,6 +50,69 @@ def test_route_refuses_what_it_cannot_hold():
         kernels.route_topk_triton(torch.randn(2, 4, device=DEVICE), 8)
 
 
+def reference_logits_route(x, router, k):
+    return reference_route(F.linear(x.float(), router), k)
+
+
+@pytest.mark.parametrize("T, E, H, k", [(1, 60, 200, 2), (3, 60, 200, 8), (16, 60, 37, 1), (1, 256, 200, 8),
+                                        (3, 256, 2048, 8), (16, 256, 200, 8), (2, 8, 5, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_from_x_matches_the_reference_twice(T, E, H, k, dtype):
+    g = torch.Generator().manual_seed(T * E + H + k)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    router = torch.randn(E, H, generator=g).to(DEVICE) * H ** -0.5 * 4
+    ref_ids, ref_w = reference_logits_route(x, router, k)
+    ids, w = kernels.route_triton(x, router, k)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (T, k)
+    torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    again = kernels.route_triton(x, router, k)  # the counters were left at zero
+    assert torch.equal(again[0], ids) and torch.equal(again[1], w)
+
+
+def test_route_from_x_reads_strided_rows_and_breaks_ties_to_the_lower_id():
+    x = (torch.rand(3, 60) + 0.1).to(DEVICE)[:, :24]  # rows strided by 60
+    router = torch.zeros(10, 24, device=DEVICE)
+    router[[2, 5, 9]] = 1.0  # a three-way tie at the top: the sum of x, positive
+    ids, w = kernels.route_triton(x, router, 2)
+    assert ids.tolist() == [[2, 5]] * 3
+    torch.testing.assert_close(w, torch.full((3, 2), 0.5, device=DEVICE))
+
+
+def test_route_from_x_refuses_what_it_cannot_hold():
+    x, router = torch.randn(2, 16, device=DEVICE), torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.route_triton(x, router, 3)
+    with pytest.raises(ValueError, match="k <= E"):
+        kernels.route_triton(x, router[:4], 8)
+    with pytest.raises(ValueError, match="k <= E <= 1024"):
+        kernels.route_triton(x, torch.randn(1025, 16, device=DEVICE), 8)
+    with pytest.raises(ValueError, match="T <= 16"):
+        kernels.route_triton(torch.randn(17, 16, device=DEVICE), router, 2)
+    with pytest.raises(ValueError, match=r"router \[E, H\]"):
+        kernels.route_triton(x, router[:, :15], 2)
+    with pytest.raises(ValueError, match="router float32"):
+        kernels.route_triton(x, router.half(), 2)
+    with pytest.raises(ValueError, match="x must be float32"):
+        kernels.route_triton(x.double(), router, 2)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        kernels.route_triton(x.T, router, 2)
+
+
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_route_through_the_model_path_takes_the_same_experts(monkeypatch, T):
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 200, generator=g).to(DEVICE, torch.bfloat16)
+    router = torch.randn(60, 200, generator=g).to(DEVICE) * 0.3
+    routes = []
+    for flag in (False, True):
+        monkeypatch.setattr(moe, "FUSED_GATE", flag)
+        routes.append(moe.route(router, x, 4))
+    (ref_ids, ref_w), (ids, w) = routes
+    torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("T, N", [(1, 7), (4, 512), (3, 1500)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_and_shared_combine(T, N, dtype):
@@ -87,3 +151,25 @@ def test_real_shapes_on_cuda():
     gate, up = (torch.randn(16, 512, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     torch.testing.assert_close(kernels.swiglu_triton(gate, up).float(), F.silu(gate.float()) * up.float(),
                                rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [1, 16])
+def test_route_from_x_at_real_shapes_replays_in_a_cuda_graph(T):
+    """256 experts, top 8, hidden 2048, bf16 x: eager, then captured and replayed on new x."""
+    router = torch.randn(256, 2048, device=DEVICE) * 0.02
+    x = torch.randn(T, 2048, device=DEVICE, dtype=torch.bfloat16)
+    ids, w = kernels.route_triton(x, router, 8)  # also the warm-up: compiles, makes the scratch
+    ref_ids, ref_w = reference_logits_route(x, router, 8)
+    torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, w = kernels.route_triton(x, router, 8)
+    for _ in range(3):
+        x.copy_(torch.randn(T, 2048, device=DEVICE, dtype=torch.bfloat16))
+        graph.replay()
+        ref_ids, ref_w = reference_logits_route(x, router, 8)
+        torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+        torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)

@@ -346,6 +346,29 @@ def test_split_layout_gives_the_same_products(qtype, M, N):
         assert rel_err(sp.matmul(x, impl="torch"), ref) < 1e-6
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("layout", ["ggml", "split"])
+@pytest.mark.parametrize("k", [4096, 2080])
+def test_whole_k_tiles_match_the_reference(qtype, layout, k):
+    """K tiles of 2048 and 4096 (the sweep's largest): one tile of the whole of K, two tiles, a tile
+    mostly past K (2080 is 65 blocks: 63 masked in a 4096 tile, and in the second 2048 tile), one
+    row of x and three, K split in two where it spans two tiles; and the experts' launches with such
+    tiles over a hidden of 2080."""
+    qm = make(qtype, 5, k, seed=k, maker="bytes").with_layout(layout)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k))
+    ref = qmatmul_reference(x, qm.ggml_raw, qtype, 5, k)
+    for bk in (2048, 4096):
+        for config in (tq.QuantKernelConfig(gemv_block_n=4, gemv_block_k=bk),
+                       tq.QuantKernelConfig(gemv_block_n=4, gemv_block_k=bk, gemv_split_k=2)):
+            for M in (1, 3):
+                assert rel_err(tq.qmatmul(x[:M], qm, config), ref[:M]) < 1e-5, (bk, M, config)
+    if k == 2080:
+        stack, shared, x, ids, w, ref = _moe_with_shared_case(qtype, layout, 2, 4, 2, k, 64, seed=3)
+        for bk in (2048, 4096):
+            config = tq.QuantKernelConfig(gemv_block_n=16, gemv_block_k=bk)
+            assert rel_err(tq.quantized_moe_triton(x, *stack, ids, w, config, shared=shared), ref) < 1e-5, bk
+
+
 def test_split_layout_refuses_other_types():
     qm = make(Q.Q4_K, 3, 256, seed=0)
     with pytest.raises(ValueError, match="split layout holds Q4_0, Q8_0, not Q4_K"):
@@ -396,9 +419,10 @@ def test_cuda_quantized_moe_real_shapes(qtype, layout, T):
     assert rel_err(quantized_moe(x, stack, ids, w, impl="triton"), ref) < 1e-4
 
 
-def _moe_with_shared_case(qtype, layout, T, E, k, hidden, ffn, seed, device="cpu"):
+def _moe_with_shared_case(qtype, layout, T, E, k, hidden, ffn, seed, device="cpu", logits=None):
     """Routed experts, a shared expert of one routed expert's shape (gate and up merged), the
-    routing and the float32 reference ``routed + sigmoid(x . gate_inp) * shared``."""
+    routing and the float32 reference ``routed + sigmoid(x . gate_inp) * shared``; with ``logits``
+    [T], gate_inp is the one of least norm that gives token t the gate logit ``logits[t]``."""
     from engine.hybrid import quantized_moe
 
     rng = np.random.default_rng(seed)
@@ -411,6 +435,8 @@ def _moe_with_shared_case(qtype, layout, T, E, k, hidden, ffn, seed, device="cpu
     g = torch.Generator().manual_seed(seed)
     gate_inp = (torch.randn(hidden, generator=g) * 0.1).to(device)
     x = torch.randn(T, hidden, generator=g).to(device)
+    if logits is not None:
+        gate_inp = x.T @ torch.linalg.solve(x @ x.T, logits.to(device))
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device)
     ids[0, 1] = -1
     w = torch.softmax(torch.randn(T, k, generator=g), -1).to(device)
@@ -441,6 +467,28 @@ def test_shared_expert_rides_in_the_routed_launches(qtype, layout, T):
         tq.quantized_moe_triton(x, *stack, ids, w, config, shared=(s_gu, s_down, gate_inp[:-1]))
     with pytest.raises(ValueError, match="decode launches only"):
         tq.quantized_moe_triton(x, *stack, ids, w, tq.QuantKernelConfig(gemv_max_m=0), shared=shared)
+
+
+@pytest.mark.parametrize("layout", ["ggml", "split"])
+def test_shared_gate_is_computed_once_per_token_for_its_own_token(layout):
+    """The gate/up launch stores each token's ``sigmoid(x . gate_inp)`` once and the down launch reads
+    it: three tokens with gates far from 0.5 and from each other (0.98, 0.0025, 0.82), so that another
+    token's gate (or a gate of 0.5) would show, through the block kernels and, in the split layout, the
+    row kernels and both mixes of the two launches (the gate stored by one kind, read by the other)."""
+    logits = torch.tensor([4.0, -6.0, 1.5])
+    stack, shared, x, ids, w, ref = _moe_with_shared_case(Q.Q4_0, layout, 3, 5, 3, 96, 64, seed=11, logits=logits)
+    assert torch.allclose(x @ shared[2], logits, atol=1e-4)
+    *_, swapped = _moe_with_shared_case(Q.Q4_0, layout, 3, 5, 3, 96, 64, seed=11, logits=logits.roll(1))
+    assert all(rel_err(swapped[t], ref[t]) > 1e-2 for t in range(3))  # the gates matter at this tolerance
+    blocks = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=64)
+    launches = [(blocks, blocks)]
+    if layout == "split":
+        up, down = tq.QuantKernelConfig(gemv_rows_warps=2), tq.QuantKernelConfig(gemv_rows_warps=4)
+        launches += [(up, down), (up, blocks), (blocks, down)]
+    for up, down in launches:
+        out = tq.quantized_moe_triton(x, *stack, ids, w, up, down, shared=shared)
+        for t in range(3):
+            assert rel_err(out[t], ref[t]) < 1e-5, (t, up, down)
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
-"""The row kernels compiled for Hopper on any machine: Triton's own compiler and ptxas (shipped in
+"""Decode kernels compiled for Hopper on any machine: Triton's own compiler and ptxas (shipped in
 its wheel) build them for sm_90 without a GPU, so a kernel that the interpreter runs but the
 compiler rejects (a non-constexpr global, an unsupported construct) fails here, in CI, and the
 machine code is checked for what the design relies on: each block's 16 code bytes loaded as one
-16-byte vector, no register spills to local memory, no int-to-float conversion unit per code."""
+16-byte vector, no register spills to local memory, no int-to-float conversion unit per code, and
+with programmatic dependent launch, the GEMV's first weight tile loaded before its wait."""
 
 import json
 import os
@@ -26,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import importlib
-module, name, types, constexprs, warps, cubin, cuobjdump = json.loads(sys.argv[1])
+module, name, types, constexprs, warps, cubin, cuobjdump, ptx = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
 aligned = [i for i, (a, t) in enumerate(sig.items()) if t.startswith("*") or a.startswith("stride")]
@@ -34,14 +35,17 @@ src = ASTSource(fn=fn, signature=sig, constexprs=constexprs,
                 attrs={(i,): [["tt.divisibility", 16]] for i in aligned})  # as the launcher specializes them
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 open(cubin, "wb").write(kernel.asm["cubin"])
+if ptx:
+    print(kernel.asm["ptx"])
 print(subprocess.run([cuobjdump, "--dump-sass", cubin], check=True, capture_output=True, text=True).stdout)
 """
 
 
 def _sass(name: str, types: dict[str, str], constexprs: dict[str, int], warps: int, tmp_path: Path,
-          module: str = "engine.kernels.quant.rows") -> str:
+          module: str = "engine.kernels.quant.rows", ptx: bool = False) -> str:
+    """The kernel's machine code (after its PTX with ``ptx``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    arg = json.dumps([module, name, types, constexprs, warps, str(tmp_path / "k.cubin"), str(CUOBJDUMP)])
+    arg = json.dumps([module, name, types, constexprs, warps, str(tmp_path / "k.cubin"), str(CUOBJDUMP), ptx])
     done = subprocess.run([sys.executable, "-c", _COMPILE, arg], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -64,13 +68,14 @@ def test_gemv_row_kernel_compiles_with_vector_loads(qtype, tmp_path):
 
 def test_expert_row_kernels_compile_with_vector_loads(tmp_path):
     types = {"x_ptr": "*fp32", "g_ptr": "*u8", "u_ptr": "*u8", "ids_ptr": "*i64", "act_ptr": "*fp32",
-             "sgu_ptr": "*u8"}
-    consts = {"N_BLOCKS": 64, "QTYPE": 0, "SPLIT_AT": 1024, "WARPS": 8, "UNROLL": 4, "HAS_SHARED": True}
+             "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32"}
+    consts = {"N_BLOCKS": 64, "QTYPE": 0, "SPLIT_AT": 1024, "WARPS": 8, "UNROLL": 4, "HAS_SHARED": True,
+              "BLOCK_H": 2048}
     _check(_sass("_moe_gate_up_rows_kernel", types, consts, 8, tmp_path), 4)
     types = {"act_ptr": "*fp32", "d_ptr": "*u8", "ids_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*fp32",
-             "x_ptr": "*fp32", "sd_ptr": "*u8", "gi_ptr": "*fp32"}
+             "sd_ptr": "*u8", "sgate_ptr": "*fp32"}
     consts = {"N_BLOCKS": 16, "TOP_K": 8, "QTYPE": 0, "SPLIT_AT": 256, "WARPS": 8, "UNROLL": 8, "HAS_SHARED": True,
-              "BLOCK_H": 2048, "SHARED_UNROLL": 2}
+              "SHARED_UNROLL": 2}
     _check(_sass("_moe_down_rows_kernel", types, consts, 8, tmp_path), 8)
 
 
@@ -78,8 +83,29 @@ def test_block_expert_kernel_compiles(tmp_path):
     """The block kernels' gate/up launch at the H200 table's tiles (the decode default there) builds for
     sm_90 too: 4 rows x 16 blocks over 128 threads load 8 code bytes a thread, without spills."""
     types = {"x_ptr": "*fp32", "g_ptr": "*u8", "u_ptr": "*u8", "ids_ptr": "*i64", "act_ptr": "*fp32",
-             "sgu_ptr": "*u8"}
+             "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32"}
     consts = {"K": 2048, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 4, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 1024,
-              "HAS_SHARED": True}
+              "HAS_SHARED": True, "BLOCK_H": 2048}
     sass = _sass("_moe_gate_up_kernel", types, consts, 4, tmp_path, module="engine.kernels.quant.triton")
     assert "LDG.E.64" in sass and "LDL" not in sass and "STL" not in sass
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+def test_gemv_loads_its_first_weight_tile_before_waiting_on_the_kernel_before(pdl, tmp_path):
+    """With programmatic dependent launch (``engine.kernels.pdl``) the GEMV lets the next kernel launch
+    (PREEXIT), loads its first tile of code bytes and scales, and only then waits for the kernel before
+    it (ACQBULK); x, written by that kernel and loaded under a mask, is read after the wait. Without it,
+    neither instruction."""
+    types = {"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    consts = {"K": 2048, "K_SPLIT": 2048, "QTYPE": 0, "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 1024,
+              "BLOCKWISE": True, "SPLITS": 1, "SPLIT_AT": 1024, "PDL": pdl}
+    sass = _sass("_gemv_kernel", types, consts, 4, tmp_path, module="engine.kernels.quant.triton").split("\n")
+    at = {op: [i for i, line in enumerate(sass) if re.search(rf"\b{op}\b", line)] for op in ("PREEXIT", "ACQBULK")}
+    if not pdl:
+        assert at == {"PREEXIT": [], "ACQBULK": []}
+        return
+    (launch,), (wait,) = at["PREEXIT"], at["ACQBULK"]
+    codes = [i for i, line in enumerate(sass) if re.search(r"\s LDG\.E\.128\b", line)]
+    masked = [i for i, line in enumerate(sass) if re.search(r"@!?P\d+ +LDG\b", line)]
+    assert launch < wait and sum(i < wait for i in codes) >= 2, sorted(set(at))
+    assert masked and min(masked) > wait

@@ -1,0 +1,70 @@
+"""Programmatic dependent launch (Hopper and later) for the decode step's Triton kernels.
+
+A decode step is a chain of several hundred short kernels, and each one waits for the one
+before it to finish, then for its own launch and its programs' scheduling: a few microseconds
+per kernel during which HBM sits idle. Launched with ``launch_pdl``, a kernel may be scheduled
+while the one before it is still running: ``begin`` at the top of each of our kernels first
+signals that the next kernel may launch (it then starts once every program of this one has
+signalled), then waits (``griddepcontrol.wait``) until the kernel before has completed and its
+writes are visible. Nothing but weights is read, and nothing is written, before that wait, so
+every kernel still sees a finished predecessor; what overlaps is the launch, the scheduling and,
+in the GEMV, the loads of the first weight tile. A kernel launched without
+the attribute (torch's own, or any kernel when PDL is off) passes the wait at once.
+
+``LUCE_TUNE_PDL=0`` (or ``ENABLED = False``) launches as before; the default uses PDL on CUDA
+devices of compute capability 9.0 and above, never under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENV = "LUCE_TUNE_PDL"
+ENABLED: bool | None = None  # None: where the device supports it, unless LUCE_TUNE_PDL=0
+_capable: dict[torch.device, bool] = {}
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are launched with programmatic dependent launch."""
+    if ENABLED is not None:
+        return ENABLED and device.type == "cuda"
+    if device.type != "cuda" or os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if device not in _capable:
+        _capable[device] = torch.cuda.get_device_capability(device) >= (9, 0)
+    return _capable[device]
+
+
+def launch(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments for a launch of a kernel that calls ``begin(PDL)``: the kernel's ``PDL``
+    flag and Triton's ``launch_pdl`` option, always set together (a kernel launched with the
+    attribute must wait before touching its inputs)."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def begin(PDL: tl.constexpr):
+    """The first statement of a kernel launched with ``launch``'s arguments."""
+    launch_next(PDL)
+    wait_previous(PDL)
+
+
+@triton.jit
+def launch_next(PDL: tl.constexpr):
+    """Let the next kernel launch once every program of this one has got here."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_previous(PDL: tl.constexpr):
+    """Wait for the kernel before to complete, its writes visible. Before it, a kernel may only read
+    what no kernel of the step writes (its weights): a kernel two back may still be running."""
+    if PDL:
+        gdc_wait()
