@@ -162,13 +162,28 @@ def decode_shapes() -> list[tuple[str, str, int, int]]:
     ]
 
 
-TILE_GRID = [dict(gemv_block_n=bn, gemv_block_k=bk) for bn in (4, 8, 16, 32) for bk in (128, 256, 512, 1024)]
-TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_split_k=1)]
+# K tiles up to the whole of K (2048 at most shapes, 4096 at the output projections): such a tile
+# issues every weight load of a program before any use, which may keep more bytes in flight. A tile
+# holds at most 32 x 1024 weights, the largest of the grid before K tiles of 2048 and 4096 came in
+# (16 x 4096 and 32 x 2048 would take twice its registers, 32 x 4096 four times), and ``tile_grid``
+# leaves out K tiles past a launch's K: 21 points at K 4096, 19 at 2048, 12 at 512, so the small K
+# tiles stay (128, which has not won a shape on the H200, is the first to drop should it pass ~24).
+MAX_TILE = 32 * 1024
+TILE_GRID = [dict(gemv_block_n=bn, gemv_block_k=bk) for bn in (4, 8, 16, 32)
+             for bk in (128, 256, 512, 1024, 2048, 4096) if bn * bk <= MAX_TILE]
+TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_num_warps=16), dict(gemv_split_k=1)]
 # the row kernels: warps (splitting K; in the experts' down launch one pair each, so at least top-k) x unroll
 ROWS_GRID = {kind: [dict(gemv_rows_warps=w, gemv_rows_unroll=u) for w in warps for u in (2, 4, 8)]
              for kind, warps in (("gemv", (2, 4, 8)), ("moe_gate_up", (2, 4, 8)), ("moe_down", (8, 16)))}
 ROWS_VARIANTS = [dict(gemv_split_k=1), dict(gemv_split_k=2)]
 FIELDS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k", "gemv_rows_warps", "gemv_rows_unroll")
+
+
+def tile_grid(k: int) -> list[dict]:
+    """``TILE_GRID`` for a launch over ``k`` columns: K tiles up to the smallest power of two covering
+    K, as larger ones only add masked blocks (whose loads still issue, on blocks in bounds)."""
+    whole = 1 << (k - 1).bit_length()
+    return [t for t in TILE_GRID if t["gemv_block_k"] <= whole]
 
 
 def sweep(args, rng) -> None:
@@ -252,11 +267,11 @@ def sweep(args, rng) -> None:
                     (name, kind_, qtype.name, n_, k_), {})
 
             def fastest(time_of, kind_, n_, k_):
-                """Among the defaults and the table's current tiles: the block grid at 4 warps, then warps
-                and no-split variants of its best; the row kernels' grid, then (GEMV) K-split variants of
-                its best (each as ``--grid`` says): (ms, tiles)."""
+                """Among the defaults and the table's current tiles: the block grid at 4 warps (K tiles up
+                to the launch's K), then warps and no-split variants of its best; the row kernels' grid,
+                then (GEMV) K-split variants of its best (each as ``--grid`` says): (ms, tiles)."""
                 results = [(time_of({}), {}), (time_of(current(kind_, n_, k_)), current(kind_, n_, k_))]
-                for on, grid, variants in ((args.grid in ("blocks", "both"), TILE_GRID, TILE_VARIANTS),
+                for on, grid, variants in ((args.grid in ("blocks", "both"), tile_grid(k_), TILE_VARIANTS),
                                            (args.grid in ("rows", "both"), ROWS_GRID[kind_],
                                             ROWS_VARIANTS if kind_ == "gemv" else [])):
                     if not on:

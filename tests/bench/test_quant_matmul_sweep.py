@@ -1,0 +1,33 @@
+"""The decode tile sweep's grid of bench/quant_matmul.py (timing needs a GPU; the grid does not)."""
+
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def quant_matmul(monkeypatch):
+    if not torch.cuda.is_available():  # read when the kernels are decorated, as the kernel tests set it
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the script imports its sibling ``common``
+    return importlib.import_module("quant_matmul")
+
+
+def test_sweep_tiles_reach_the_whole_of_k_and_stay_valid(quant_matmul):
+    from engine.kernels.quant.triton import QuantKernelConfig
+
+    qm = quant_matmul
+    for tiles in qm.TILE_GRID + [qm.TILE_GRID[0] | v for v in qm.TILE_VARIANTS]:
+        QuantKernelConfig(**tiles)  # every candidate passes the config's checks
+    assert {v.get("gemv_num_warps") for v in qm.TILE_VARIANTS} >= {8, 16}
+    assert all(t["gemv_block_n"] * t["gemv_block_k"] <= qm.MAX_TILE for t in qm.TILE_GRID)
+    k_tiles = {k: {t["gemv_block_k"] for t in qm.tile_grid(k)} for k in (512, 2048, 4096)}
+    assert k_tiles == {512: {128, 256, 512}, 2048: {128, 256, 512, 1024, 2048},
+                       4096: {128, 256, 512, 1024, 2048, 4096}}
+    assert max(len(qm.tile_grid(k)) for _, _, _, k in qm.decode_shapes()) <= 24
+    assert {4, 8} <= {t["gemv_block_n"] for t in qm.tile_grid(4096) if t["gemv_block_k"] == 4096}
