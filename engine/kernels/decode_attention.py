@@ -96,10 +96,10 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, slots_ptr, m_ptr, l_ptr, acc_ptr
 
 
 @triton.jit
-def _combine_kernel(m_ptr, l_ptr, acc_ptr, slots_ptr, out_ptr, T, N_CHUNKS: tl.constexpr,
-                    stride_mh, stride_mc, stride_ah, stride_ac, stride_ot,
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, slots_ptr, out_ptr, g_ptr, T, N_CHUNKS: tl.constexpr,
+                    stride_mh, stride_mc, stride_ah, stride_ac, stride_ot, stride_gt, stride_gh,
                     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
-                    BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_C: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     begin(PDL)
     kv = tl.program_id(0)
     r = tl.program_id(1)
@@ -127,6 +127,8 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, slots_ptr, out_ptr, T, N_CHUNKS: tl.c
     out = tl.sum(acc, axis=0) / tl.sum(total, axis=0)
     t = r // GROUP
     h = kv * GROUP + r % GROUP
+    if GATED:  # the attention layer's output gate, sigmoid(gate) times the head's output
+        out = out * tl.sigmoid(tl.load(g_ptr + t * stride_gt + h * stride_gh + o_d).to(tl.float32))
     tl.store(out_ptr + t * stride_ot + h * D + o_d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -151,7 +153,8 @@ def chunk_for(length: int) -> int:
 
 
 def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                            slots: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
+                            slots: torch.Tensor, *, chunk: int | None = None,
+                            gate: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, n_head, D] against the cache ``keys``, ``values`` [n_kv, L, D] -> [T, n_head * D] in q's dtype.
 
     ``visible`` [T, L] bool: the keys each query sees; ``slots`` [T]: the cache slots the step
@@ -159,6 +162,8 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     read). Scale 1 / sqrt(D), as ``F.scaled_dot_product_attention``'s default. ``chunk``: keys per
     program, a power of two of at least ``BLOCK_S`` (default: the module's ``CHUNK`` if set, read
     at each call so that a benchmark can set it before a step is captured, else ``chunk_for(L)``).
+    ``gate`` [T, n_head, D] (contiguous last dimension): the output times ``sigmoid(gate)``, in float32
+    before the one rounding (the gated attention of qwen35moe's attention layers).
     """
     if chunk is None:
         chunk = CHUNK if CHUNK is not None else chunk_for(keys.shape[1])
@@ -177,6 +182,9 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
                          f"{tuple(slots.shape)}")
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode attention needs a contiguous last dimension in q, keys and values")
+    if gate is not None and (gate.shape != q.shape or gate.stride(-1) != 1 or gate.device != q.device):
+        raise ValueError(f"gate must be {tuple(q.shape)} on {q.device} with a contiguous last dimension, got "
+                         f"{tuple(gate.shape)} on {gate.device}")
     group = n_head // n_kv
     n_chunks = triton.cdiv(L, chunk)
     q_blocks = triton.cdiv(T * group, BLOCK_Q)
@@ -192,9 +200,12 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         visible.stride(0), m.stride(0), m.stride(1), acc.stride(0), acc.stride(1),
         GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_S=BLOCK_S, BLOCK_Q=BLOCK_Q,
-        EXACT=keys.dtype == torch.float32, num_warps=4, **launch(keys.device))
+        EXACT=keys.dtype == torch.float32, num_warps=4, **launch(keys.device, T, "attention"))
     out = torch.empty(T, n_head * D, dtype=q.dtype, device=q.device)
+    g = gate if gate is not None else out  # unread without a gate
     _combine_kernel[(n_kv, T * group)](
-        m, l, acc, slots, out, T, n_chunks, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), out.stride(0),
-        GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_C=16, num_warps=4, **launch(keys.device))
+        m, l, acc, slots, out, g, T, n_chunks, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), out.stride(0),
+        g.stride(0), g.stride(1) if gate is not None else 0,
+        GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_C=16, GATED=gate is not None, num_warps=4,
+        **launch(keys.device, T, "attention"))
     return out

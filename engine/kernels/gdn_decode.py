@@ -128,5 +128,5 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
         s_out.stride(0), s_out.stride(1), s_out.stride(2),
-        T=T, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps, **launch(q.device))
+        T=T, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps, **launch(q.device, T, "gdn"))
     return o, s_out

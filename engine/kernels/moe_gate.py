@@ -1,12 +1,10 @@
 """The small steps around a decode token's experts, one Triton launch each: the router, the
 shared expert's SwiGLU activation, and the sum of the routed and the gated shared output.
 
-- ``route_topk_triton``: softmax over the experts, the top k, renormalised to sum 1, which is
-  the softmax of the k largest logits; ids in descending order of weight, as ``torch.topk``
-  gives them (a tie goes to the lower expert id), from logits at hand. Replaces softmax, topk,
-  sum and divide.
-- ``route_triton``: the router's logits ``x . router`` in float32 and then that top-k, for up
-  to 16 tokens: replaces x's conversion to float32, the fp32 GEMV and the top-k launch. The
+- ``route_triton``: the router's logits ``x . router`` in float32, the softmax over the experts,
+  the top k renormalised to sum 1 (the softmax of the k largest logits), for up to 16 tokens; ids
+  in descending order of weight, as ``torch.topk`` gives them (a tie goes to the lower expert id).
+  It replaces x's conversion to float32, the fp32 GEMV, softmax, topk, sum and divide. The
   logits are spread over ``BLOCK_E``-expert programs per token, which store them in a scratch
   row; the program that arrives last at the token's counter (the semaphore of the split
   GEMVs in ``engine.kernels.quant.triton``) takes the top-k over the row and zeroes the
@@ -16,7 +14,7 @@ shared expert's SwiGLU activation, and the sum of the routed and the gated share
 - ``shared_combine_triton``: ``y + sigmoid(x . gate_inp) * s`` in float32 (the gate's dot
   product included), cast once to the output dtype.
 
-One program per token row (the top-k, the combine), per row and column block (SwiGLU) or per
+One program per token row (the combine), per row and column block (SwiGLU) or per
 row and expert block (the router); everything in float32 inside. The torch definitions are in
 ``engine.model.moe``. Importing this module needs Triton.
 """
@@ -54,15 +52,6 @@ def _top_k(logits, e, ids_ptr, w_ptr, K: tl.constexpr, BLOCK_E: tl.constexpr):
         logits = tl.where(e == idx, float("-inf"), logits)
     tl.store(ids_ptr + o, ids)
     tl.store(w_ptr + o, w / tl.sum(w, axis=0))
-
-
-@triton.jit
-def _route_topk_kernel(l_ptr, ids_ptr, w_ptr, E, stride_l, K: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    begin(PDL)
-    t = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    logits = tl.load(l_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    _top_k(logits, e, ids_ptr + t * K, w_ptr + t * K, K, BLOCK_E)
 
 
 @triton.jit
@@ -148,21 +137,9 @@ def _route_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _scratch[device]
 
 
-def route_topk_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (ids [T, k] int64, weights [T, k] float32 summing to 1)."""
-    _rows("logits", logits)
-    check_device(logits, WHAT)
-    T, E = logits.shape
-    ids, weights = _top_k_outputs(T, E, k, logits.device)
-    if T:
-        _route_topk_kernel[(T,)](logits, ids, weights, E, logits.stride(0), K=k,
-                                 BLOCK_E=triton.next_power_of_2(E), num_warps=4, **launch(logits.device))
-    return ids, weights
-
-
 def route_triton(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer input x [T, H] (float32, float16 or bfloat16; T <= 16) and the float32 router [E, H]
-    -> ``route_topk_triton(x.float() @ router.T, k)``, in one launch."""
+    -> (ids [T, k] int64, weights [T, k] float32 summing to 1), in one launch."""
     _rows("x", x)
     _rows("router", router)
     check_device(x, WHAT)
@@ -183,7 +160,7 @@ def route_triton(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.T
         _route_kernel[(triton.cdiv(E, block_e), T)](
             x, router, scratch, counters, ids, weights, E, H, x.stride(0), router.stride(0), scratch.stride(0),
             K=k, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(H), TILE // block_e),
-            ALL_E=triton.next_power_of_2(E), num_warps=4, **launch(x.device))
+            ALL_E=triton.next_power_of_2(E), num_warps=4, **launch(x.device, T, "router"))
     return ids, weights
 
 
@@ -199,7 +176,7 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(N))
     if out.numel():
         _swiglu_kernel[(T, triton.cdiv(N, block))](gate, up, out, N, gate.stride(0), up.stride(0), BLOCK=block,
-                                                   **launch(gate.device))
+                                                   **launch(gate.device, T, "experts"))
     return out
 
 
@@ -220,5 +197,5 @@ def shared_combine_triton(y: torch.Tensor, shared: torch.Tensor, x: torch.Tensor
     if out.numel():
         _shared_combine_kernel[(T, triton.cdiv(N, block))](
             y, shared, x, gate_inp.contiguous(), out, N, H, y.stride(0), shared.stride(0), x.stride(0),
-            BLOCK=block, BLOCK_H=triton.next_power_of_2(H), **launch(x.device))
+            BLOCK=block, BLOCK_H=triton.next_power_of_2(H), **launch(x.device, T, "experts"))
     return out

@@ -11,8 +11,12 @@ every kernel still sees a finished predecessor; what overlaps is the launch, the
 in the GEMV, the loads of the first weight tile. A kernel launched without
 the attribute (torch's own, or any kernel when PDL is off) passes the wait at once.
 
+PDL is for the decode step and its verify blocks: launches over more than ``MAX_TOKENS`` tokens
+(prefill) go without it, since a long kernel has no launch latency worth hiding.
 ``LUCE_TUNE_PDL=0`` (or ``ENABLED = False``) launches as before; the default uses PDL on CUDA
 devices of compute capability 9.0 and above, never under the Triton interpreter.
+``LUCE_TUNE_PDL_SKIP`` names kernel families (``FAMILIES``, comma-separated) launched without it,
+for measuring one family's share.
 """
 
 from __future__ import annotations
@@ -25,26 +29,36 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENV = "LUCE_TUNE_PDL"
+SKIP_ENV = "LUCE_TUNE_PDL_SKIP"
 ENABLED: bool | None = None  # None: where the device supports it, unless LUCE_TUNE_PDL=0
+MAX_TOKENS = 16  # the decode step's launches (verify blocks included); prefill goes without
+FAMILIES = ("gemv", "experts", "router", "norm", "gdn", "attention")
 _capable: dict[torch.device, bool] = {}
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` are launched with programmatic dependent launch."""
+def enabled(device: torch.device, tokens: int = 1, family: str = "") -> bool:
+    """Whether a launch over ``tokens`` tokens of the kernel ``family`` on ``device`` uses programmatic
+    dependent launch."""
+    if family and family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r} (one of {FAMILIES})")
+    if tokens > MAX_TOKENS or device.type != "cuda":
+        return False
+    if family and family in os.environ.get(SKIP_ENV, "").split(","):
+        return False
     if ENABLED is not None:
-        return ENABLED and device.type == "cuda"
-    if device.type != "cuda" or os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return ENABLED
+    if os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if device not in _capable:
         _capable[device] = torch.cuda.get_device_capability(device) >= (9, 0)
     return _capable[device]
 
 
-def launch(device: torch.device) -> dict[str, bool]:
+def launch(device: torch.device, tokens: int = 1, family: str = "") -> dict[str, bool]:
     """Keyword arguments for a launch of a kernel that calls ``begin(PDL)``: the kernel's ``PDL``
     flag and Triton's ``launch_pdl`` option, always set together (a kernel launched with the
     attribute must wait before touching its inputs)."""
-    on = enabled(device)
+    on = enabled(device, tokens, family)
     return {"PDL": on, "launch_pdl": on}
 
 

@@ -67,7 +67,8 @@ def add_rms_norm_triton(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, 
         h, memory_format=torch.contiguous_format)
     if h.numel():
         _add_rms_norm_kernel[(A,)](h, r, weight.contiguous(), h_out, out, D, float(eps), h.stride(0), r.stride(0),
-                                   BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8, **launch(h.device))
+                                   BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+                                   **launch(h.device, A, "norm"))
     return h_out, out
 
 
@@ -97,5 +98,5 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: 
             x3, weight.contiguous(), g3, out, B, D, float(eps),
             x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1),
             HAS_GATE=gate is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
-            **launch(x.device))
+            **launch(x.device, A, "norm"))
     return out

@@ -66,13 +66,18 @@ def _picks_kernel(x: torch.Tensor) -> bool:
     return x.is_cuda and fused.allowed(NORM_ROPE) and not (torch.is_grad_enabled() and x.requires_grad)
 
 
+def _rope_kernel_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether heads x [T, heads, D] go through the norm + RoPE kernels (``FUSED_ROPE``)."""
+    shaped = x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1 and x.shape[0] <= ROPE_MAX_TOKENS
+    return shaped and (FUSED_ROPE or (FUSED_ROPE is None and _picks_kernel(x)))
+
+
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               eps: float) -> torch.Tensor:
     """``norm_rope_reference``'s result; one Triton launch per call of up to ``ROPE_MAX_TOKENS``
     tokens on CUDA."""
-    shaped = x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1 and x.shape[0] <= ROPE_MAX_TOKENS
     forced = FUSED_ROPE
-    if shaped and (forced or (forced is None and _picks_kernel(x))):
+    if _rope_kernel_applies(x, cos, sin):
         def kernel() -> torch.Tensor:
             from engine.kernels.rope_norm import norm_rope_triton
 
@@ -85,8 +90,10 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
 
 
 def _project(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
-             rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [T, n_head, D] and k [T, n_head_kv, D] normed and rotated, v [T, n_head_kv, D], gate [T, n_head * D]."""
+             rope: Rope | None = None, *, norm_k: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, n_head, D] and k [T, n_head_kv, D] normed and rotated (k as projected with ``norm_k`` False),
+    v [T, n_head_kv, D], gate [T, n_head, D] (a view into the projection)."""
     T = x.shape[0]
     D = cfg.head_dim
     if w.qkv is not None:  # one matrix product, split by columns
@@ -94,12 +101,18 @@ def _project(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cfg:
     else:
         qg, k, v = linear(x, w.q), linear(x, w.k), linear(x, w.v)
     qg = qg.view(T, cfg.n_head, 2 * D)
-    q, gate = qg[..., :D], qg[..., D:].reshape(T, cfg.n_head * D)
+    q, gate = qg[..., :D], qg[..., D:]
     k = k.view(T, cfg.n_head_kv, D)
     v = v.view(T, cfg.n_head_kv, D)
     cos, sin = rope if rope is not None else rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)
-    return (norm_rope(q, w.q_norm, cos, sin, cfg.rms_eps), norm_rope(k, w.k_norm, cos, sin, cfg.rms_eps),
-            v, gate)
+    if norm_k:
+        k = norm_rope(k, w.k_norm, cos, sin, cfg.rms_eps)
+    return norm_rope(q, w.q_norm, cos, sin, cfg.rms_eps), k, v, gate
+
+
+def _gated(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention output [T, n_head * D] times ``sigmoid(gate)`` ([T, n_head, D])."""
+    return out * torch.sigmoid(gate.reshape(out.shape))
 
 
 def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -119,7 +132,7 @@ def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Ten
         idx = torch.arange(past + T, device=x.device)
         mask = idx[None, :] <= (past + torch.arange(T, device=x.device))[:, None]
         out = grouped_attention(q, keys, values, mask)
-    return linear(out * torch.sigmoid(gate), w.o)
+    return linear(_gated(out, gate), w.o)
 
 
 def attention_rows(w: AttentionWeights, x: torch.Tensor, rows: int, cfg: ModelConfig, rope: Rope) -> torch.Tensor:
@@ -137,7 +150,7 @@ def attention_rows(w: AttentionWeights, x: torch.Tensor, rows: int, cfg: ModelCo
 
     out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True,
                                          enable_gqa=cfg.n_head != cfg.n_head_kv)
-    return linear(out.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim) * torch.sigmoid(gate), w.o)
+    return linear(_gated(out.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), gate), w.o)
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -163,9 +176,10 @@ DECODE_ATTENTION = "split-key decode attention"
 
 
 def static_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                     slots: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
+                     slots: torch.Tensor, kernels: str = "auto", gate: torch.Tensor | None = None) -> torch.Tensor:
     """``grouped_attention`` over a whole preallocated cache, through the split-key kernel where it
-    applies (``FUSED_DECODE_ATTENTION``; ``kernels="torch"`` keeps torch's)."""
+    applies (``FUSED_DECODE_ATTENTION``; ``kernels="torch"`` keeps torch's); times ``sigmoid(gate)``
+    ([T, n_head, D]) when given, inside the kernel's last launch there."""
     forced = FUSED_DECODE_ATTENTION
     if forced is None and kernels == "triton" and not q.is_cuda:
         forced = True  # the Triton interpreter, as the CPU tests run the step
@@ -175,10 +189,11 @@ def static_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
         if decode_attention.supports(q, keys):
             out = fused.attempt(DECODE_ATTENTION, forced, lambda: decode_attention.decode_attention_triton(
-                q.contiguous(), keys, values, visible, slots))
+                q.contiguous(), keys, values, visible, slots, gate=gate))
             if out is not None:
                 return out
-    return grouped_attention(q, keys, values, visible)
+    out = grouped_attention(q, keys, values, visible)
+    return out if gate is None else _gated(out, gate)
 
 
 def attention_static(w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -191,8 +206,25 @@ def attention_static(w: AttentionWeights, x: torch.Tensor, positions: torch.Tens
     query sees. Attention runs over the whole preallocated cache (``static_attention``: with
     ``kernels``, its chunks past the written slots skipped); ``cache.length`` is left to the caller.
     """
-    q, k, v, gate = _project(w, x, positions, cfg, rope)
+    rope = rope if rope is not None else rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)
+    q, k, v, gate = _project(w, x, positions, cfg, rope, norm_k=False)
+    _write_cache(w, k, v, rope, cache, slots, cfg)
+    return linear(static_attention(q, cache.k, cache.v, visible, slots, kernels, gate=gate), w.o)
+
+
+def _write_cache(w: AttentionWeights, k: torch.Tensor, v: torch.Tensor, rope: Rope, cache: KVCache,
+                 slots: torch.Tensor, cfg: ModelConfig) -> None:
+    """The keys k [T, n_head_kv, D] as projected, normed and turned, and the values into the cache at
+    ``slots``: one launch where the norm + RoPE kernel applies (``FUSED_ROPE``), else torch's."""
+    cos, sin = rope
+    if v.stride(-1) == 1 and _rope_kernel_applies(k, cos, sin):
+        def kernel() -> torch.Tensor:
+            from engine.kernels.rope_norm import norm_rope_to_cache_triton
+
+            return norm_rope_to_cache_triton(k, v, w.k_norm, cos, sin, cfg.rms_eps, cache.k, cache.v, slots)
+
+        if fused.attempt(NORM_ROPE, FUSED_ROPE, kernel) is not None:
+            return
+    k = norm_rope(k, w.k_norm, cos, sin, cfg.rms_eps)
     cache.k.index_copy_(1, slots, k.transpose(0, 1).to(cache.k.dtype))
     cache.v.index_copy_(1, slots, v.transpose(0, 1).to(cache.v.dtype))
-    out = static_attention(q, cache.k, cache.v, visible, slots, kernels)
-    return linear(out * torch.sigmoid(gate), w.o)

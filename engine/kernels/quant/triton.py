@@ -435,7 +435,7 @@ def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
         x.stride(0), qm.raw.stride(0), out.stride(0), part.stride(0), part.stride(1) if splits > 1 else 0,
         QTYPE=_CODE[qm.qtype], BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
         BLOCKWISE=_blockwise(qm.qtype, bk), SPLITS=splits, SPLIT_AT=qm.split_at, num_warps=config.gemv_num_warps,
-        **launch(x.device))
+        **launch(x.device, M, "gemv"))
     return out
 
 
@@ -727,7 +727,7 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
             x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
             sgu_stride, QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
             SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, BLOCK_H=triton.next_power_of_2(gate.k),
-            num_warps=c_up.gemv_num_warps, **launch(x.device))
+            num_warps=c_up.gemv_num_warps, **launch(x.device, T, "experts"))
     bn, bk = c_down.gemv_block_n, c_down.gemv_block_k
     if c_down.gemv_rows_warps >= triton.next_power_of_2(top_k) and rows.rows_fit(down.qtype, down.layout):
         rows.moe_down_rows(act, down, ids, w, out, n_routed, (s_down, sgate) if shared is not None else None,
@@ -738,5 +738,5 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
         act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), sd_stride,
         QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
         SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, num_warps=c_down.gemv_num_warps,
-        **launch(x.device))
+        **launch(x.device, T, "experts"))
     return out

@@ -44,3 +44,14 @@ def test_on_by_default_from_hopper(restore, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     device = torch.device("cuda", 0)
     assert pdl.enabled(device) == (torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def test_only_for_decode_sized_launches_and_not_for_skipped_families(restore, monkeypatch):
+    cuda = torch.device("cuda", 0)
+    pdl.ENABLED = True
+    assert pdl.enabled(cuda, pdl.MAX_TOKENS, "gemv") and not pdl.enabled(cuda, pdl.MAX_TOKENS + 1, "gemv")
+    monkeypatch.setenv(pdl.SKIP_ENV, "experts,router")
+    assert not pdl.enabled(cuda, 1, "experts") and not pdl.enabled(cuda, 1, "router")
+    assert pdl.enabled(cuda, 1, "norm") and pdl.launch(cuda, 1, "router") == {"PDL": False, "launch_pdl": False}
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        pdl.enabled(cuda, 1, "moe")

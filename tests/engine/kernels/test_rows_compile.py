@@ -109,3 +109,20 @@ def test_gemv_loads_its_first_weight_tile_before_waiting_on_the_kernel_before(pd
     masked = [i for i, line in enumerate(sass) if re.search(r"@!?P\d+ +LDG\b", line)]
     assert launch < wait and sum(i < wait for i in codes) >= 2, sorted(set(at))
     assert masked and min(masked) > wait
+
+
+@pytest.mark.parametrize("module, name, types, consts", [
+    ("engine.kernels.rope_norm", "_norm_rope_cache_kernel",
+     {"k_ptr": "*bf16", "v_ptr": "*bf16", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+      "slots_ptr": "*i64", "ck_ptr": "*bf16", "cv_ptr": "*bf16", "eps": "fp32"},
+     {"D": 256, "HALF": 32, "BLOCK_D": 256, "PDL": True}),
+    ("engine.kernels.decode_attention", "_combine_kernel",
+     {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "slots_ptr": "*i64", "out_ptr": "*bf16",
+      "g_ptr": "*bf16"},
+     {"N_CHUNKS": 64, "GROUP": 8, "D": 256, "BLOCK_T": 1, "CHUNK": 256, "BLOCK_C": 16, "GATED": True, "PDL": True}),
+], ids=["cache_write", "gated_combine"])
+def test_attention_glue_kernels_compile(module, name, types, consts, tmp_path):
+    """The attention layer's fused cache write and gated combine build for sm_90 (the interpreter runs
+    code the compiler may reject), without spills, waiting on the kernel before them."""
+    sass = _sass(name, types, consts, 4, tmp_path, module=module)
+    assert "ACQBULK" in sass and "LDL" not in sass and "STL" not in sass
