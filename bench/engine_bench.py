@@ -1,7 +1,7 @@
 """Load time, prefill tok/s at given prompt lengths, decode tok/s and peak memory of one model.
 
     python bench/engine_bench.py --model M.gguf [--prompt-lens 512,4096] [--decode 64]
-        [--repeats 3] [--no-graph] [--json out.json]
+        [--repeats 3] [--weights dense|quantized] [--experts dense|quantized] [--no-graph] [--json out.json]
 
 Prompts are random token ids (the figures are about speed, not text). Each figure is the
 median of ``--repeats`` runs after one warm-up run, with min and max beside it. Decoding is
@@ -36,20 +36,29 @@ def main() -> None:
                     help="projection matrices dequantized at load, or kept as GGUF blocks")
     ap.add_argument("--cold-format", default="dense", choices=("dense", "quantized"),
                     help="cold experts on the CPU held dense or as GGUF blocks")
+    ap.add_argument("--experts", default="dense", choices=("dense", "quantized"),
+                    help="quantized: every routed expert on the device in its GGUF blocks (the appliance's form)")
     ap.add_argument("--no-graph", action="store_true", help="measure eager decoding only")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
     t0 = time.perf_counter()
+    quantized = args.experts == "quantized"
     eng = Engine.from_gguf(args.model, device=args.device, dtype=args.dtype, weights=args.weights,
-                           cold_format=args.cold_format, cuda_graph=not args.no_graph)
+                           cold_format="quantized" if quantized else args.cold_format,
+                           hot_format=args.experts, expert_budget_mb=0 if quantized else None,
+                           cuda_graph=not args.no_graph)
+    if quantized:  # every expert hot, in its blocks
+        placement = eng.set_expert_budget(0)
+        eng.set_expert_budget(placement.n_expert * sum(placement.expert_bytes) / 2**20)
     load_s = time.perf_counter() - t0
     load_mem = torch.cuda.memory_allocated() / 2**20 if eng.device.type == "cuda" else 0.0
     vocab = eng.config.vocab
     gen = torch.Generator().manual_seed(0)
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-        "commit": commit(), "model": str(args.model), "weights": args.weights, "model_bytes": args.model.stat().st_size,
+        "commit": commit(), "model": str(args.model), "weights": args.weights, "experts": args.experts,
+        "model_bytes": args.model.stat().st_size,
         "device": str(eng.device), "dtype": str(eng.dtype), "load_s": load_s,
         "weights_mem_mb": load_mem, "prefill": {}, "decode": {},
     }

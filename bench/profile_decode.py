@@ -3,6 +3,7 @@
     python bench/profile_decode.py --model M.gguf [--steps 8] [--weights dense|quantized]
         [--experts dense|quantized] [--budget-mb MB | --budget-percent P] [--cold-device cpu|gpu]
         [--no-graph] [--trace out.json] [--rows 30] [--depth N] [--attention-chunks 64,128,256]
+        [--pdl-variants on,off,no-experts,no-experts+router] [--no-profile]
 
 Prints the wall time per step (median of ``--steps`` after a warm-up) of the eager step
 (``Qwen35MoE.forward``) and of the static step replayed from a CUDA graph (``DecodeGraph``,
@@ -11,7 +12,10 @@ host time, so that launch-bound and kernel-bound steps read differently. ``--tra
 Chrome trace of the eager step for a closer look. ``--depth`` prefills that many tokens before
 the timed steps (the cache then holds them). ``--attention-chunks`` then captures the step once per
 chunk size of the split-key decode attention (``engine.kernels.decode_attention``) and prints each
-one's median, before the profiles (which use the last size).
+one's median, before the profiles (which use the last size). ``--pdl-variants`` likewise captures
+it once per programmatic-dependent-launch setting (``engine.kernels.pdl``: ``on``, ``off``, or
+``no-`` and kernel families joined by ``+``, launched without it) and prints each median over at
+least 32 steps. ``--no-profile`` stops after the medians.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=None, help="Chrome trace of the eager step")
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--depth", type=int, default=16, help="prompt tokens in the cache before the timed steps")
+    ap.add_argument("--pdl-variants", default="", help="on, off, no-FAMILY[+FAMILY...], comma-separated")
+    ap.add_argument("--no-profile", action="store_true", help="only the step medians")
     ap.add_argument("--attention-chunks", default="",
                     help="comma-separated keys per program of the decode attention, each timed in its own capture")
     args = ap.parse_args()
@@ -99,6 +105,8 @@ def main() -> None:
             decode_attention.CHUNK = chunk
             name, step = static()
             print(f"attention chunk {chunk}: {timed(step, first, args.steps)}", flush=True)
+        if args.pdl_variants:
+            pdl_variants(args.pdl_variants, static, first, max(args.steps, 32))
         if not chunks:
             name, step = static()
         paths[name] = step
@@ -106,6 +114,8 @@ def main() -> None:
         print(f"decode graph: not used ({blocker})", flush=True)
     for name, step in paths.items():
         print(f"decode step, {name}: {timed(step, first, args.steps)}", flush=True)
+    if args.no_profile:
+        return
     for name, step in paths.items():
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         token = first
@@ -121,6 +131,33 @@ def main() -> None:
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
         if args.trace and name == "eager":
             prof.export_chrome_trace(str(args.trace))
+
+
+def pdl_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.Tensor], torch.Tensor]]],
+                 token: torch.Tensor, steps: int) -> None:
+    """The captured step's median under each programmatic-dependent-launch setting of ``spec``; the
+    process's own setting is restored after."""
+    import os
+
+    from engine.kernels import pdl
+
+    saved = pdl.ENABLED, os.environ.get(pdl.SKIP_ENV)
+    try:
+        for variant in spec.split(","):
+            skip = variant[3:].split("+") if variant.startswith("no-") else []
+            if variant not in ("on", "off") and (not skip or set(skip) - set(pdl.FAMILIES)):
+                raise SystemExit(f"--pdl-variants: {variant!r} is not on, off or no-FAMILY[+FAMILY] "
+                                 f"(families: {', '.join(pdl.FAMILIES)})")
+            pdl.ENABLED = variant != "off"
+            os.environ[pdl.SKIP_ENV] = ",".join(skip)
+            _, step = static()
+            print(f"PDL {variant}: {timed(step, token, steps)}", flush=True)
+    finally:
+        pdl.ENABLED = saved[0]
+        if saved[1] is None:
+            os.environ.pop(pdl.SKIP_ENV, None)
+        else:
+            os.environ[pdl.SKIP_ENV] = saved[1]
 
 
 def timed(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int) -> str:

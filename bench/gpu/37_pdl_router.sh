@@ -16,14 +16,8 @@ timeout ${TESTS_S:-200} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p 
   tests/engine/kernels/test_quant_matmul.py tests/engine/model/test_decode_graph.py tests/engine/test_engine_decode_graph.py \
   -k "${TESTS_K:-real_shapes or cuda_dispatch or replays or bf16_stays or identical_with_and_without or all_hot}" \
   > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
-echo "tests $(( $(date +%s) - t0 )) s"; grep -E "passed|failed" "$OUT/tests.log" | tail -1 || true
-grep -E "^(FAILED|ERROR)|^E " "$OUT/tests.log" | head -10 || true
-timeout ${SWEEP_S:-200} python3 bench/quant_matmul.py --sweep --qtypes Q4_0 --grid ${GRID:-blocks} --verbose \
-  --sweep-shapes ${SHAPES:-attn_qkv,attn_out,gdn_in,gdn_out,lm_head,experts} \
-  --warmup 3 --repeats 20 --write-tuned engine/kernels/quant/tuned.json > "$OUT/tiles_sweep.log" 2>&1 \
-  || echo "sweep rc=$?"
-grep -v "^    " "$OUT/tiles_sweep.log" | grep -v Warn | tail -12 || true
-cp engine/kernels/quant/tuned.json "$OUT/tuned.json" || true
+tests_summary $t0
+SWEEP_S=${SWEEP_S:-200} sweep_tiles ${GRID:-blocks}
 [ -z "$maker" ] || wait $maker || echo "make-model failed"
 for pdl in 1 0; do
   LUCE_TUNE_PDL=$pdl timeout ${PROFILE_S:-100} python3 bench/profile_decode.py --model /tmp/q35.gguf \

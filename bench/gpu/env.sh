@@ -33,3 +33,19 @@ start_q35() {
     && mv /tmp/q35.part.gguf /tmp/q35.gguf) &
   maker=$!
 }
+# The summary of a pytest run logged to $OUT/tests.log and started at $1 (date +%s): its time, its
+# result line, its first failures.
+tests_summary() {
+  echo "tests $(( $(date +%s) - $1 )) s"; grep -E "passed|failed" "$OUT/tests.log" | tail -1 || true
+  grep -E "^(FAILED|ERROR)|^E " "$OUT/tests.log" | head -10 || true
+}
+# The decode tiles swept at the 35B shapes (grid $1: blocks, rows, both or none; SHAPES, SWEEP_S),
+# graph-timed, the fastest per shape written to the table, which is copied to $OUT.
+sweep_tiles() {
+  timeout ${SWEEP_S:-240} python3 bench/quant_matmul.py --sweep --qtypes Q4_0 --grid "$1" --verbose \
+    --sweep-shapes ${SHAPES:-attn_qkv,attn_out,gdn_in,gdn_out,lm_head,experts} \
+    --warmup 3 --repeats 20 --write-tuned engine/kernels/quant/tuned.json > "$OUT/tiles_sweep.log" 2>&1 \
+    || echo "sweep rc=$?"
+  grep -v "^    " "$OUT/tiles_sweep.log" | grep -v Warn | tail -12 || true
+  cp engine/kernels/quant/tuned.json "$OUT/tuned.json" || true
+}
