@@ -157,7 +157,8 @@ class _ProgressBar:
 
 
 MANY_EPOCHS = 4  # distilled epochs past which train-draft warns that the draft will learn its rows
-_METRIC_FORMATS = {"loss": "loss {:.3f}", "tf_accept": "accept {:.2f}", "agree": "agree {:.3f}", "lr": "lr {:.2e}",
+_METRIC_FORMATS = {"loss": "loss {:.3f}", "tf_accept": "accept {:.2f}", "tf_accept_median": "(median row {:.2f})",
+                   "agree": "agree {:.3f}", "lr": "lr {:.2e}",
                    "passes": "target passes {:,.0f}", "tok_per_s": "{:,.0f} tok/s"}
 
 

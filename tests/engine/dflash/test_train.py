@@ -82,6 +82,7 @@ def test_training_writes_draft_and_report_and_resumes_exactly(target, tokenizer,
     data = json.loads(out_a.with_suffix(".acceptance.json").read_text())
     assert data["held_out"]["prompts"] == 2 and data["held_out"]["spec_len"] == 4
     assert 1.0 <= data["held_out"]["acceptance_length"] <= 4.0 and data["steps_this_run"] == 6
+    assert 1.0 <= data["teacher_forced_median_row"] <= 4.0 and 1.0 <= data["teacher_forced_acceptance"] <= 4.0
     assert out_a.with_name("draft.gguf.ckpt").exists()
 
     def interrupt(step, total, metrics):
