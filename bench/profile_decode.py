@@ -21,6 +21,7 @@ least 32 steps. ``--no-profile`` stops after the medians.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -137,8 +138,6 @@ def pdl_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.Tens
                  token: torch.Tensor, steps: int) -> None:
     """The captured step's median under each programmatic-dependent-launch setting of ``spec``; the
     process's own setting is restored after."""
-    import os
-
     from engine.kernels import pdl
 
     saved = pdl.ENABLED, os.environ.get(pdl.SKIP_ENV)

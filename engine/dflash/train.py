@@ -295,7 +295,7 @@ def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pa
         step += 1
         loss_value = float(torch.stack(losses).sum())  # the host sync of this step
         per_row = torch.cat(accepted).float().mean(-1)
-        accept_value, accept_median = float(per_row.mean()), float(per_row.median())
+        accept_value, accept_median = torch.stack([per_row.mean(), per_row.median()]).tolist()
         if progress is not None:
             metrics = {"loss": loss_value, "tf_accept": accept_value, "tf_accept_median": accept_median,
                        "lr": opts.lr_at(step - 1)}

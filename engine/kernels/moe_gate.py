@@ -116,13 +116,6 @@ def _rows(name: str, x: torch.Tensor) -> None:
                          f"strides {x.stride()}")
 
 
-def _top_k_outputs(T: int, E: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    if not 1 <= k <= E or E > MAX_EXPERTS or k & (k - 1):
-        raise ValueError(f"top-k needs 1 <= k <= E <= {MAX_EXPERTS} with k a power of two, got k={k}, E={E}")
-    return (torch.empty(T, k, dtype=torch.int64, device=device),
-            torch.empty(T, k, dtype=torch.float32, device=device))
-
-
 _scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -153,7 +146,10 @@ def route_triton(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.T
     if router.shape[1] != H or T > MAX_TOKENS:
         raise ValueError(f"x must be [T, H] with T <= {MAX_TOKENS} and the router [E, H], got {tuple(x.shape)} "
                          f"and {tuple(router.shape)}")
-    ids, weights = _top_k_outputs(T, E, k, x.device)
+    if not 1 <= k <= E or E > MAX_EXPERTS or k & (k - 1):
+        raise ValueError(f"top-k needs 1 <= k <= E <= {MAX_EXPERTS} with k a power of two, got k={k}, E={E}")
+    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
     if T:
         scratch, counters = _route_scratch(x.device)
         block_e = min(16, triton.next_power_of_2(triton.cdiv(E * T, PROGRAMS)))

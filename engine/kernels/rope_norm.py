@@ -48,16 +48,25 @@ def _norm_rope_row(base, w_ptr, cos_row, sin_row, eps, D: tl.constexpr, HALF: tl
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, eps,
-                      stride_xt, stride_xh, stride_ct, stride_st,
-                      D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    begin(PDL)
+def _program_head(x_ptr, w_ptr, cos_ptr, sin_ptr, H, eps, stride_xt, stride_xh, stride_ct, stride_st,
+                  D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (token, head) of x [T, H, D], normed and turned: t, h, the row and its mask."""
     row = tl.program_id(0)
     t = row // H
     h = row % H
     out, m = _norm_rope_row(x_ptr + t * stride_xt + h * stride_xh, w_ptr, cos_ptr + t * stride_ct,
                             sin_ptr + t * stride_st, eps, D, HALF, BLOCK_D)
-    tl.store(out_ptr + row * D + tl.arange(0, BLOCK_D), out.to(out_ptr.dtype.element_ty), mask=m)
+    return t, h, out, m
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, eps,
+                      stride_xt, stride_xh, stride_ct, stride_st,
+                      D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
+    t, h, out, m = _program_head(x_ptr, w_ptr, cos_ptr, sin_ptr, H, eps, stride_xt, stride_xh, stride_ct, stride_st,
+                                 D, HALF, BLOCK_D)
+    tl.store(out_ptr + (t * H + h) * D + tl.arange(0, BLOCK_D), out.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -67,12 +76,9 @@ def _norm_rope_cache_kernel(k_ptr, v_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, ck
                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Token t's key head h, normed and turned, and its value head, into the caches at slot ``slots[t]``."""
     begin(PDL)
-    row = tl.program_id(0)
-    t = row // H
-    h = row % H
+    t, h, key, m = _program_head(k_ptr, w_ptr, cos_ptr, sin_ptr, H, eps, stride_kt, stride_kh, stride_ct, stride_st,
+                                 D, HALF, BLOCK_D)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    key, m = _norm_rope_row(k_ptr + t * stride_kt + h * stride_kh, w_ptr, cos_ptr + t * stride_ct,
-                            sin_ptr + t * stride_st, eps, D, HALF, BLOCK_D)
     o = tl.arange(0, BLOCK_D)
     tl.store(ck_ptr + h * stride_ckh + slot * stride_cks + o, key.to(ck_ptr.dtype.element_ty), mask=m)
     value = tl.load(v_ptr + t * stride_vt + h * stride_vh + o, mask=m, other=0.0)
