@@ -176,14 +176,18 @@ TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_num_w
 ROWS_GRID = {kind: [dict(gemv_rows_warps=w, gemv_rows_unroll=u) for w in warps for u in (2, 4, 8)]
              for kind, warps in (("gemv", (2, 4, 8)), ("moe_gate_up", (2, 4, 8)), ("moe_down", (8, 16)))}
 ROWS_VARIANTS = [dict(gemv_split_k=1), dict(gemv_split_k=2)]
-FIELDS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k", "gemv_rows_warps", "gemv_rows_unroll")
+FIELDS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k", "gemv_rows_warps", "gemv_rows_unroll",
+          "gemv_pair_split")
 
 
-def tile_grid(k: int) -> list[dict]:
+def tile_grid(k: int, kind: str = "gemv") -> list[dict]:
     """``TILE_GRID`` for a launch over ``k`` columns: K tiles up to the smallest power of two covering
-    K, as larger ones only add masked blocks (whose loads still issue, on blocks in bounds)."""
+    K, as larger ones only add masked blocks (whose loads still issue, on blocks in bounds). The
+    experts' down launch tries each tile both ways: a program per token, or per pair
+    (``gemv_pair_split``)."""
     whole = 1 << (k - 1).bit_length()
-    return [t for t in TILE_GRID if t["gemv_block_k"] <= whole]
+    grid = [t for t in TILE_GRID if t["gemv_block_k"] <= whole]
+    return grid + [t | {"gemv_pair_split": 1} for t in grid] if kind == "moe_down" else grid
 
 
 def sweep(args, rng) -> None:
@@ -271,7 +275,7 @@ def sweep(args, rng) -> None:
                 to the launch's K), then warps and no-split variants of its best; the row kernels' grid,
                 then (GEMV) K-split variants of its best (each as ``--grid`` says): (ms, tiles)."""
                 results = [(time_of({}), {}), (time_of(current(kind_, n_, k_)), current(kind_, n_, k_))]
-                for on, grid, variants in ((args.grid in ("blocks", "both"), tile_grid(k_), TILE_VARIANTS),
+                for on, grid, variants in ((args.grid in ("blocks", "both"), tile_grid(k_, kind_), TILE_VARIANTS),
                                            (args.grid in ("rows", "both"), ROWS_GRID[kind_],
                                             ROWS_VARIANTS if kind_ == "gemv" else [])):
                     if not on:

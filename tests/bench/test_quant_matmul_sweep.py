@@ -31,3 +31,16 @@ def test_sweep_tiles_reach_the_whole_of_k_and_stay_valid(quant_matmul):
                        4096: {128, 256, 512, 1024, 2048, 4096}}
     assert max(len(qm.tile_grid(k)) for _, _, _, k in qm.decode_shapes()) <= 24
     assert {4, 8} <= {t["gemv_block_n"] for t in qm.tile_grid(4096) if t["gemv_block_k"] == 4096}
+
+
+def test_the_down_launch_is_swept_per_token_and_per_pair(quant_matmul):
+    from engine.kernels.quant.triton import QuantKernelConfig
+
+    qm = quant_matmul
+    down = qm.tile_grid(512, "moe_down")
+    assert len(down) == 2 * len(qm.tile_grid(512))  # every tile both ways
+    assert {t.get("gemv_pair_split", 0) for t in down} == {0, 1}
+    assert all("gemv_pair_split" not in t for t in qm.tile_grid(512, "moe_gate_up"))
+    for tiles in down:
+        QuantKernelConfig(**tiles)
+    assert "gemv_pair_split" in qm.FIELDS  # written to the table with the other fields

@@ -56,6 +56,11 @@ class QuantKernelConfig:
     block tiles above then do not apply to those launches. The experts' gate/up launch needs at
     least 2 warps (gate and up halves) and the down launch at least top-k rounded up to a power of
     two (a pair each); fewer keep the block kernels there.
+
+    ``gemv_pair_split`` 1 gives the experts' down launch a program per pair (the shared expert one
+    more) and row block rather than per token and row block: each stores its pair's weighted rows
+    in float32, and the token's pair that arrives last adds them in pair order (the sum the
+    per-token program forms, so the result is the same) and stores the output.
     """
 
     gemv_max_m: int = 16
@@ -71,6 +76,7 @@ class QuantKernelConfig:
     num_stages: int = 3
     gemv_rows_warps: int = 0
     gemv_rows_unroll: int = 4
+    gemv_pair_split: int = 0
 
     def __post_init__(self) -> None:
         check_tiles(self, {"gemv_block_n": 1, "gemv_block_k": 16, "block_m": 16, "block_n": 16, "block_k": 16},
@@ -80,6 +86,8 @@ class QuantKernelConfig:
             most = rows.MAX_UNROLL if name == "gemv_rows_unroll" else 32
             if v < 0 or v & (v - 1) or v > most or (name == "gemv_rows_unroll" and v == 0):
                 raise ValueError(f"{name} must be a power of two up to {most} (gemv_rows_warps may be 0), got {v}")
+        if self.gemv_pair_split not in (0, 1):
+            raise ValueError(f"gemv_pair_split must be 0 or 1, got {self.gemv_pair_split}")
         if not 0 <= self.gemv_max_m <= 16:
             raise ValueError(f"gemv_max_m must be in [0, 16], got {self.gemv_max_m}")
         if self.dequant_min_m < 0:
@@ -562,6 +570,56 @@ def _moe_down_kernel(
 
 
 @triton.jit
+def _moe_down_pairs_kernel(
+    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, sd_ptr, sgate_ptr, part_ptr, count_ptr, H, N_ROUTED,
+    FFN: tl.constexpr, TOP_K: tl.constexpr, stride_ap, stride_de, stride_dn, stride_ot, stride_sd,
+    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``_moe_down_kernel``'s sum with a program per pair: program ``q`` is token ``q // PAIRS``'s
+    pair ``j = q % PAIRS`` (``j`` < ``TOP_K`` routed, ``j == TOP_K`` its shared expert), rows
+    ``BLOCK_N`` of the output. It stores its weighted rows in its float32 partial row; the token's
+    pair that arrives last at the row block's counter adds the partial rows in pair order (the
+    order of the per-token program's sum, from zero) and stores the output, then zeroes the
+    counter for the next call."""
+    begin(PDL)
+    PAIRS: tl.constexpr = TOP_K + HAS_SHARED
+    q = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    t = q // PAIRS
+    j = q % PAIRS
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < H
+    rows = tl.minimum(o_n, H - 1).to(tl.int64)[:, None]
+    p = t * TOP_K + tl.minimum(j, TOP_K - 1)
+    e = tl.load(ids_ptr + p)
+    live = e >= 0
+    p_row = d_ptr + tl.maximum(e, 0).to(tl.int64) * stride_de + rows * stride_dn
+    p_act = act_ptr + p * stride_ap
+    scale = tl.load(w_ptr + p).to(tl.float32)
+    if HAS_SHARED:
+        shared = j == TOP_K
+        live = live | shared
+        p_row = tl.where(shared, sd_ptr + rows * stride_sd, p_row)
+        p_act = tl.where(shared, act_ptr + (N_ROUTED + t) * stride_ap, p_act)
+        scale = tl.where(shared, tl.load(sgate_ptr + t), scale)
+    y = scale * _pair_dot(p_row, p_act, FFN, live, H, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
+    p_part = part_ptr + t * PAIRS * H + o_n
+    tl.store(p_part + j * H, y, mask=m_n)
+    tl.debug_barrier()  # every thread's rows stored, then one release (``_gemv_kernel``'s semaphore)
+    count = count_ptr + t * tl.num_programs(1) + pid_n
+    arrived = tl.atomic_add(count, 1, sem="acq_rel")
+    if arrived == PAIRS - 1:  # the token's last pair at this row block: every partial row is written
+        tl.debug_barrier()  # the acquire above before any thread's loads below
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in tl.static_range(PAIRS):
+            acc += tl.load(p_part + i * H, mask=m_n, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=m_n)
+        tl.atomic_xchg(count, 0)  # ready for the next call (a graph replays it)
+
+
+@triton.jit
 def _q_grouped_gate_up_kernel(
     x_ptr, g_ptr, u_ptr, act_ptr, pairs_ptr, block_expert_ptr,
     n_pairs, H: tl.constexpr, FFN,
@@ -732,6 +790,16 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     if c_down.gemv_rows_warps >= triton.next_power_of_2(top_k) and rows.rows_fit(down.qtype, down.layout):
         rows.moe_down_rows(act, down, ids, w, out, n_routed, (s_down, sgate) if shared is not None else None,
                            c_down.gemv_rows_warps, c_down.gemv_rows_unroll)
+        return out
+    if c_down.gemv_pair_split and T * triton.cdiv(down.n, bn) <= MAX_SPLIT_TILES:
+        pairs = top_k + (shared is not None)
+        part = torch.empty(T * pairs, down.n, dtype=torch.float32, device=x.device)
+        _moe_down_pairs_kernel[(T * pairs, triton.cdiv(down.n, bn))](
+            act, down.raw, ids, w, out, sd_raw, sgate, part, _split_counters(x.device), down.n, n_routed, down.k,
+            top_k, act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), sd_stride,
+            QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
+            SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, num_warps=c_down.gemv_num_warps,
+            **launch(x.device, T, "experts"))
         return out
     _moe_down_kernel[(T, triton.cdiv(down.n, bn))](
         act, down.raw, ids, w, out, sd_raw, sgate, down.n, n_routed, down.k, top_k,

@@ -22,7 +22,8 @@ import torch
 TABLE = Path(__file__).with_name("tuned.json")
 KINDS = ("gemv", "experts", "moe_gate_up", "moe_down")
 TILE_KEYS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k")
-ROW_KEYS = ("gemv_rows_warps", "gemv_rows_unroll")  # optional: the row kernels (``engine.kernels.quant.rows``)
+# optional: the row kernels (``engine.kernels.quant.rows``) and the experts' down launch split per pair
+ROW_KEYS = ("gemv_rows_warps", "gemv_rows_unroll", "gemv_pair_split")
 
 
 @lru_cache(maxsize=None)

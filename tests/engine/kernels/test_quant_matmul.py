@@ -481,7 +481,7 @@ def test_shared_gate_is_computed_once_per_token_for_its_own_token(layout):
     *_, swapped = _moe_with_shared_case(Q.Q4_0, layout, 3, 5, 3, 96, 64, seed=11, logits=logits.roll(1))
     assert all(rel_err(swapped[t], ref[t]) > 1e-2 for t in range(3))  # the gates matter at this tolerance
     blocks = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=64)
-    launches = [(blocks, blocks)]
+    launches = [(blocks, blocks), (blocks, tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=64, gemv_pair_split=1))]
     if layout == "split":
         up, down = tq.QuantKernelConfig(gemv_rows_warps=2), tq.QuantKernelConfig(gemv_rows_warps=4)
         launches += [(up, down), (up, blocks), (blocks, down)]
@@ -489,6 +489,35 @@ def test_shared_gate_is_computed_once_per_token_for_its_own_token(layout):
         out = tq.quantized_moe_triton(x, *stack, ids, w, up, down, shared=shared)
         for t in range(3):
             assert rel_err(out[t], ref[t]) < 1e-5, (t, up, down)
+
+
+@pytest.mark.parametrize("qtype,layout,with_shared", [(Q.Q4_0, "split", True), (Q.Q4_0, "ggml", False),
+                                                     (Q.Q8_0, "split", False), (Q.Q4_K, "ggml", True)],
+                         ids=["Q4_0-split-shared", "Q4_0", "Q8_0-split", "Q4_K-shared"])
+def test_down_split_per_pair_adds_in_pair_order(qtype, layout, with_shared):
+    """The down launch with a program per pair: the per-token program's output bit for bit (the same
+    sum in the same order), an unrouted pair (-1) adding nothing, a ragged last row block, several
+    tokens and calls in a row (each leaves its counters zeroed for the next)."""
+    from engine.hybrid import quantized_moe
+
+    hidden, ffn = (256, 256) if qtype == Q.Q4_K else (96, 64)
+    bk = 256 if qtype == Q.Q4_K else 64
+    for T in (1, 3):
+        stack, shared, x, ids, w, ref = _moe_with_shared_case(qtype, layout, T, 5, 3, hidden, ffn, seed=T)
+        if not with_shared:
+            shared = None
+            ref = quantized_moe(x, stack, ids, w, impl="torch")
+        up = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=bk)
+        for bn in (8, 64):  # 96 rows: 64 leaves a ragged last block (256 rows for Q4_K: whole blocks)
+            per_token = tq.QuantKernelConfig(gemv_block_n=bn, gemv_block_k=bk)
+            per_pair = tq.QuantKernelConfig(gemv_block_n=bn, gemv_block_k=bk, gemv_pair_split=1)
+            a = tq.quantized_moe_triton(x, *stack, ids, w, up, per_token, shared=shared)
+            b = tq.quantized_moe_triton(x, *stack, ids, w, up, per_pair, shared=shared)
+            again = tq.quantized_moe_triton(x, *stack, ids, w, up, per_pair, shared=shared)
+            assert torch.equal(a, b) and torch.equal(b, again), (T, bn)
+            assert rel_err(b, ref) < 1e-5
+    with pytest.raises(ValueError, match="gemv_pair_split"):
+        tq.QuantKernelConfig(gemv_pair_split=2)
 
 
 @pytest.mark.gpu
@@ -500,6 +529,13 @@ def test_cuda_shared_expert_rides_in_the_routed_launches_real_shapes(T):
                                                           device="cuda")
     assert rel_err(tq.quantized_moe_triton(x, *stack, ids, w, shared=shared), ref) < 1e-4
     assert rel_err(tq.quantized_moe_triton(x.bfloat16(), *stack, ids, w, shared=shared), ref) < 2e-2
+    for bn in (4, 16):  # the down launch with a program per pair, compiled: the per-token sum bit for bit
+        per_token = tq.QuantKernelConfig(gemv_block_n=bn, gemv_block_k=512)
+        per_pair = tq.QuantKernelConfig(gemv_block_n=bn, gemv_block_k=512, gemv_pair_split=1)
+        up = tq.QuantKernelConfig(gemv_block_n=4, gemv_block_k=512)
+        a = tq.quantized_moe_triton(x, *stack, ids, w, up, per_token, shared=shared)
+        b = tq.quantized_moe_triton(x, *stack, ids, w, up, per_pair, shared=shared)
+        assert torch.equal(a, b) and rel_err(b, ref) < 1e-4
 
 
 @pytest.mark.parametrize("layout", ["ggml", "split"])

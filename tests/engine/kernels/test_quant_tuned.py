@@ -59,6 +59,16 @@ def test_row_kernel_settings_come_from_the_table_when_an_entry_has_them(table):
     assert tuned.config_for("gemv", "Q4_0", 24, 256, CPU, default).gemv_rows_warps == 0
 
 
+def test_the_down_launch_split_per_pair_comes_from_the_table(table):
+    """A ``moe_down`` entry may name ``gemv_pair_split``; entries written before it keep the program
+    per token."""
+    default = triton_quant.QuantKernelConfig()
+    tuned.write_table(table, "cpu", [entry("moe_down", n=256, k=64, gemv_pair_split=1),
+                                     entry("moe_down", n=128, k=64)], {})
+    assert tuned.config_for("moe_down", "Q4_0", 256, 64, CPU, default).gemv_pair_split == 1
+    assert tuned.config_for("moe_down", "Q4_0", 128, 64, CPU, default).gemv_pair_split == 0
+
+
 def test_a_broken_table_warns_and_keeps_the_defaults(table):
     table.write_text("{not json")
     default = triton_quant.QuantKernelConfig()
