@@ -24,28 +24,33 @@ def reference_route(logits, k):
     return ids, w / w.sum(-1, keepdim=True)
 
 
-def route_of_logits(logits, k):
+def route_of_logits(logits, k, warps=None):
     """The router's top-k of given logits: x the logits, the router the identity (exact in float32)."""
-    return kernels.route_triton(logits, torch.eye(logits.shape[1], device=logits.device), k)
+    return kernels.route_triton(logits, torch.eye(logits.shape[1], device=logits.device), k, num_warps=warps)
 
 
+@pytest.mark.parametrize("warps", [1, 4])
 @pytest.mark.parametrize("T, E, k", [(1, 8, 2), (3, 37, 4), (16, 256, 8), (5, 130, 1), (2, 1000, 8), (4, 8, 8)])
-def test_route_topk_matches_softmax_topk_renormalised(T, E, k):
+def test_route_topk_matches_softmax_topk_renormalised(T, E, k, warps):
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(E + k)).to(DEVICE) * 4
-    ids, w = route_of_logits(logits, k)
+    ids, w = route_of_logits(logits, k, warps)
     ref_ids, ref_w = reference_route(logits, k)
     assert ids.dtype == torch.int64 and w.dtype == torch.float32
     torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
     torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
 
 
-def test_route_ties_go_to_the_lower_id_and_strided_rows_are_read():
+@pytest.mark.parametrize("warps", [1, 4])
+def test_route_ties_go_to_the_lower_id_and_strided_rows_are_read(warps):
     wide = torch.zeros(3, 40, device=DEVICE)
     wide[:, 5] = wide[:, 9] = wide[:, 2] = 3.0  # a three-way tie at the top
     logits = wide[:, :20]  # rows strided by 40
-    ids, w = route_of_logits(logits, 2)
+    ids, w = route_of_logits(logits, 2, warps)
     assert ids.tolist() == [[2, 5]] * 3
     torch.testing.assert_close(w, torch.full((3, 2), 0.5, device=DEVICE))
+    ids, w = route_of_logits(torch.zeros(2, 37, device=DEVICE), 4, warps)  # every logit equal
+    assert ids.tolist() == [[0, 1, 2, 3]] * 2
+    torch.testing.assert_close(w, torch.full((2, 4), 0.25, device=DEVICE))
 
 
 def test_route_refuses_what_it_cannot_hold():
@@ -73,6 +78,9 @@ def test_route_from_x_matches_the_reference_twice(T, E, H, k, dtype):
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
     again = kernels.route_triton(x, router, k)  # the counters were left at zero
     assert torch.equal(again[0], ids) and torch.equal(again[1], w)
+    other = kernels.route_triton(x, router, k, num_warps=8 // kernels.WARPS)  # another split of the logits
+    assert torch.equal(other[0], ids)
+    torch.testing.assert_close(other[1], w, rtol=1e-6, atol=1e-7)
 
 
 def test_route_from_x_reads_strided_rows_and_breaks_ties_to_the_lower_id():

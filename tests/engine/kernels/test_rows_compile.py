@@ -120,9 +120,18 @@ def test_gemv_loads_its_first_weight_tile_before_waiting_on_the_kernel_before(pd
      {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "slots_ptr": "*i64", "out_ptr": "*bf16",
       "g_ptr": "*bf16"},
      {"N_CHUNKS": 64, "GROUP": 8, "D": 256, "BLOCK_T": 1, "CHUNK": 256, "BLOCK_C": 16, "GATED": True, "PDL": True}),
-], ids=["cache_write", "gated_combine"])
+    ("engine.kernels.moe_gate", "_route_kernel",
+     {"x_ptr": "*bf16", "r_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i64", "w_ptr": "*fp32"},
+     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "PDL": True}),
+    ("engine.kernels.quant.triton", "_moe_down_pairs_kernel",
+     {"act_ptr": "*bf16", "d_ptr": "*u8", "ids_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16", "sd_ptr": "*u8",
+      "sgate_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"},
+     {"FFN": 512, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 4, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 256,
+      "HAS_SHARED": True, "PDL": True}),
+], ids=["cache_write", "gated_combine", "router", "down_per_pair"])
 def test_attention_glue_kernels_compile(module, name, types, consts, tmp_path):
-    """The attention layer's fused cache write and gated combine build for sm_90 (the interpreter runs
-    code the compiler may reject), without spills, waiting on the kernel before them."""
+    """The attention layer's fused cache write and gated combine, the router and the experts' down
+    launch per pair build for sm_90 (the interpreter runs code the compiler may
+    reject), without spills, waiting on the kernel before them."""
     sass = _sass(name, types, consts, 4, tmp_path, module=module)
     assert "ACQBULK" in sass and "LDL" not in sass and "STL" not in sass
