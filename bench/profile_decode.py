@@ -4,6 +4,7 @@
         [--experts dense|quantized] [--budget-mb MB | --budget-percent P] [--cold-device cpu|gpu]
         [--no-graph] [--trace out.json] [--rows 30] [--depth N] [--attention-chunks 64,128,256]
         [--pdl-variants on,off,no-experts,no-experts+router] [--no-profile]
+        [--kernel-variants "router-warps=4+tiles=old.json,router-warps=1"]
 
 Prints the wall time per step (median of ``--steps`` after a warm-up) of the eager step
 (``Qwen35MoE.forward``) and of the static step replayed from a CUDA graph (``DecodeGraph``,
@@ -15,7 +16,10 @@ chunk size of the split-key decode attention (``engine.kernels.decode_attention`
 one's median, before the profiles (which use the last size). ``--pdl-variants`` likewise captures
 it once per programmatic-dependent-launch setting (``engine.kernels.pdl``: ``on``, ``off``, or
 ``no-`` and kernel families joined by ``+``, launched without it) and prints each median over at
-least 32 steps. ``--no-profile`` stops after the medians.
+least 32 steps. ``--kernel-variants`` captures it once per setting of the router's warps
+(``router-warps=N``, ``engine.kernels.moe_gate.WARPS``) and of the decode tile table (``tiles=PATH``, read in place of ``engine/kernels/quant/tuned.json``), settings joined by
+``+``, so that a change is timed against the tree before it in one process. ``--no-profile`` stops
+after the medians.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=16, help="prompt tokens in the cache before the timed steps")
     ap.add_argument("--pdl-variants", default="", help="on, off, no-FAMILY[+FAMILY...], comma-separated")
     ap.add_argument("--no-profile", action="store_true", help="only the step medians")
+    ap.add_argument("--kernel-variants", default="", help="router-warps=N and tiles=PATH joined by +, "
+                    "comma-separated")
     ap.add_argument("--attention-chunks", default="",
                     help="comma-separated keys per program of the decode attention, each timed in its own capture")
     args = ap.parse_args()
@@ -108,6 +114,8 @@ def main() -> None:
             print(f"attention chunk {chunk}: {timed(step, first, args.steps)}", flush=True)
         if args.pdl_variants:
             pdl_variants(args.pdl_variants, static, first, max(args.steps, 32))
+        if args.kernel_variants:
+            kernel_variants(args.kernel_variants, static, first, max(args.steps, 32))
         if not chunks:
             name, step = static()
         paths[name] = step
@@ -157,6 +165,30 @@ def pdl_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.Tens
             os.environ.pop(pdl.SKIP_ENV, None)
         else:
             os.environ[pdl.SKIP_ENV] = saved[1]
+
+
+def kernel_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.Tensor], torch.Tensor]]],
+                    token: torch.Tensor, steps: int) -> None:
+    """The captured step's median under each router and tile-table setting of ``spec``; the module
+    settings are restored after each."""
+    from engine.kernels import moe_gate
+    from engine.kernels.quant import tuned
+
+    saved = moe_gate.WARPS, tuned.TABLE
+    for variant in spec.split(","):
+        try:
+            for setting in variant.split("+"):
+                key, _, value = setting.partition("=")
+                if key == "router-warps" and value in ("1", "2", "4", "8"):
+                    moe_gate.WARPS = int(value)
+                elif key == "tiles" and Path(value).is_file():
+                    tuned.TABLE = Path(value)
+                else:
+                    raise SystemExit(f"--kernel-variants: {setting!r} is not router-warps=1|2|4|8 or tiles=FILE")
+            _, step = static()
+            print(f"kernels {variant}: {timed(step, token, steps)}", flush=True)
+        finally:
+            moe_gate.WARPS, tuned.TABLE = saved
 
 
 def timed(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int) -> str:
