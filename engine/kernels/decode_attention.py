@@ -25,6 +25,7 @@ import triton.language as tl
 
 from engine.kernels.fused import check_device
 from engine.kernels.pdl import begin, launch
+from engine.kernels.warps import warps
 
 WHAT = "the Triton decode attention kernel"
 CHUNK: int | None = None  # keys per program; None: ``chunk_for`` the cache's length (a benchmark may fix it)
@@ -200,12 +201,13 @@ def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         visible.stride(0), m.stride(0), m.stride(1), acc.stride(0), acc.stride(1),
         GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_S=BLOCK_S, BLOCK_Q=BLOCK_Q,
-        EXACT=keys.dtype == torch.float32, num_warps=4, **launch(keys.device, T, "attention"))
+        EXACT=keys.dtype == torch.float32, num_warps=warps("attention_chunk"), **launch(keys.device, T, "attention"))
     out = torch.empty(T, n_head * D, dtype=q.dtype, device=q.device)
     g = gate if gate is not None else out  # unread without a gate
     _combine_kernel[(n_kv, T * group)](
         m, l, acc, slots, out, g, T, n_chunks, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), out.stride(0),
         g.stride(0), g.stride(1) if gate is not None else 0,
-        GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_C=16, GATED=gate is not None, num_warps=4,
+        GROUP=group, D=D, BLOCK_T=block_t, CHUNK=chunk, BLOCK_C=16, GATED=gate is not None,
+        num_warps=warps("attention_combine"),
         **launch(keys.device, T, "attention"))
     return out

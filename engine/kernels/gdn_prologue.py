@@ -26,6 +26,7 @@ import triton.language as tl
 
 from engine.kernels.fused import check_device
 from engine.kernels.pdl import begin, launch
+from engine.kernels.warps import warps
 
 MAX_TOKENS = 16  # the token count is a compile-time constant: one compiled kernel per T
 MAX_HEAD_DIM = 256
@@ -155,6 +156,6 @@ def gdn_prologue_triton(qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight
         alpha.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), window.stride(0) if window is not None else 0,
         T=T, K=K, KM1=K - 1, HK=hk, HV=hv, R=hv // hk, DK=dk, DV=dv, BLOCK=triton.next_power_of_2(max(dk, dv)),
-        BLOCK_H=triton.next_power_of_2(hv), HAS_WINDOW=window is not None, num_warps=4,
+        BLOCK_H=triton.next_power_of_2(hv), HAS_WINDOW=window is not None, num_warps=warps("gdn_prologue"),
         **launch(qkv.device, qkv.shape[0], "gdn"))
     return q, k, v, g, beta

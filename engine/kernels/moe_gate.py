@@ -27,6 +27,7 @@ import triton.language as tl
 
 from engine.kernels.fused import check_device
 from engine.kernels.pdl import begin, launch
+from engine.kernels.warps import warps
 
 WHAT = "the Triton MoE gate kernels"
 MAX_EXPERTS = 1024  # one row of router logits in registers
@@ -34,7 +35,6 @@ MAX_HIDDEN = 16384  # one row of the layer input in registers (the shared expert
 MAX_TOKENS = 16  # rows of the router's scratch and counters (decode and verify blocks)
 TILE = 2048  # router weights per loop step of a ``route_triton`` program: 64 a thread at one warp
 PROGRAMS = 256  # ``route_triton`` programs to aim at (up to 16 experts each): two per SM of an H200
-WARPS = 1  # per ``route_triton`` program: its last program's top-k then reduces within one warp (``bench/router.py``)
 
 
 @triton.jit
@@ -135,7 +135,7 @@ def route_triton(x: torch.Tensor, router: torch.Tensor, k: int,
                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer input x [T, H] (float32, float16 or bfloat16; T <= 16) and the float32 router [E, H]
     -> (ids [T, k] int64, weights [T, k] float32 summing to 1), in one launch of ``num_warps``
-    warps per program (left out: the module's ``WARPS`` as it stands at the call)."""
+    warps per program (left out: ``engine.kernels.warps``'s entry for the router)."""
     _rows("x", x)
     _rows("router", router)
     check_device(x, WHAT)
@@ -159,7 +159,7 @@ def route_triton(x: torch.Tensor, router: torch.Tensor, k: int,
         _route_kernel[(triton.cdiv(E, block_e), T)](
             x, router, scratch, counters, ids, weights, E, H, x.stride(0), router.stride(0), scratch.stride(0),
             K=k, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(H), TILE // block_e),
-            ALL_E=triton.next_power_of_2(E), num_warps=WARPS if num_warps is None else num_warps,
+            ALL_E=triton.next_power_of_2(E), num_warps=warps("router") if num_warps is None else num_warps,
             **launch(x.device, T, "router"))
     return ids, weights
 

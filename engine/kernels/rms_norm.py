@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.pdl import begin, launch
+from engine.kernels.warps import warps
 
 MAX_DIM = 16384  # one row in registers
 
@@ -67,9 +68,14 @@ def add_rms_norm_triton(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, 
         h, memory_format=torch.contiguous_format)
     if h.numel():
         _add_rms_norm_kernel[(A,)](h, r, weight.contiguous(), h_out, out, D, float(eps), h.stride(0), r.stride(0),
-                                   BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+                                   BLOCK_D=triton.next_power_of_2(D), num_warps=_warps(D),
                                    **launch(h.device, A, "norm"))
     return h_out, out
+
+
+def _warps(D: int) -> int:
+    """The warps table's count for rows up to 4096 (``engine.kernels.warps``), 8 for longer rows."""
+    return warps("norm") if D <= 4096 else 8
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -97,6 +103,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: 
         _rms_norm_kernel[(A * B,)](
             x3, weight.contiguous(), g3, out, B, D, float(eps),
             x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1),
-            HAS_GATE=gate is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+            HAS_GATE=gate is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=_warps(D),
             **launch(x.device, A, "norm"))
     return out

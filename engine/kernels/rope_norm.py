@@ -20,6 +20,7 @@ import triton.language as tl
 
 from engine.kernels.fused import check_device
 from engine.kernels.pdl import begin, launch
+from engine.kernels.warps import warps
 
 MAX_HEAD_DIM = 1024
 
@@ -120,7 +121,7 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
     if out.numel():
         _norm_rope_kernel[(T * H,)](x, weight.contiguous(), cos, sin, out, H, float(eps),
                                     x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-                                    D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+                                    D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D), num_warps=warps("rope"),
                                     **launch(x.device, T, "attention"))
     return out
 
@@ -147,5 +148,6 @@ def norm_rope_to_cache_triton(k: torch.Tensor, v: torch.Tensor, weight: torch.Te
             k, v, weight.contiguous(), cos, sin, slots, cache_k, cache_v, H, float(eps),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
             cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1),
-            D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D), num_warps=4, **launch(k.device, T, "attention"))
+            D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D), num_warps=warps("rope"),
+            **launch(k.device, T, "attention"))
     return cache_k

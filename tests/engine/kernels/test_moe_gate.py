@@ -12,6 +12,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is decorated
 
+from engine.kernels import warps as warps_table  # noqa: E402
 from engine.model import moe  # noqa: E402
 
 kernels = pytest.importorskip("engine.kernels.moe_gate")
@@ -78,7 +79,7 @@ def test_route_from_x_matches_the_reference_twice(T, E, H, k, dtype):
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
     again = kernels.route_triton(x, router, k)  # the counters were left at zero
     assert torch.equal(again[0], ids) and torch.equal(again[1], w)
-    other = kernels.route_triton(x, router, k, num_warps=8 // kernels.WARPS)  # another split of the logits
+    other = kernels.route_triton(x, router, k, num_warps=8 // warps_table.warps("router"))  # another split of the logits
     assert torch.equal(other[0], ids)
     torch.testing.assert_close(other[1], w, rtol=1e-6, atol=1e-7)
 
