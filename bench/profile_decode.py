@@ -4,7 +4,7 @@
         [--experts dense|quantized] [--budget-mb MB | --budget-percent P] [--cold-device cpu|gpu]
         [--no-graph] [--trace out.json] [--rows 30] [--depth N] [--attention-chunks 64,128,256]
         [--pdl-variants on,off,no-experts,no-experts+router] [--no-profile]
-        [--kernel-variants "router-warps=4+tiles=old.json,router-warps=1"]
+        [--kernel-variants "router-warps=4+tiles=old.json,router-warps=1,norm-warps=1,gdn-norm=apart"]
 
 Prints the wall time per step (median of ``--steps`` after a warm-up) of the eager step
 (``Qwen35MoE.forward``) and of the static step replayed from a CUDA graph (``DecodeGraph``,
@@ -16,10 +16,12 @@ chunk size of the split-key decode attention (``engine.kernels.decode_attention`
 one's median, before the profiles (which use the last size). ``--pdl-variants`` likewise captures
 it once per programmatic-dependent-launch setting (``engine.kernels.pdl``: ``on``, ``off``, or
 ``no-`` and kernel families joined by ``+``, launched without it) and prints each median over at
-least 32 steps. ``--kernel-variants`` captures it once per setting of the router's warps
-(``router-warps=N``, ``engine.kernels.moe_gate.WARPS``) and of the decode tile table (``tiles=PATH``, read in place of ``engine/kernels/quant/tuned.json``), settings joined by
-``+``, so that a change is timed against the tree before it in one process. ``--no-profile`` stops
-after the medians.
+least 32 steps. ``--kernel-variants`` captures it once per setting of a small kernel's warps
+(``NAME-warps=N``, NAME a kernel of ``engine.kernels.warps``: router, norm, rope, gdn_prologue,
+delta_rule, attention_chunk, attention_combine), of the decode tile table (``tiles=PATH``, read
+in place of ``engine/kernels/quant/tuned.json``) and of Gated DeltaNet's gated norm (``gdn-norm=apart``:
+its own launch; ``inside``: in the delta rule's, ``engine.model.gated_deltanet.NORM_IN_RULE``),
+settings joined by ``+``, so that a change is timed against the tree before it in one process. ``--no-profile`` stops after the medians.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=16, help="prompt tokens in the cache before the timed steps")
     ap.add_argument("--pdl-variants", default="", help="on, off, no-FAMILY[+FAMILY...], comma-separated")
     ap.add_argument("--no-profile", action="store_true", help="only the step medians")
-    ap.add_argument("--kernel-variants", default="", help="router-warps=N and tiles=PATH joined by +, "
-                    "comma-separated")
+    ap.add_argument("--kernel-variants", default="", help="NAME-warps=N, tiles=PATH and gdn-norm=inside|apart "
+                    "joined by +, comma-separated")
     ap.add_argument("--attention-chunks", default="",
                     help="comma-separated keys per program of the decode attention, each timed in its own capture")
     args = ap.parse_args()
@@ -169,26 +171,34 @@ def pdl_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.Tens
 
 def kernel_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.Tensor], torch.Tensor]]],
                     token: torch.Tensor, steps: int) -> None:
-    """The captured step's median under each router and tile-table setting of ``spec``; the module
-    settings are restored after each."""
-    from engine.kernels import moe_gate
+    """The captured step's median under each warps and tile-table setting of ``spec``; the settings are
+    restored after each."""
+    from engine.kernels import warps
     from engine.kernels.quant import tuned
+    from engine.model import gated_deltanet
 
-    saved = moe_gate.WARPS, tuned.TABLE
     for variant in spec.split(","):
+        saved = dict(warps.WARPS), tuned.TABLE, gated_deltanet.NORM_IN_RULE
         try:
             for setting in variant.split("+"):
                 key, _, value = setting.partition("=")
-                if key == "router-warps" and value in ("1", "2", "4", "8"):
-                    moe_gate.WARPS = int(value)
+                if key.endswith("-warps") and value.isdigit():
+                    try:
+                        warps.set_warps(key[:-len("-warps")], int(value))
+                    except ValueError as exc:
+                        raise SystemExit(f"--kernel-variants: {exc}") from None
                 elif key == "tiles" and Path(value).is_file():
                     tuned.TABLE = Path(value)
+                elif key == "gdn-norm" and value in ("inside", "apart"):
+                    gated_deltanet.NORM_IN_RULE = value == "inside"
                 else:
-                    raise SystemExit(f"--kernel-variants: {setting!r} is not router-warps=1|2|4|8 or tiles=FILE")
+                    raise SystemExit(f"--kernel-variants: {setting!r} is not NAME-warps=N, tiles=FILE or "
+                                     f"gdn-norm=inside|apart")
             _, step = static()
             print(f"kernels {variant}: {timed(step, token, steps)}", flush=True)
         finally:
-            moe_gate.WARPS, tuned.TABLE = saved
+            warps.WARPS.update(saved[0])
+            tuned.TABLE, gated_deltanet.NORM_IN_RULE = saved[1], saved[2]
 
 
 def timed(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int) -> str:

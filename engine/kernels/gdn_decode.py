@@ -9,6 +9,12 @@ update mixes rows through ``k_t`` only), so a program keeps its [dk, BLOCK_V] sl
 state in registers across all T tokens and writes it back once: the state is read and
 written once per call whatever T is, and nothing needs a second launch.
 
+With ``norm``, the launch also applies Gated DeltaNet's gated RMSNorm to each head's output
+(``rms_norm(o, weight, eps, gate=z)``, ``engine.model.norm``), which needs the head's whole row
+of values: the head's program that arrives last at its counter (the semaphore of the split
+GEMVs) reads the head's rows back and writes them normed, in the output dtype, then zeroes the
+counter. That replaces the norm's own launch in a decode step.
+
 Importing this module needs Triton; ``decode_kernel_available`` says where it runs compiled.
 """
 
@@ -20,9 +26,11 @@ import triton.language as tl
 
 from engine.kernels.fused import check_device
 from engine.kernels.pdl import begin, launch
+from engine.kernels.warps import warps
 
 MAX_HEAD_DIM = 128  # a [128, BLOCK_V] float32 slice of the state still fits in registers
 MAX_TOKENS = 16  # the token count is a compile-time constant: one compiled kernel per T
+MAX_HEADS = 1024  # value heads a normed call may count in (one int32 counter each, per device)
 
 
 def decode_kernel_available(device: torch.device | str, head_k: int = MAX_HEAD_DIM,
@@ -40,8 +48,9 @@ def _delta_rule_decode_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh,
     stride_sh, stride_sk, stride_sv, stride_ot, stride_oh, stride_zh, stride_zk, stride_zv,
+    gate_ptr, nw_ptr, y_ptr, count_ptr, eps, stride_gate_t, stride_gate_h, stride_yt, stride_yh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    PDL: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
     begin(PDL)
     i_h = tl.program_id(0)
@@ -69,6 +78,24 @@ def _delta_rule_decode_kernel(
 
     p_z = s_out_ptr + i_h * stride_zh + o_k[:, None] * stride_zk + o_v[None, :] * stride_zv
     tl.store(p_z, b_s, mask=m_s)
+    if NORM:
+        tl.debug_barrier()  # every thread's outputs stored, then one release (the split GEMVs' semaphore)
+        arrived = tl.atomic_add(count_ptr + i_h, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:  # the head's last value block: its rows are complete
+            tl.debug_barrier()  # the acquire above before any thread's loads below
+            o_d = tl.arange(0, BLOCK_DV)
+            m_d = o_d < DV
+            w = tl.load(nw_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
+            for t in range(T):
+                x = tl.load(o_ptr + t * stride_ot + i_h * stride_oh + o_d, mask=m_d, other=0.0,
+                            cache_modifier=".cg")
+                r = tl.rsqrt(tl.sum(x * x, axis=0) / DV + eps)
+                z = tl.load(gate_ptr + t * stride_gate_t + i_h * stride_gate_h + o_d, mask=m_d,
+                            other=0.0).to(tl.float32)
+                y = x * r * w  # as ``engine.kernels.rms_norm``'s kernel forms it, operation for operation
+                y = y * z * tl.sigmoid(z)
+                tl.store(y_ptr + t * stride_yt + i_h * stride_yh + o_d, y.to(y_ptr.dtype.element_ty), mask=m_d)
+            tl.atomic_xchg(count_ptr + i_h, 0)  # ready for the next call (a graph replays it)
 
 
 def _check(q, k, v, g, beta, state, out_state, block_v):
@@ -101,10 +128,36 @@ def _check(q, k, v, g, beta, state, out_state, block_v):
     check_device(q, "the Triton decode kernel")
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _norm_counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed per-head arrival counters of normed calls. Made once, outside any graph
+    capture (the first call on a device comes from a warm-up), and left zeroed by every launch."""
+    if device not in _counters:
+        with torch.inference_mode(False):
+            _counters[device] = torch.zeros(MAX_HEADS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def _check_norm(norm, T: int, H: int, dv: int, device: torch.device) -> None:
+    gate, weight, eps, dtype = norm
+    if gate.shape != (T, H, dv) or gate.stride(-1) != 1 or gate.device != device:
+        raise ValueError(f"the norm's gate must be [T, H, dv] = {(T, H, dv)} on {device} with a contiguous last "
+                         f"dimension, got {tuple(gate.shape)} on {gate.device}")
+    if weight.shape != (dv,) or weight.device != device or not isinstance(dtype, torch.dtype):
+        raise ValueError(f"the norm's weight must be [{dv}] on {device} and its output a dtype, got "
+                         f"{tuple(weight.shape)} on {weight.device} and {dtype!r}")
+    if H > MAX_HEADS:
+        raise ValueError(f"a normed call takes at most {MAX_HEADS} value heads, got {H}")
+
+
 def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, state: torch.Tensor, scale: float, *,
                              out_state: torch.Tensor | None = None, block_v: int = 32,
-                             num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                             num_warps: int | None = None,
+                             norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype] | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``DeltaRuleFn`` contract of ``delta_rule_recurrent`` for T of 0..``MAX_TOKENS`` tokens.
 
     q, k [T, H, dk] unit rows and v [T, H, dv] in any float dtype; g, beta [T, H]; state
@@ -112,6 +165,10 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     state). The new state is written to ``out_state`` when given, which may be ``state``
     itself (each program reads its slice before writing it back), else to a new tensor and
     ``state`` is left unchanged.
+
+    ``norm`` (gate [T, H, dv], weight [dv], eps, dtype): the output is instead
+    ``rms_norm(o, weight, eps, gate=gate)`` in that dtype, Gated DeltaNet's gated norm, applied by
+    each head's last program.
     """
     _check(q, k, v, g, beta, state, out_state, block_v)
     T, H, dk = q.shape
@@ -121,6 +178,13 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     s_out = torch.empty_like(state) if out_state is None else out_state
     block_k = triton.next_power_of_2(dk)
     block_v = min(block_v, triton.next_power_of_2(dv))
+    if norm is not None:
+        _check_norm(norm, T, H, dv, q.device)
+        gate, weight, eps, dtype = norm
+        y = torch.empty(T, H, dv, dtype=dtype, device=q.device)
+        counters = _norm_counters(q.device)
+    else:  # unread stand-ins
+        gate, weight, eps, y, counters = o, o, 0.0, o, o
     _delta_rule_decode_kernel[(H, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, o, s_out,
         float(scale),
@@ -128,5 +192,11 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
         s_out.stride(0), s_out.stride(1), s_out.stride(2),
-        T=T, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=num_warps, **launch(q.device, T, "gdn"))
-    return o, s_out
+        gate, weight, y, counters, float(eps), gate.stride(0), gate.stride(1), y.stride(0), y.stride(1),
+        T=T, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, NORM=norm is not None,
+        BLOCK_DV=triton.next_power_of_2(dv),
+        num_warps=warps("delta_rule") if num_warps is None else num_warps, **launch(q.device, T, "gdn"))
+    return (y if norm is not None else o), s_out
+
+
+delta_rule_decode_triton.takes_norm = True  # ``norm=``: see above (``engine.model.gated_deltanet``)

@@ -26,6 +26,9 @@ CHUNK = 64
 RECURRENT_MAX_TOKENS = 4
 # Up to this many tokens a ``DeltaRule`` with a ``short`` kernel uses it (DFlash verify blocks).
 SHORT_MAX_TOKENS = 16
+# A delta rule with ``takes_norm`` applies the gated norm itself when ``gdn_forward`` passes ``norm=``
+# (the Triton decode kernel does it in its own launch); False keeps the norm's own launch (for comparison).
+NORM_IN_RULE = True
 
 # (q, k, v, g, beta, state, scale) -> (o, new state); q, k [T, H, dk] unit rows, v [T, H, dv],
 # g, beta [T, H] float32, state [H, dk, dv] float32; o [T, H, dv].
@@ -167,13 +170,18 @@ class DeltaRule:
         """The back ends in use, short calls' first when there is one (``triton+fla``)."""
         return f"triton+{self.backend}" if self.short is not None else self.backend
 
-    def __call__(self, q, k, v, g, beta, state, scale):
+    takes_norm = True  # ``norm=``: the output through the gated norm (``gdn_forward``)
+
+    def __call__(self, q, k, v, g, beta, state, scale, norm=None):
         T = q.shape[0]
+        fn = self.recurrent if T <= RECURRENT_MAX_TOKENS else self.chunk
         if (self.short is not None and T <= SHORT_MAX_TOKENS
                 and max(q.shape[-1], v.shape[-1]) <= self.short_head_dim):
-            return self.short(q, k, v, g, beta, state, scale)
-        fn = self.recurrent if T <= RECURRENT_MAX_TOKENS else self.chunk
-        return fn(q, k, v, g, beta, state, scale)
+            if norm is not None and getattr(self.short, "takes_norm", False):
+                return self.short(q, k, v, g, beta, state, scale, norm=norm)
+            fn = self.short
+        o, s = fn(q, k, v, g, beta, state, scale)
+        return (gated_norm(o, norm) if norm is not None else o), s
 
 
 def _short_kernel() -> tuple[DeltaRuleFn | None, int]:
@@ -198,9 +206,11 @@ def decode_delta_rule(head_k: int, head_v: int, *, impl: str, in_place: bool = T
         from engine.kernels.gdn_decode import MAX_HEAD_DIM, delta_rule_decode_triton
 
         if max(head_k, head_v) <= MAX_HEAD_DIM:
-            def triton_rule(q, k, v, g, beta, state, scale):
-                return delta_rule_decode_triton(q, k, v, g, beta, state, scale, out_state=state if in_place else None)
+            def triton_rule(q, k, v, g, beta, state, scale, norm=None):
+                return delta_rule_decode_triton(q, k, v, g, beta, state, scale, out_state=state if in_place else None,
+                                                norm=norm)
 
+            triton_rule.takes_norm = True
             return triton_rule, "triton"
     return delta_rule_recurrent, "torch"
 
@@ -326,6 +336,12 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
         if record is not None:
             for buf, t in zip((record.q, record.k, record.v, record.g, record.beta), (q, k, v, g, beta)):
                 buf.copy_(t)
+    if NORM_IN_RULE and getattr(delta_rule, "takes_norm", False):  # the gated norm inside the rule's launch
+        T = x.shape[0]
+        y, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5,
+                          norm=(z.view(T, hv, dv), w.norm, cfg.rms_eps, x.dtype))
+        recurrent_state.copy_(s)
+        return linear(y.reshape(T, hv * dv), w.out)
     o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5)
     recurrent_state.copy_(s)
     return _gdn_output(w, o, z, cfg, x.dtype)
@@ -339,10 +355,17 @@ def _gdn_projections(w: GDNWeights, x: torch.Tensor, cfg: ModelConfig) -> tuple[
     return linear(x, w.qkv), linear(x, w.z), linear(x, w.beta), linear(x, w.alpha)
 
 
+def gated_norm(o: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype]) -> torch.Tensor:
+    """The delta rule's output o [T, hv, dv] through Gated DeltaNet's gated RMSNorm: ``norm`` is
+    (gate [T, hv, dv], weight [dv], eps, output dtype); float32 inside."""
+    gate, weight, eps, dtype = norm
+    return rms_norm(o, weight, eps, gate=gate, out_dtype=dtype)
+
+
 def _gdn_output(w: GDNWeights, o: torch.Tensor, z: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
     """The delta rule's output o [T, hv, dv] through the gated RMSNorm (gate z) and the output projection."""
     T, hv, dv = o.shape
-    o = rms_norm(o, w.norm, cfg.rms_eps, gate=z.view(T, hv, dv), out_dtype=dtype)  # float32 inside
+    o = gated_norm(o, (z.view(T, hv, dv), w.norm, cfg.rms_eps, dtype))
     return linear(o.reshape(T, hv * dv), w.out)
 
 

@@ -120,6 +120,40 @@ def test_rejects_sizes_beyond_the_kernel():
         delta_rule_decode_triton(*inputs(gdn_decode.MAX_TOKENS + 1, 1, 16, 16), 0.25)
 
 
+@pytest.mark.parametrize("T, H, dv, block_v", [(1, 5, 64, 16), (3, 3, 40, 8), (2, 1, 32, 32), (4, 3, 128, 32)])
+def test_the_gated_norm_inside_the_launch_equals_the_norm_after_it(T, H, dv, block_v):
+    """``norm=``: each head's last value block applies the gated RMSNorm (several blocks per head,
+    one, and a head size that is not a power of two), as ``rms_norm`` does after the unnormed
+    launch, operation for operation (the same bits as the norm's own Triton kernel); the gate read
+    through row strides; the counters left zeroed for the next call; the state as without the norm."""
+    from engine.kernels.rms_norm import rms_norm_triton
+    from engine.model.norm import rms_norm_reference
+
+    dk = 32
+    q, k, v, g, beta, s0 = inputs(T, H, dk, dv, v_dtype=torch.bfloat16, seed=T + H + dv)
+    wide = torch.randn(T, H * dv + 7, generator=torch.Generator().manual_seed(dv)).bfloat16()
+    gate = wide[:, 3:3 + H * dv].view(T, H, dv)  # rows strided by the wider projection, as z arrives
+    weight = torch.rand(dv, generator=torch.Generator().manual_seed(H)) + 0.5
+    o, s = delta_rule_decode_triton(q, k, v, g, beta, s0, dk ** -0.5, block_v=block_v)
+    want = rms_norm_triton(o, weight, 1e-6, gate=gate, out_dtype=torch.bfloat16)
+    for _ in range(2):  # the second call finds its counters zeroed
+        y, s_n = delta_rule_decode_triton(q, k, v, g, beta, s0, dk ** -0.5, block_v=block_v,
+                                          norm=(gate, weight, 1e-6, torch.bfloat16))
+        assert y.dtype == torch.bfloat16 and y.shape == (T, H, dv)
+        assert torch.equal(y, want) and torch.equal(s_n, s)
+    ref = rms_norm_reference(o, weight, 1e-6, gate=gate, out_dtype=torch.float32)
+    assert rel_err(y.float(), ref) < 1e-2  # bf16 rounding of the output
+
+
+def test_the_gated_norm_refuses_a_mismatched_gate_or_weight():
+    q, k, v, g, beta, s0 = inputs(1, 3, 32, 32)
+    gate, weight = torch.randn(1, 3, 32), torch.rand(32)
+    with pytest.raises(ValueError, match="gate must be"):
+        delta_rule_decode_triton(q, k, v, g, beta, s0, 1.0, norm=(gate[:, :2], weight, 1e-6, torch.float32))
+    with pytest.raises(ValueError, match="weight must be"):
+        delta_rule_decode_triton(q, k, v, g, beta, s0, 1.0, norm=(gate, weight[:16], 1e-6, torch.float32))
+
+
 def test_availability():
     assert not gdn_decode.decode_kernel_available("cpu")
     assert not gdn_decode.decode_kernel_available("cuda", head_k=256)
@@ -141,6 +175,24 @@ def test_matches_reference_real_shape(T, v_dtype):
     state = s0.clone()
     delta_rule_decode_triton(q, k, v, g, beta, state, 128 ** -0.5, out_state=state)
     assert rel_err(state, s_ref) <= TOL_GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_the_gated_norm_inside_the_launch_real_shape(T):
+    """The 35B shape compiled: the normed launch against the norm's own kernel after the plain one
+    (within one bf16 rounding: the two reductions may differ in order on the GPU)."""
+    from engine.kernels.rms_norm import rms_norm_triton
+
+    q, k, v, g, beta, s0 = inputs(T, **REAL, v_dtype=torch.bfloat16, seed=20 + T, device="cuda")
+    gate = torch.randn(T, 32, 128, device="cuda").bfloat16()
+    weight = torch.rand(128, device="cuda") + 0.5
+    o, s = delta_rule_decode_triton(q, k, v, g, beta, s0, 128 ** -0.5)
+    want = rms_norm_triton(o, weight, 1e-6, gate=gate, out_dtype=torch.bfloat16)
+    for _ in range(2):
+        y, s_n = delta_rule_decode_triton(q, k, v, g, beta, s0, 128 ** -0.5, norm=(gate, weight, 1e-6, torch.bfloat16))
+        assert torch.allclose(y.float(), want.float(), rtol=8e-3, atol=1e-5) and torch.equal(s_n, s)
 
 
 @pytest.mark.gpu

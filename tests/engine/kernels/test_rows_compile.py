@@ -128,10 +128,33 @@ def test_gemv_loads_its_first_weight_tile_before_waiting_on_the_kernel_before(pd
       "sgate_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"},
      {"FFN": 512, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 4, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 256,
       "HAS_SHARED": True, "PDL": True}),
-], ids=["cache_write", "gated_combine", "router", "down_per_pair"])
+    ("engine.kernels.gdn_decode", "_delta_rule_decode_kernel",
+     {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "s_ptr": "*fp32",
+      "o_ptr": "*fp32", "s_out_ptr": "*fp32", "scale": "fp32", "gate_ptr": "*bf16", "nw_ptr": "*fp32",
+      "y_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32"},
+     {"T": 1, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": True, "BLOCK_DV": 128, "PDL": True}),
+], ids=["cache_write", "gated_combine", "router", "down_per_pair", "delta_rule_gated_norm"])
 def test_attention_glue_kernels_compile(module, name, types, consts, tmp_path):
-    """The attention layer's fused cache write and gated combine, the router and the experts' down
-    launch per pair build for sm_90 (the interpreter runs code the compiler may
+    """The attention layer's fused cache write and gated combine, the router, the experts' down
+    launch per pair and the delta rule with the gated norm build for sm_90 (the interpreter runs code the compiler may
     reject), without spills, waiting on the kernel before them."""
     sass = _sass(name, types, consts, 4, tmp_path, module=module)
+    assert "ACQBULK" in sass and "LDL" not in sass and "STL" not in sass
+
+
+@pytest.mark.parametrize("module, name, types, consts", [
+    ("engine.kernels.rms_norm", "_add_rms_norm_kernel",
+     {"h_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*fp32", "h_out_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
+     {"BLOCK_D": 2048, "PDL": True}),
+    ("engine.kernels.rms_norm", "_rms_norm_kernel",
+     {"x_ptr": "*fp32", "w_ptr": "*fp32", "g_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
+     {"HAS_GATE": True, "BLOCK_D": 128, "PDL": True}),
+    ("engine.kernels.rope_norm", "_norm_rope_kernel",
+     {"x_ptr": "*bf16", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"},
+     {"D": 256, "HALF": 32, "BLOCK_D": 256, "PDL": True}),
+], ids=["add_norm", "gated_norm", "norm_rope"])
+def test_small_kernels_build_at_one_warp(module, name, types, consts, tmp_path):
+    """The norms and the norm + RoPE at the 35B rows with one warp a program (a setting of
+    ``engine.kernels.warps`` that ``bench/small_kernels.py`` times): no spills, the PDL wait kept."""
+    sass = _sass(name, types, consts, 1, tmp_path, module=module)
     assert "ACQBULK" in sass and "LDL" not in sass and "STL" not in sass

@@ -333,6 +333,31 @@ def test_triton_decode_rule_updates_the_state_in_place(heads):
     assert rel_err(o, o_ref) <= STATE_TOL and rel_err(state, s_ref) <= STATE_TOL
 
 
+def test_the_triton_rule_takes_the_gated_norm_into_its_launch(engine_model, monkeypatch):
+    """With the Triton decode rule, a static step's Gated DeltaNet layers apply the gated norm in
+    the rule's launch (no norm call of their own), and its logits equal those of the step with the
+    norm in its own launch (``NORM_IN_RULE`` False) within float32 summation order."""
+    pytest.importorskip("triton")
+    from engine.model import gated_deltanet
+
+    model = engine_model
+    ids = tokens(model.cfg.vocab, 8, seed=4)
+    calls = []
+    norm = gated_deltanet.rms_norm
+    monkeypatch.setattr(gated_deltanet, "rms_norm", lambda *a, **k: calls.append(1) or norm(*a, **k))
+    logits = {}
+    for inside in (True, False):
+        monkeypatch.setattr(gated_deltanet, "NORM_IN_RULE", inside)
+        state = model.new_state(12)
+        with torch.inference_mode():
+            model.forward(ids[:5], state, logits="none")
+        calls.clear()
+        step = DecodeGraph(model, state, tokens=3, kernels="triton")
+        logits[inside] = step.step(ids[5:8])
+        assert bool(calls) != inside, f"gated norm calls of its own: {len(calls)}"
+    assert rel_err(logits[True], logits[False]) <= LOGITS_TOL
+
+
 def test_decode_rule_falls_back_to_torch_beyond_the_kernel():
     pytest.importorskip("triton")
     assert decode_delta_rule(256, 128, impl="triton") == (delta_rule_recurrent, "torch")
