@@ -1,16 +1,14 @@
 """bench/draft_rows.py on the shipped target and draft: per-row acceptance, teacher-forced and
 speculative, on windows of a small corpus."""
 
-import importlib
 import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_rows_report_both_acceptances_within_a_block(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    draft_rows = importlib.import_module("draft_rows")
+def test_rows_report_both_acceptances_within_a_block(tmp_path, bench_script):
+    draft_rows = bench_script("draft_rows")
     sources = sorted((ROOT / "engine" / "dflash").glob("*.py"))[:6]
     corpus = tmp_path / "train.txt"
     corpus.write_text("".join(p.read_text() + "<|endoftext|>" for p in sources))

@@ -1,21 +1,11 @@
 """The decode tile sweep's grid of bench/quant_matmul.py (timing needs a GPU; the grid does not)."""
 
-import importlib
-import os
-from pathlib import Path
-
 import pytest
-import torch
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def quant_matmul(monkeypatch):
-    if not torch.cuda.is_available():  # read when the kernels are decorated, as the kernel tests set it
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the script imports its sibling ``common``
-    return importlib.import_module("quant_matmul")
+def quant_matmul(bench_script):
+    return bench_script("quant_matmul")
 
 
 def test_sweep_tiles_reach_the_whole_of_k_and_stay_valid(quant_matmul):
