@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 9, after 38: the experts' down launch with a program per pair (``gemv_pair_split``) and the
 # router's warps. Their CUDA tests (the router's file needs more than 100 s there: TESTS_S); the router's
-# settings timed (bench/router.py); the experts' tiles swept with the per-pair down launch in the grid
+# settings timed (bench/small_kernels.py --kernels router); the experts' tiles swept with the per-pair down launch in the grid
 # (the table copied to $OUT); then the captured 35B step in one process with the router at 4 and 1 warps,
 # each with the tile table from before the sweep and after; then the captured-step tests with the new table.
 source "$(dirname "$0")/env.sh"
@@ -13,8 +13,9 @@ timeout ${TESTS_S:-100} python3 -m pytest -o addopts="" -q --tb=short -p no:cach
   "tests/engine/kernels/test_quant_matmul.py::test_cuda_quantized_moe_real_shapes" > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
 tests_summary $t0
 mv "$OUT/tests.log" "$OUT/tests_kernels.log"
-timeout ${ROUTER_S:-40} python3 bench/router.py --json "$OUT/router.json" > "$OUT/router.log" 2>&1 || echo "router rc=$?"
-grep -E "fastest|default" "$OUT/router.log" || true
+timeout ${ROUTER_S:-40} python3 bench/small_kernels.py --kernels router --json "$OUT/router.json" > "$OUT/router.log" 2>&1 \
+  || echo "router rc=$?"
+grep -E "fastest|table" "$OUT/router.log" || true
 SHAPES=experts SWEEP_S=${SWEEP_S:-140} sweep_tiles blocks
 [ -z "$maker" ] || wait $maker || echo "make-model failed"
 timeout ${PROFILE_S:-170} python3 bench/profile_decode.py --model /tmp/q35.gguf --weights quantized --experts quantized \
