@@ -26,10 +26,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine.gguf.quants import random_quantized
-from engine.kernels.quant import QuantExperts, QuantMatrix, qmatmul_reference
+from engine.kernels.quant import QuantMatrix, qmatmul_reference
 from engine.kernels.quant.reference import SPLIT_QTYPES, split_layout_on
 from engine.kernels.quant.triton import qmatmul, quantized_moe_triton
-from quant_matmul import EXPERTS, PAIRS, decode_shapes, rel_err
+from quant_matmul import decode_shapes, expert_case, rel_err
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,24 +44,12 @@ def launches(label: str, kind: str, n: int, k: int, dev: torch.device, rng: np.r
     """(call, reference output) of one shape's decode launches."""
     qtype = Q.Q4_0
     layout = "split" if qtype in SPLIT_QTYPES and split_layout_on(dev) else "ggml"
-    x = torch.randn(1, k, device=dev).bfloat16()
     if kind == "gemv":
+        x = torch.randn(1, k, device=dev).bfloat16()
         qm = QuantMatrix.from_gguf_bytes(random_quantized((n, k), qtype, rng, 0.02), qtype, n, k).to(dev)
         qm = qm.with_layout(layout)
         return (lambda: qmatmul(x, qm)), qmatmul_reference(x, qm.ggml_raw, qtype, n, k)
-    from engine.hybrid import quantized_moe
-
-    stack = [QuantExperts.from_gguf_bytes(random_quantized((EXPERTS, a, b), qtype, rng, 0.02), qtype, EXPERTS, a, b)
-             .to(dev).with_layout(layout) for a, b in ((n, k), (n, k), (k, n))]
-    s_gu = QuantMatrix.from_gguf_bytes(random_quantized((2 * n, k), qtype, rng, 0.02), qtype, 2 * n, k).to(dev)
-    s_down = QuantMatrix.from_gguf_bytes(random_quantized((k, n), qtype, rng, 0.02), qtype, k, n).to(dev)
-    shared = (s_gu.with_layout(layout), s_down.with_layout(layout), torch.randn(k, device=dev) * 0.05)
-    ids = torch.randperm(EXPERTS, device=dev)[:PAIRS].reshape(1, PAIRS)
-    w = torch.softmax(torch.randn(1, PAIRS, device=dev), -1)
-    gu = qmatmul_reference(x.float(), s_gu.ggml_raw, qtype, 2 * n, k)
-    act = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
-    ref = (quantized_moe(x, stack, ids, w, impl="torch").float()
-           + torch.sigmoid(x.float() @ shared[2])[:, None] * qmatmul_reference(act, s_down.ggml_raw, qtype, k, n))
+    stack, shared, x, ids, w, ref = expert_case(n, k, qtype, layout, dev, rng)
     return (lambda: quantized_moe_triton(x, *stack, ids, w, shared=shared)), ref
 
 

@@ -190,6 +190,26 @@ def tile_grid(k: int, kind: str = "gemv") -> list[dict]:
     return grid + [t | {"gemv_pair_split": 1} for t in grid] if kind == "moe_down" else grid
 
 
+def expert_case(n: int, k: int, qtype: Q, layout: str, dev: torch.device, rng: np.random.Generator):
+    """One token's experts as a decode step runs them: ``EXPERTS`` stacked gate, up [n, k] and down
+    [k, n] with ``PAIRS`` of them routed, and a shared expert of the same shape riding in the same two
+    launches; random blocks in ``layout``. Returns (stack, shared, x, ids, w, float32 reference)."""
+    stack = [QuantExperts.from_gguf_bytes(random_quantized((EXPERTS, a, b), qtype, rng, 0.02), qtype, EXPERTS, a, b)
+             .to(dev).with_layout(layout) for a, b in ((n, k), (n, k), (k, n))]
+    x = torch.randn(1, k, device=dev).bfloat16()
+    ids = torch.randperm(EXPERTS, device=dev)[:PAIRS].reshape(1, PAIRS)
+    w = torch.softmax(torch.randn(1, PAIRS, device=dev), -1)
+    s_gu = QuantMatrix.from_gguf_bytes(random_quantized((2 * n, k), qtype, rng, 0.02), qtype, 2 * n, k).to(dev)
+    s_down = QuantMatrix.from_gguf_bytes(random_quantized((k, n), qtype, rng, 0.02), qtype, k, n).to(dev)
+    shared = (s_gu.with_layout(layout), s_down.with_layout(layout), torch.randn(k, device=dev) * 0.05)
+    gu = qmatmul_reference(x.float(), s_gu.ggml_raw, qtype, 2 * n, k)
+    act = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
+    gate = torch.sigmoid(x.float() @ shared[2])[:, None]
+    ref = (quantized_moe(x, stack, ids, w, impl="torch").float()
+           + gate * qmatmul_reference(act, s_down.ggml_raw, qtype, k, n))
+    return stack, shared, x, ids, w, ref
+
+
 def sweep(args, rng) -> None:
     """The fastest decode tiles per 35B shape: the grid at 4 warps, then warps and no-split
     variants of the grid's best, each checked against the reference before timing."""
@@ -225,25 +245,9 @@ def sweep(args, rng) -> None:
                 ref = qmatmul_reference(x, qm.ggml_raw, qtype, n, k)
                 nbytes = qm.nbytes
             else:
-                stack = [QuantExperts.from_gguf_bytes(random_quantized((EXPERTS, a, b), qtype, rng, 0.02), qtype,
-                                                      EXPERTS, a, b).to(dev).with_layout(layout)
-                         for a, b in ((n, k), (n, k), (k, n))]
-                x = torch.randn(1, k, device=dev).bfloat16()
-                ids = torch.randperm(EXPERTS, device=dev)[:PAIRS].reshape(1, PAIRS)
-                w = torch.softmax(torch.randn(1, PAIRS, device=dev), -1)
-                # the shared expert rides in the same two launches, as in the engine's decode step
-                s_gu = QuantMatrix.from_gguf_bytes(random_quantized((2 * n, k), qtype, rng, 0.02), qtype, 2 * n,
-                                                   k).to(dev).with_layout(layout)
-                s_down = QuantMatrix.from_gguf_bytes(random_quantized((k, n), qtype, rng, 0.02), qtype, k,
-                                                     n).to(dev).with_layout(layout)
-                shared = (s_gu, s_down, torch.randn(k, device=dev) * 0.05)
-                gu = qmatmul_reference(x.float(), s_gu.ggml_raw, qtype, 2 * n, k)
-                act = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
-                gate = torch.sigmoid(x.float() @ shared[2])[:, None]
-                ref = (quantized_moe(x, stack, ids, w, impl="torch").float()
-                       + gate * qmatmul_reference(act, s_down.ggml_raw, qtype, k, n))
+                stack, shared, x, ids, w, ref = expert_case(n, k, qtype, layout, dev, rng)
                 draws = rotating([torch.randperm(EXPERTS, device=dev)[:PAIRS].reshape(1, PAIRS) for _ in range(64)])
-                nbytes = PAIRS * sum(e.nbytes for e in stack) // EXPERTS + s_gu.nbytes + s_down.nbytes
+                nbytes = PAIRS * sum(e.nbytes for e in stack) // EXPERTS + shared[0].nbytes + shared[1].nbytes
 
             def timed(tiles, down=None, kind=kind, label=label):
                 """Milliseconds per call with these tiles (for ``moe``: the gate/up launch's, and the

@@ -1,6 +1,7 @@
 """The switch over the fused decode kernels (the Gated DeltaNet prologue, the MoE gate kernels,
-the residual add + RMSNorm, the attention norm + RoPE), their fallback, and the device check
-every Triton kernel wrapper of the engine makes.
+the residual add + RMSNorm, the attention norm + RoPE), their fallback, the device check every
+Triton kernel wrapper of the engine makes, and the per-device scratch of the kernels that count
+their programs in (``scratch``).
 
 Where a dispatcher picks one of them by itself (CUDA, short calls), a kernel that fails to
 build or launch on this machine is switched off for the rest of the process with one warning,
@@ -16,9 +17,12 @@ import os
 import warnings
 from typing import Any, Callable, TypeVar
 
+import torch
+
 ENV = "LUCE_TUNE_FUSED_KERNELS"
 TRITON = importlib.util.find_spec("triton") is not None
 _failed: dict[str, str] = {}  # kernel family -> why it was switched off
+_scratch: dict[tuple[str, torch.device], torch.Tensor] = {}
 T = TypeVar("T")
 
 
@@ -50,6 +54,19 @@ def switch_off(name: str, exc: BaseException) -> None:
 def failures() -> dict[str, str]:
     """The kernel families switched off so far, with the reason."""
     return dict(_failed)
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The device's one ``name`` buffer, zeroed when made: the arrival counters (int32) and partial
+    rows of the kernels whose last-arriving program finishes a sum (it then zeroes its counter for
+    the next call, so the counters are zero between launches). Made once per device, outside any
+    graph capture (a device's first call comes from a warm-up); calls on one device must not run
+    concurrently on several streams."""
+    key = (name, device)
+    if key not in _scratch:
+        with torch.inference_mode(False):
+            _scratch[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return _scratch[key]
 
 
 def check_device(x: Any, what: str) -> None:

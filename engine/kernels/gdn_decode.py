@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.fused import check_device
+from engine.kernels.fused import check_device, scratch
 from engine.kernels.pdl import begin, launch
 from engine.kernels.warps import warps
 
@@ -128,18 +128,6 @@ def _check(q, k, v, g, beta, state, out_state, block_v):
     check_device(q, "the Triton decode kernel")
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _norm_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed per-head arrival counters of normed calls. Made once, outside any graph
-    capture (the first call on a device comes from a warm-up), and left zeroed by every launch."""
-    if device not in _counters:
-        with torch.inference_mode(False):
-            _counters[device] = torch.zeros(MAX_HEADS, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 def _check_norm(norm, T: int, H: int, dv: int, device: torch.device) -> None:
     gate, weight, eps, dtype = norm
     if gate.shape != (T, H, dv) or gate.stride(-1) != 1 or gate.device != device:
@@ -182,7 +170,7 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         _check_norm(norm, T, H, dv, q.device)
         gate, weight, eps, dtype = norm
         y = torch.empty(T, H, dv, dtype=dtype, device=q.device)
-        counters = _norm_counters(q.device)
+        counters = scratch("delta rule norm counters", (MAX_HEADS,), torch.int32, q.device)
     else:  # unread stand-ins
         gate, weight, eps, y, counters = o, o, 0.0, o, o
     _delta_rule_decode_kernel[(H, triton.cdiv(dv, block_v))](

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.fused import check_device
+from engine.kernels.fused import check_device, scratch
 from engine.kernels.pdl import begin, launch
 from engine.kernels.warps import warps
 
@@ -117,18 +117,11 @@ def _rows(name: str, x: torch.Tensor) -> None:
                          f"strides {x.stride()}")
 
 
-_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def _route_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's logits scratch [MAX_TOKENS, MAX_EXPERTS] float32 and zeroed per-token arrival
-    counters of ``route_triton`` (its own: not the split GEMVs'). Made once, outside any graph
-    capture (the first call on a device comes from a warm-up); every launch leaves them zeroed."""
-    if device not in _scratch:
-        with torch.inference_mode(False):
-            _scratch[device] = (torch.empty(MAX_TOKENS, MAX_EXPERTS, dtype=torch.float32, device=device),
-                                torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device))
-    return _scratch[device]
+    """The device's logits row [MAX_TOKENS, MAX_EXPERTS] float32 and per-token arrival counters of
+    ``route_triton`` (its own: not the split GEMVs'), from ``fused.scratch``."""
+    return (scratch("router logits", (MAX_TOKENS, MAX_EXPERTS), torch.float32, device),
+            scratch("router counters", (MAX_TOKENS,), torch.int32, device))
 
 
 def route_triton(x: torch.Tensor, router: torch.Tensor, k: int,

@@ -32,6 +32,7 @@ from gguf import GGMLQuantizationType as Q
 from engine.kernels.quant import rows
 from engine.kernels.quant.rows import store_shared_gate
 from engine.kernels.quant.reference import QuantExperts, QuantMatrix
+from engine.kernels.fused import scratch
 from engine.kernels.moe.triton import align_by_expert, pair_block, pair_route
 from engine.kernels.pdl import begin, launch, launch_next, wait_previous
 from engine.kernels.quant.tuned import config_for
@@ -404,16 +405,11 @@ def _split_k(n_tiles: int, k: int, block_k: int, config: QuantKernelConfig, devi
 
 
 MAX_SPLIT_TILES = 1 << 16  # N tiles a split GEMV may count in (one int32 counter each, per device)
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _split_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed arrival counters of split GEMVs. Made once, outside any graph capture
-    (the first call on a device comes from a warm-up), and left zeroed by every kernel."""
-    if device not in _counters:
-        with torch.inference_mode(False):
-            _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return _counters[device]
+    """The device's arrival counters of split GEMVs and the per-pair down launch (``fused.scratch``)."""
+    return scratch("split GEMV counters", (MAX_SPLIT_TILES,), torch.int32, device)
 
 
 def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | None = None) -> torch.Tensor:
