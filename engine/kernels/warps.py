@@ -4,20 +4,22 @@ These launches are latency-bound at one token: a few programs, each reading one 
 and reducing over it. More warps spread a program's loads over more lanes, but reductions across
 warps go through shared memory and barriers, within one warp by shuffles. The fastest count is
 measured per kernel on a GPU by ``bench/small_kernels.py`` (each kernel alone, timed in a CUDA
-graph) and ``bench/profile_decode.py --kernel-variants NAME-warps=N`` (the captured step). The
-wrappers read ``WARPS`` at each call, so a benchmark can set an entry before it captures a step.
+graph) and ``bench/profile_decode.py --kernel-variants NAME-warps=N`` (the captured step); the
+figures below are the H200's at the 35B shapes, each launch alone. The wrappers read ``WARPS`` at each call, so a benchmark can set an entry before it captures a step.
 """
 
 from __future__ import annotations
 
 WARPS = {
     "router": 1,  # ``moe_gate.route_triton``: 4.42 us against 5.28 at 4 warps on the H200
-    "norm": 4,  # ``rms_norm``: RMSNorm, the residual add + RMSNorm, Gated DeltaNet's gated norm (rows up to 4096)
-    "rope": 4,  # ``rope_norm``: the query heads' norm + RoPE, the keys' norm + RoPE into the cache
-    "gdn_prologue": 4,  # ``gdn_prologue``: conv, SiLU, q/k norms, gates
-    "delta_rule": 4,  # ``gdn_decode``: the delta rule's decode step
-    "attention_chunk": 4,  # ``decode_attention``: a chunk of keys per program
-    "attention_combine": 4,  # ``decode_attention``: the chunks' partial results combined (and gated)
+    # ``rms_norm``: RMSNorm, the residual add + RMSNorm, Gated DeltaNet's gated norm (rows up to 4096);
+    # the add + norm 1.26 us against 1.39 at 4 warps
+    "norm": 8,
+    "rope": 1,  # ``rope_norm``: the query heads' norm + RoPE (1.12 us against 1.29), the keys' into the cache (1.19, 1.32)
+    "gdn_prologue": 4,  # ``gdn_prologue``: conv, SiLU, q/k norms, gates (2.57 us; 2.72 at 2 warps)
+    "delta_rule": 2,  # ``gdn_decode``: the delta rule's decode step with the gated norm inside (4.28 us against 4.46)
+    "attention_chunk": 4,  # ``decode_attention``: a chunk of keys per program (10.85 us at 4,096 keys)
+    "attention_combine": 4,  # ``decode_attention``: the chunks' partial results combined (and gated) (10.97 us)
 }
 CHOICES = (1, 2, 4, 8)
 

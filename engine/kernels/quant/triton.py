@@ -360,6 +360,44 @@ def _pair_dot(p_row, p_x, K: tl.constexpr, live, N_ROWS, o_n,
 
 
 @triton.jit
+def _pair_dots2(p_a, p_b, p_x, K: tl.constexpr, live, N_ROWS, o_n,
+                QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+                SPLIT_AT: tl.constexpr):
+    """``_pair_dot`` of two row sets of one expert (gate's at ``p_a``, up's at ``p_b``) with the same
+    vector, in one loop over K: each K tile's loads of both sets issue together, twice the bytes in
+    flight a program, and x's tile is read once for both. Each set's sum runs in ``_pair_dot``'s
+    order, so the results are its results bit for bit."""
+    acc_a = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if BLOCKWISE:
+        N_BLOCKS: tl.constexpr = K // 32
+        blk_a = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)  # summed over blocks at the end
+        blk_b = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            m_b = (kb < N_BLOCKS) & live
+            kb = tl.minimum(kb, N_BLOCKS - 1)
+            lo_a, hi_a, d_a = _block_codes(p_a, kb, m_b, QTYPE, SPLIT_AT)
+            lo_b, hi_b, d_b = _block_codes(p_b, kb, m_b, QTYPE, SPLIT_AT)
+            x_lo, x_hi, x_sum = _block_x(p_x, kb, live)
+            blk_a += _block_dots(lo_a, hi_a, d_a, x_lo, x_hi, x_sum, QTYPE)
+            blk_b += _block_dots(lo_b, hi_b, d_b, x_lo, x_hi, x_sum, QTYPE)
+        acc_a = tl.sum(blk_a, axis=1)
+        acc_b = tl.sum(blk_b, axis=1)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = (o_k < K) & live
+            m_w = (o_n < N_ROWS)[:, None] & m_k[None, :]
+            w_a = _dequant(p_a, o_k[None, :], m_w, QTYPE, SPLIT_AT)
+            w_b = _dequant(p_b, o_k[None, :], m_w, QTYPE, SPLIT_AT)
+            b_x = tl.load(p_x + o_k, mask=m_k, other=0.0).to(tl.float32)
+            acc_a += tl.sum(w_a * b_x[None, :], axis=1)
+            acc_b += tl.sum(w_b * b_x[None, :], axis=1)
+    return acc_a, acc_b
+
+
+@triton.jit
 def _experts_kernel(
     x_ptr, w_ptr, ids_ptr, out_ptr, N, K: tl.constexpr,
     stride_xt, stride_we, stride_wn, stride_ot,
@@ -525,8 +563,7 @@ def _moe_gate_up_kernel(
         p_u = tl.where(shared, sgu_ptr + (rows + FFN) * stride_sgu, p_u)
         if shared & (pid_n == 0):
             store_shared_gate(p_x, gi_ptr, sgate_ptr + tok, K, BLOCK_H)
-    g = _pair_dot(p_g, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
-    u = _pair_dot(p_u, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
+    g, u = _pair_dots2(p_g, p_u, p_x, K, live, FFN, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + p * stride_ap + o_n, act.to(act_ptr.dtype.element_ty), mask=o_n < FFN)
 
@@ -557,11 +594,11 @@ def _moe_down_kernel(
         e = tl.maximum(e, 0).to(tl.int64)
         y = _pair_dot(d_ptr + e * stride_de + rows * stride_dn, act_ptr + p * stride_ap, FFN, live, H, o_n,
                       QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
-        acc += tl.load(w_ptr + p).to(tl.float32) * y
+        acc = tl.fma(tl.load(w_ptr + p).to(tl.float32), y, acc)  # one rounding, as the per-pair launch's sum
     if HAS_SHARED:
         y = _pair_dot(sd_ptr + rows * stride_sd, act_ptr + (N_ROUTED + t) * stride_ap, FFN, t >= 0, H, o_n,
                       QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
-        acc += tl.load(sgate_ptr + t) * y
+        acc = tl.fma(tl.load(sgate_ptr + t), y, acc)
     tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=o_n < H)
 
 
@@ -575,10 +612,11 @@ def _moe_down_pairs_kernel(
 ):
     """``_moe_down_kernel``'s sum with a program per pair: program ``q`` is token ``q // PAIRS``'s
     pair ``j = q % PAIRS`` (``j`` < ``TOP_K`` routed, ``j == TOP_K`` its shared expert), rows
-    ``BLOCK_N`` of the output. It stores its weighted rows in its float32 partial row; the token's
-    pair that arrives last at the row block's counter adds the partial rows in pair order (the
-    order of the per-token program's sum, from zero) and stores the output, then zeroes the
-    counter for the next call."""
+    ``BLOCK_N`` of the output. It stores its rows, unweighted, in its float32 partial row; the
+    token's pair that arrives last at the row block's counter adds them times their weights in
+    pair order, by the fused multiply-adds of the per-token program's sum from zero (explicit in
+    both: a compiler free to contract ``acc + w * y`` would make the two differ in the last bits),
+    stores the output, then zeroes the counter for the next call."""
     begin(PDL)
     PAIRS: tl.constexpr = TOP_K + HAS_SHARED
     q = tl.program_id(0)
@@ -593,14 +631,12 @@ def _moe_down_pairs_kernel(
     live = e >= 0
     p_row = d_ptr + tl.maximum(e, 0).to(tl.int64) * stride_de + rows * stride_dn
     p_act = act_ptr + p * stride_ap
-    scale = tl.load(w_ptr + p).to(tl.float32)
     if HAS_SHARED:
         shared = j == TOP_K
         live = live | shared
         p_row = tl.where(shared, sd_ptr + rows * stride_sd, p_row)
         p_act = tl.where(shared, act_ptr + (N_ROUTED + t) * stride_ap, p_act)
-        scale = tl.where(shared, tl.load(sgate_ptr + t), scale)
-    y = scale * _pair_dot(p_row, p_act, FFN, live, H, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
+    y = _pair_dot(p_row, p_act, FFN, live, H, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
     p_part = part_ptr + t * PAIRS * H + o_n
     tl.store(p_part + j * H, y, mask=m_n)
     tl.debug_barrier()  # every thread's rows stored, then one release (``_gemv_kernel``'s semaphore)
@@ -610,7 +646,11 @@ def _moe_down_pairs_kernel(
         tl.debug_barrier()  # the acquire above before any thread's loads below
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for i in tl.static_range(PAIRS):
-            acc += tl.load(p_part + i * H, mask=m_n, other=0.0, cache_modifier=".cg")
+            if i < TOP_K:
+                scale = tl.load(w_ptr + t * TOP_K + i).to(tl.float32)
+            else:
+                scale = tl.load(sgate_ptr + t)
+            acc = tl.fma(scale, tl.load(p_part + i * H, mask=m_n, other=0.0, cache_modifier=".cg"), acc)
         tl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=m_n)
         tl.atomic_xchg(count, 0)  # ready for the next call (a graph replays it)
 
