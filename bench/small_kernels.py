@@ -59,14 +59,17 @@ def cases(name: str, T: int, depth: int, dev: torch.device, g: torch.Generator) 
             raise SystemExit("the router differs from torch's softmax and top-k")
         return [("router", 40, lambda: route_triton(x, router, c.n_expert_used))]
     if name == "norm":
-        from engine.kernels.rms_norm import add_rms_norm_triton, rms_norm_triton
+        from engine.kernels.rms_norm import add_rms_norm_triton
 
         h, r, w = rand(T, H, dtype=bf16), rand(T, H, dtype=bf16), rand(H)
+        return [("add + norm", 80, lambda: add_rms_norm_triton(h, r, w, 1e-6))]
+    if name == "gated_norm":
+        from engine.kernels.rms_norm import rms_norm_triton
+
         o, z, wv = rand(T, c.gdn_v_heads, c.gdn_head_v), rand(T, c.gdn_v_heads, c.gdn_head_v, dtype=bf16), \
             rand(c.gdn_head_v)
         apart = 0 if gated_deltanet.NORM_IN_RULE else 30  # else in the delta rule's launch
-        return [("add + norm", 80, lambda: add_rms_norm_triton(h, r, w, 1e-6)),
-                ("gated norm", apart, lambda: rms_norm_triton(o, wv, 1e-6, gate=z, out_dtype=bf16))]
+        return [("gated norm", apart, lambda: rms_norm_triton(o, wv, 1e-6, gate=z, out_dtype=bf16))]
     if name == "rope":
         from engine.kernels.rope_norm import norm_rope_to_cache_triton, norm_rope_triton
 

@@ -73,9 +73,10 @@ def add_rms_norm_triton(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, 
     return h_out, out
 
 
-def _warps(D: int) -> int:
-    """The warps table's count for rows up to 4096 (``engine.kernels.warps``), 8 for longer rows."""
-    return warps("norm") if D <= 4096 else 8
+def _warps(D: int, gated: bool = False) -> int:
+    """The warps table's count for rows up to 4096 (``engine.kernels.warps``: ``gated_norm`` for the
+    gated norm, else ``norm``), 8 for longer rows."""
+    return warps("gated_norm" if gated else "norm") if D <= 4096 else 8
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -103,6 +104,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: 
         _rms_norm_kernel[(A * B,)](
             x3, weight.contiguous(), g3, out, B, D, float(eps),
             x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1),
-            HAS_GATE=gate is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=_warps(D),
+            HAS_GATE=gate is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=_warps(D, gate is not None),
             **launch(x.device, A, "norm"))
     return out

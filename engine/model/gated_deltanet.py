@@ -26,9 +26,11 @@ CHUNK = 64
 RECURRENT_MAX_TOKENS = 4
 # Up to this many tokens a ``DeltaRule`` with a ``short`` kernel uses it (DFlash verify blocks).
 SHORT_MAX_TOKENS = 16
-# A delta rule with ``takes_norm`` applies the gated norm itself when ``gdn_forward`` passes ``norm=``
-# (the Triton decode kernel does it in its own launch); False keeps the norm's own launch (for comparison).
-NORM_IN_RULE = True
+# True: a delta rule with ``takes_norm`` applies the gated norm itself when ``gdn_forward`` passes
+# ``norm=`` (the Triton decode kernel does it in its own launch). Off: on the H200 the captured 35B
+# step ran 0.01-0.07 ms slower with the norm inside in 5 of 6 alternating pairs (docs/benchmarks.md),
+# although it has 30 launches fewer.
+NORM_IN_RULE = False
 
 # (q, k, v, g, beta, state, scale) -> (o, new state); q, k [T, H, dk] unit rows, v [T, H, dv],
 # g, beta [T, H] float32, state [H, dk, dv] float32; o [T, H, dv].

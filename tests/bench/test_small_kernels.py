@@ -10,7 +10,8 @@ def small_kernels(bench_script):
     return bench_script("small_kernels")
 
 
-@pytest.mark.parametrize("name", ["router", "norm", "rope", "gdn_prologue", "delta_rule", "attention_chunk"])
+@pytest.mark.parametrize("name", ["router", "norm", "gated_norm", "rope", "gdn_prologue", "delta_rule",
+                                  "attention_chunk"])
 def test_every_case_runs_at_the_35b_shapes(small_kernels, name):
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -27,7 +28,7 @@ def test_every_case_runs_at_the_35b_shapes(small_kernels, name):
 def test_the_warps_table_refuses_unknown_kernels_and_counts(small_kernels):
     from engine.kernels import warps
 
-    assert set(warps.WARPS) >= {"router", "norm", "rope", "gdn_prologue", "delta_rule"}
+    assert set(warps.WARPS) >= {"router", "norm", "gated_norm", "rope", "gdn_prologue", "delta_rule"}
     before = dict(warps.WARPS)
     with pytest.raises(ValueError, match="is not one of"):
         warps.set_warps("norms", 2)
