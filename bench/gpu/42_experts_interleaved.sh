@@ -6,12 +6,7 @@
 source "$(dirname "$0")/env.sh"
 start_q35
 cp engine/kernels/quant/tuned.json /tmp/tuned_before.json
-t0=$(date +%s)
-timeout ${TESTS_S:-90} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
-  "tests/engine/kernels/test_quant_matmul.py::test_cuda_shared_expert_rides_in_the_routed_launches_real_shapes" \
-  "tests/engine/kernels/test_quant_matmul.py::test_cuda_quantized_moe_real_shapes" > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
-tests_summary $t0
-mv "$OUT/tests.log" "$OUT/tests_kernels.log"
+expert_tests
 SHAPES=experts SWEEP_S=${SWEEP_S:-140} sweep_tiles blocks
 [ -z "$maker" ] || wait $maker || echo "make-model failed"
 OLD="norm-warps=4+rope-warps=4+delta_rule-warps=4"

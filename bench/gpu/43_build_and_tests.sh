@@ -6,12 +6,7 @@
 source "$(dirname "$0")/env.sh"
 bash "$(dirname "$0")/17_llamacpp_build.sh"
 start_q35
-t0=$(date +%s)
-timeout ${TESTS_S:-100} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
-  "tests/engine/kernels/test_quant_matmul.py::test_cuda_shared_expert_rides_in_the_routed_launches_real_shapes" \
-  "tests/engine/kernels/test_quant_matmul.py::test_cuda_quantized_moe_real_shapes" > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
-tests_summary $t0
-mv "$OUT/tests.log" "$OUT/tests_kernels.log"
+expert_tests
 t0=$(date +%s)
 timeout ${GRAPH_S:-120} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p no:cacheprovider \
   tests/engine/model/test_decode_graph.py tests/engine/test_engine_decode_graph.py \

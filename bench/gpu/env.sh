@@ -49,3 +49,14 @@ sweep_tiles() {
   grep -v "^    " "$OUT/tiles_sweep.log" | grep -v Warn | tail -12 || true
   cp engine/kernels/quant/tuned.json "$OUT/tuned.json" || true
 }
+# The expert launches' CUDA tests at the 35B shapes (the shared expert riding in the routed launches, the
+# per-pair down launch against the per-token one bit for bit), in a TESTS_S box; log $OUT/tests_kernels.log.
+expert_tests() {
+  local t0; t0=$(date +%s)
+  timeout ${TESTS_S:-100} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
+    "tests/engine/kernels/test_quant_matmul.py::test_cuda_shared_expert_rides_in_the_routed_launches_real_shapes" \
+    "tests/engine/kernels/test_quant_matmul.py::test_cuda_quantized_moe_real_shapes" > "$OUT/tests.log" 2>&1 \
+    || echo "tests rc=$?"
+  tests_summary $t0
+  mv "$OUT/tests.log" "$OUT/tests_kernels.log"
+}
