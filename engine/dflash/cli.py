@@ -57,6 +57,8 @@ def train_draft(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="the target's compute dtype"),
     restart: bool = typer.Option(False, "--restart", help="start over even if a checkpoint of this run exists"),
     eval_prompts: int = typer.Option(8, "--eval-prompts", help="held-out prompts for the acceptance report"),
+    eval_prompt_tokens: int = typer.Option(128, "--eval-prompt-tokens", help="tokens of each held-out prompt "
+                                           "(issue 4's table continues prompts of 512)"),
     eval_new_tokens: int = typer.Option(128, "--eval-new-tokens"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ) -> None:
@@ -78,7 +80,7 @@ def train_draft(
     try:
         opts = TrainOptions(steps=steps, seq_len=seq_len, batch=batch, anchors=anchors, lr=lr, gamma=gamma,
                             labels=labels, seed=seed, weights=weights, eval_prompts=eval_prompts,
-                            eval_new_tokens=eval_new_tokens, distill=distill, distill_prompt=distill_prompt,
+                            eval_prompt_len=eval_prompt_tokens, eval_new_tokens=eval_new_tokens, distill=distill, distill_prompt=distill_prompt,
                             distill_new=distill_new, distill_batch=distill_batch,
                             time_budget_s=parse_duration(time_budget) if time_budget is not None else None)
     except ValueError as exc:
@@ -95,6 +97,11 @@ def train_draft(
                   f"drafts that see their sequences this often learn them rather than the target (held-out "
                   f"acceptance 1.2-1.4 against 6.7 on their own rows, docs/benchmarks.md); more --distill "
                   f"sequences generalize better[/yellow]")
+    if distill and (rows := distill_prompt + distill_new) < eval_prompt_tokens + eval_new_tokens:
+        err.print(f"[yellow]distilled rows of {rows} tokens are shorter than the evaluation's "
+                  f"{eval_prompt_tokens} + {eval_new_tokens}: drafts accept less past the context lengths they "
+                  f"trained on (rows of 160 tokens: 1.75 tokens a step after 64-token prompts, 1.10 after 512; "
+                  f"docs/benchmarks.md)[/yellow]")
     with _ProgressBar(err, enabled=progress) as bar:
         report = run(eng.model, eng.tokenizer, cfg, corpus, out, opts, target_name=target.name, target_path=target,
                      resume=not restart, progress=bar.stage("train-draft"), distill_progress=bar.stage("distill"))

@@ -186,11 +186,14 @@ def test_cli_trains_a_draft(target_path, corpus, tmp_path):
         "--distill", "3", "--distill-prompt", "8", "--distill-new", "8", "--distill-batch", "2", "--anchors", "4",
         "--batch", "8",
         "--layers", "1", "--features", "2", "--block-size", "4", "--eval-prompts", "1", "--eval-new-tokens", "4",
-        "--weights", "f32", "--device", "cpu", "--restart"])
+        "--eval-prompt-tokens", "24", "--weights", "f32", "--device", "cpu", "--restart"])
     assert result.exit_code == 0, result.output
     assert "distilled 3 sequences of 8 + 8 tokens" in result.output and "agrees" in result.output
-    assert "2 steps of 8 rows over 3 distilled sequences is 5 epochs" in " ".join(result.output.split())
-    assert json.loads(out.with_suffix(".acceptance.json").read_text())["distill"]["prompt_len"] == 8
+    said = " ".join(result.output.split())
+    assert "2 steps of 8 rows over 3 distilled sequences is 5 epochs" in said
+    assert "distilled rows of 16 tokens are shorter than the evaluation's 24 + 4" in said
+    report = json.loads(out.with_suffix(".acceptance.json").read_text())
+    assert report["distill"]["prompt_len"] == 8 and report["held_out"]["prompt_tokens"] == 24
     result = CliRunner().invoke(app, ["train-draft", "--target", str(target_path), "--corpus", str(corpus),
                                       "--out", str(out), "--time-budget", "soon"])
     assert isinstance(result.exception, ConfigError) and "time budget 'soon'" in str(result.exception)
