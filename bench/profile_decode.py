@@ -17,11 +17,12 @@ one's median, before the profiles (which use the last size). ``--pdl-variants`` 
 it once per programmatic-dependent-launch setting (``engine.kernels.pdl``: ``on``, ``off``, or
 ``no-`` and kernel families joined by ``+``, launched without it) and prints each median over at
 least 32 steps. ``--kernel-variants`` captures it once per setting of a small kernel's warps
-(``NAME-warps=N``, NAME a kernel of ``engine.kernels.warps``: router, norm, rope, gdn_prologue,
-delta_rule, attention_chunk, attention_combine), of the decode tile table (``tiles=PATH``, read
-in place of ``engine/kernels/quant/tuned.json``) and of Gated DeltaNet's gated norm (``gdn-norm=apart``:
-its own launch; ``inside``: in the delta rule's, ``engine.model.gated_deltanet.NORM_IN_RULE``),
-settings joined by ``+``, so that a change is timed against the tree before it in one process. ``--no-profile`` stops after the medians.
+(``NAME-warps=N``, NAME a kernel of ``engine.kernels.warps``: router, norm, gated_norm, rope,
+gdn_prologue, delta_rule, attention_chunk, attention_combine), of the decode tile table
+(``tiles=PATH``, read in place of ``engine/kernels/quant/tuned.json``), of Gated DeltaNet's gated
+norm (``gdn-norm=apart``: its own launch; ``inside``: in the delta rule's,
+``engine.model.gated_deltanet.NORM_IN_RULE``) and of the residual add + norm before the experts
+(``norm-route=inside``: in the router's launch, ``engine.model.moe.NORM_IN_ROUTER``), settings joined by ``+``, so that a change is timed against the tree before it in one process. ``--no-profile`` stops after the medians.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=16, help="prompt tokens in the cache before the timed steps")
     ap.add_argument("--pdl-variants", default="", help="on, off, no-FAMILY[+FAMILY...], comma-separated")
     ap.add_argument("--no-profile", action="store_true", help="only the step medians")
-    ap.add_argument("--kernel-variants", default="", help="NAME-warps=N, tiles=PATH and gdn-norm=inside|apart "
-                    "joined by +, comma-separated")
+    ap.add_argument("--kernel-variants", default="", help="NAME-warps=N, tiles=PATH, gdn-norm=inside|apart and "
+                    "norm-route=inside|apart joined by +, comma-separated")
     ap.add_argument("--attention-chunks", default="",
                     help="comma-separated keys per program of the decode attention, each timed in its own capture")
     args = ap.parse_args()
@@ -175,10 +176,10 @@ def kernel_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.T
     restored after each."""
     from engine.kernels import warps
     from engine.kernels.quant import tuned
-    from engine.model import gated_deltanet
+    from engine.model import gated_deltanet, moe
 
     for variant in spec.split(","):
-        saved = dict(warps.WARPS), tuned.TABLE, gated_deltanet.NORM_IN_RULE
+        saved = dict(warps.WARPS), tuned.TABLE, gated_deltanet.NORM_IN_RULE, moe.NORM_IN_ROUTER
         try:
             for setting in variant.split("+"):
                 key, _, value = setting.partition("=")
@@ -191,14 +192,16 @@ def kernel_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.T
                     tuned.TABLE = Path(value)
                 elif key == "gdn-norm" and value in ("inside", "apart"):
                     gated_deltanet.NORM_IN_RULE = value == "inside"
+                elif key == "norm-route" and value in ("inside", "apart"):
+                    moe.NORM_IN_ROUTER = value == "inside"
                 else:
-                    raise SystemExit(f"--kernel-variants: {setting!r} is not NAME-warps=N, tiles=FILE or "
-                                     f"gdn-norm=inside|apart")
+                    raise SystemExit(f"--kernel-variants: {setting!r} is not NAME-warps=N, tiles=FILE, "
+                                     f"gdn-norm=inside|apart or norm-route=inside|apart")
             _, step = static()
             print(f"kernels {variant}: {timed(step, token, steps)}", flush=True)
         finally:
             warps.WARPS.update(saved[0])
-            tuned.TABLE, gated_deltanet.NORM_IN_RULE = saved[1], saved[2]
+            tuned.TABLE, gated_deltanet.NORM_IN_RULE, moe.NORM_IN_ROUTER = saved[1:]
 
 
 def timed(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int) -> str:

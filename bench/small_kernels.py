@@ -57,12 +57,21 @@ def cases(name: str, T: int, depth: int, dev: torch.device, g: torch.Generator) 
         ids, w = route_triton(x, router, c.n_expert_used)  # the table's warps, which the others are held to
         if not torch.equal(ids, ref_ids) or not torch.allclose(w, ref_w / ref_w.sum(-1, keepdim=True), 1e-5, 1e-6):
             raise SystemExit("the router differs from torch's softmax and top-k")
-        return [("router", 40, lambda: route_triton(x, router, c.n_expert_used))]
+        from engine.kernels.moe_gate import add_norm_route_triton
+        from engine.model import moe
+
+        h, r, nw = rand(T, H, dtype=bf16), rand(T, H, dtype=bf16), rand(H)
+        inside = 40 if moe.NORM_IN_ROUTER else 0  # else the add + norm's own launch (kernel "norm") and the router
+        return [("router", 40 - inside, lambda: route_triton(x, router, c.n_expert_used)),
+                ("add + norm + router", inside,
+                 lambda: add_norm_route_triton(h, r, nw, 1e-6, router, c.n_expert_used))]
     if name == "norm":
         from engine.kernels.rms_norm import add_rms_norm_triton
 
         h, r, w = rand(T, H, dtype=bf16), rand(T, H, dtype=bf16), rand(H)
-        return [("add + norm", 80, lambda: add_rms_norm_triton(h, r, w, 1e-6))]
+        from engine.model import moe
+
+        return [("add + norm", 40 if moe.NORM_IN_ROUTER else 80, lambda: add_rms_norm_triton(h, r, w, 1e-6))]
     if name == "gated_norm":
         from engine.kernels.rms_norm import rms_norm_triton
 

@@ -58,18 +58,39 @@ def _top_k(logits, e, ids_ptr, w_ptr, K: tl.constexpr, BLOCK_E: tl.constexpr):
 @triton.jit
 def _route_kernel(x_ptr, r_ptr, l_ptr, count_ptr, ids_ptr, w_ptr, E, H: tl.constexpr, stride_x, stride_r,
                   stride_l, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALL_E: tl.constexpr,
-                  PDL: tl.constexpr):
+                  res_ptr, nw_ptr, h_out_ptr, x_out_ptr, stride_res, eps, ADD_NORM: tl.constexpr, PDL: tl.constexpr):
+    """With ``ADD_NORM`` the router's input is ``rms_norm(x + res) * nw`` (``x`` the residual stream,
+    ``res`` the mixer's output), formed by every program from the two rows (L2 hits) as the residual
+    add + norm kernel forms it: the sum rounded to x's dtype, float32 inside, the norm rounded to it
+    too. The first expert block's programs store the sum and the norm for the experts' launches."""
     begin(PDL)
     pid_e = tl.program_id(0)
     t = tl.program_id(1)
     o_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     m_e = o_e < E
     p_r = r_ptr + o_e.to(tl.int64)[:, None] * stride_r  # [BE, 1]
+    p_x = x_ptr + t * stride_x
+    if ADD_NORM:  # the row's mean square, in tiles (the same in every program of the token)
+        sq = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            o_h = h0 + tl.arange(0, BLOCK_H)
+            m_h = o_h < H
+            s = _residual_sum(p_x, res_ptr + t * stride_res, o_h, m_h, x_ptr.dtype.element_ty)
+            sq += s * s
+        rs = tl.rsqrt(tl.sum(sq, axis=0) / H + eps)
     acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)  # summed over the columns at the end
     for h0 in range(0, H, BLOCK_H):
         o_h = h0 + tl.arange(0, BLOCK_H)
         m_h = o_h < H
-        x = tl.load(x_ptr + t * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
+        if ADD_NORM:
+            s = _residual_sum(p_x, res_ptr + t * stride_res, o_h, m_h, x_ptr.dtype.element_ty)
+            y = (s * rs * tl.load(nw_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if pid_e == 0:
+                tl.store(h_out_ptr + t * H + o_h, s.to(x_ptr.dtype.element_ty), mask=m_h)
+                tl.store(x_out_ptr + t * H + o_h, y, mask=m_h)
+            x = y.to(tl.float32)
+        else:
+            x = tl.load(p_x + o_h, mask=m_h, other=0.0).to(tl.float32)
         r = tl.load(p_r + o_h[None, :], mask=m_e[:, None] & m_h[None, :], other=0.0)
         acc += r * x[None, :]
     p_l = l_ptr + t * stride_l
@@ -82,6 +103,14 @@ def _route_kernel(x_ptr, r_ptr, l_ptr, count_ptr, ids_ptr, w_ptr, E, H: tl.const
         logits = tl.load(p_l + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
         _top_k(logits, e, ids_ptr + t * K, w_ptr + t * K, K, ALL_E)
         tl.atomic_xchg(count_ptr + t, 0)  # ready for the next call (a graph replays it)
+
+
+@triton.jit
+def _residual_sum(p_h, p_r, o_h, m_h, DTYPE: tl.constexpr):
+    """``h + r`` at columns ``o_h``, rounded to ``DTYPE`` as the residual stream is, as float32."""
+    h = tl.load(p_h + o_h, mask=m_h, other=0.0).to(tl.float32)
+    r = tl.load(p_r + o_h, mask=m_h, other=0.0).to(tl.float32)
+    return (h + r).to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -129,6 +158,26 @@ def route_triton(x: torch.Tensor, router: torch.Tensor, k: int,
     """Layer input x [T, H] (float32, float16 or bfloat16; T <= 16) and the float32 router [E, H]
     -> (ids [T, k] int64, weights [T, k] float32 summing to 1), in one launch of ``num_warps``
     warps per program (left out: ``engine.kernels.warps``'s entry for the router)."""
+    return _route(x, router, k, num_warps, None)
+
+
+def add_norm_route_triton(h: torch.Tensor, r: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          router: torch.Tensor, k: int, num_warps: int | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual add + RMSNorm before the experts and the router in one launch: h (the residual
+    stream) and r (the mixer's output) [T, H] of one dtype, norm_weight [H], router [E, H] float32 ->
+    (h + r and its norm, new contiguous [T, H] in h's dtype, as ``rms_norm.add_rms_norm_triton``
+    gives them up to its summation order; ids; weights), the routing that of ``route_triton`` on
+    that norm."""
+    _rows("r", r)
+    if r.shape != h.shape or r.dtype != h.dtype or norm_weight.shape != (h.shape[-1],):
+        raise ValueError(f"h and r must be one [T, H] shape and dtype and the norm's weight [H], got "
+                         f"{tuple(h.shape)} {h.dtype}, {tuple(r.shape)} {r.dtype} and {tuple(norm_weight.shape)}")
+    return _route(h, router, k, num_warps, (r, norm_weight.contiguous(), float(eps)))
+
+
+def _route(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int | None,
+           add: tuple[torch.Tensor, torch.Tensor, float] | None) -> tuple[torch.Tensor, ...]:
     _rows("x", x)
     _rows("router", router)
     check_device(x, WHAT)
@@ -146,15 +195,19 @@ def route_triton(x: torch.Tensor, router: torch.Tensor, k: int,
         raise ValueError(f"top-k needs 1 <= k <= E <= {MAX_EXPERTS} with k a power of two, got k={k}, E={E}")
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
+    res, norm_weight, eps = add if add is not None else (x, router, 0.0)  # unread without the add + norm
+    h_out, x_out = (torch.empty(T, H, dtype=x.dtype, device=x.device) for _ in range(2)) if add is not None \
+        else (x, x)
     if T:
         scratch, counters = _route_scratch(x.device)
         block_e = min(16, triton.next_power_of_2(triton.cdiv(E * T, PROGRAMS)))
         _route_kernel[(triton.cdiv(E, block_e), T)](
             x, router, scratch, counters, ids, weights, E, H, x.stride(0), router.stride(0), scratch.stride(0),
             K=k, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(H), TILE // block_e),
-            ALL_E=triton.next_power_of_2(E), num_warps=warps("router") if num_warps is None else num_warps,
-            **launch(x.device, T, "router"))
-    return ids, weights
+            ALL_E=triton.next_power_of_2(E), res_ptr=res, nw_ptr=norm_weight, h_out_ptr=h_out, x_out_ptr=x_out,
+            stride_res=res.stride(0), eps=eps, ADD_NORM=add is not None,
+            num_warps=warps("router") if num_warps is None else num_warps, **launch(x.device, T, "router"))
+    return (h_out, x_out, ids, weights) if add is not None else (ids, weights)
 
 
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from engine.kernels.moe import fused_moe, resolve_impl
 from engine.model.config import ModelConfig
 from engine.model.weights import ExpertWeights, MoEWeights
 from engine.model.linear import linear
+from engine.model.norm import add_rms_norm
 
 # Called with (layer index, top-k expert ids [T, k]) on every MoE layer: calibration statistics.
 RoutingObserver = Callable[[int, torch.Tensor], None]
@@ -24,6 +25,11 @@ RoutingObserver = Callable[[int, torch.Tensor], None]
 GATE_MAX_TOKENS = 16
 FUSED_GATE: bool | None = None
 GATE = "MoE gate"
+# True: where the fused gate applies, the residual add + RMSNorm before the experts runs inside the
+# router's launch (``moe_gate.add_norm_route_triton``: 40 launches fewer a 35B step); False: in its own
+# launch. Off until the captured step says it is faster (``bench/profile_decode.py --kernel-variants
+# norm-route=inside``).
+NORM_IN_ROUTER = False
 
 
 def _fused_gate(x: torch.Tensor, *params: torch.Tensor) -> bool:
@@ -123,6 +129,24 @@ class FusedExpertExecutor:
         return fused_moe(x, ew.gate, ew.up, ew.down, topk_ids, topk_w, impl=self.impl)
 
 
+def add_norm_route(h: torch.Tensor, r: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: MoEWeights,
+                   top_k: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The residual stream ``h + r``, its RMSNorm (the experts' input) and, where the router's launch
+    takes the add + norm too (``NORM_IN_ROUTER``, decode-sized calls where the fused gate applies),
+    the routing (ids, weights) for ``moe_forward``'s ``routed``; else None, and ``add_rms_norm``."""
+    E = w.router.shape[0]
+    if (NORM_IN_ROUTER and _fused_gate(h, r, norm_weight, w.router) and h.dim() == 2 and h.shape == r.shape
+            and h.dtype == r.dtype and h.stride(-1) == 1 and r.stride(-1) == 1 and top_k & (top_k - 1) == 0
+            and top_k <= E <= 1024):
+        out = fused.attempt(GATE, FUSED_GATE, lambda: _gate_kernels().add_norm_route_triton(
+            h, r, norm_weight, eps, w.router.float(), top_k))
+        if out is not None:
+            h, x, ids, weights = out
+            return h, x, (ids, weights)
+    h, x = add_rms_norm(h, r, norm_weight, eps)
+    return h, x, None
+
+
 def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in float32, top-k, weights renormalised to sum 1: (ids [T, k], weights [T, k])."""
     E = router.shape[0]
@@ -137,9 +161,11 @@ def route(router: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tens
 
 
 def moe_forward(w: MoEWeights, x: torch.Tensor, layer_idx: int, cfg: ModelConfig, executor: ExpertExecutor,
-                observer: RoutingObserver | None = None) -> torch.Tensor:
-    """x [T, hidden] (already normed) -> [T, hidden]."""
-    ids, weights = route(w.router, x, cfg.n_expert_used)
+                observer: RoutingObserver | None = None,
+                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [T, hidden] (already normed) -> [T, hidden]; ``routed`` (ids, weights) when the router has
+    run (``add_norm_route``)."""
+    ids, weights = routed if routed is not None else route(w.router, x, cfg.n_expert_used)
     if observer is not None:
         observer(layer_idx, ids)
     if w.shared is not None and hasattr(executor, "moe_with_shared"):

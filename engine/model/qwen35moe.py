@@ -16,7 +16,7 @@ from engine.errors import ConfigError
 from engine.model.attention import attention_forward, attention_rows, rope_cos_sin
 from engine.model.config import ModelConfig
 from engine.model.gated_deltanet import DeltaRule, DeltaRuleFn, GDNRecord, gdn_forward, gdn_rows
-from engine.model.moe import ExpertExecutor, RoutingObserver, TorchExpertExecutor, moe_forward
+from engine.model.moe import ExpertExecutor, RoutingObserver, TorchExpertExecutor, add_norm_route, moe_forward
 from engine.model.norm import add_rms_norm
 from engine.model.state import ModelState
 from engine.model.weights import AttentionWeights, GDNWeights, ModelWeights, TensorSource, load_weights
@@ -179,8 +179,8 @@ class Qwen35MoE:
             else:
                 mixed = gdn_forward(layer.mixer, x, state.conv[i], state.recurrent[i], cfg, delta_rule,
                                     record[i] if record else None)
-            h, x = add_rms_norm(h, mixed, layer.post_norm, cfg.rms_eps)
-            pending = moe_forward(layer.moe, x, i, cfg, executor, observer)
+            h, x, routed = add_norm_route(h, mixed, layer.post_norm, cfg.rms_eps, layer.moe, cfg.n_expert_used)
+            pending = moe_forward(layer.moe, x, i, cfg, executor, observer, routed)
         h, final = add_rms_norm(h, pending, self.weights.output_norm, cfg.rms_eps)
         if len(self.weights.layers) - 1 in capture:
             hidden[len(self.weights.layers) - 1] = h

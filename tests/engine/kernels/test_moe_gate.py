@@ -127,6 +127,55 @@ def test_route_through_the_model_path_takes_the_same_experts(monkeypatch, T):
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
+def _add_norm_route_case(T, E, H, dtype, device=DEVICE):
+    g = torch.Generator().manual_seed(T * E + H)
+    h, r = (torch.randn(T, H, generator=g).to(device, dtype) for _ in range(2))
+    norm_weight = (1 + 0.2 * torch.randn(H, generator=g)).to(device)
+    router = torch.randn(E, H, generator=g).to(device) * H ** -0.5 * 4
+    return h, r, norm_weight, router
+
+
+def _check_add_norm_route(out, h, r, norm_weight, router, k, dtype):
+    """The sum as the add + norm kernel stores it, the norm within one rounding of its (the mean square
+    is summed in another order), the routing of the stored norm bit for bit."""
+    from engine.kernels.rms_norm import add_rms_norm_triton
+
+    s, x, ids, w = out
+    ref_s, ref_x = add_rms_norm_triton(h, r, norm_weight, 1e-6)
+    assert s.dtype == x.dtype == dtype and torch.equal(s, ref_s)
+    tol = dict(rtol=2 ** -7, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.float(), ref_x.float(), **tol)
+    r_ids, r_w = kernels.route_triton(x, router, k)
+    assert torch.equal(ids, r_ids) and torch.equal(w, r_w)
+
+
+@pytest.mark.parametrize("T, E, H, k", [(1, 60, 200, 2), (3, 256, 2048, 8), (16, 37, 100, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_norm_route_matches_the_add_norm_then_the_router(T, E, H, k, dtype):
+    h, r, norm_weight, router = _add_norm_route_case(T, E, H, dtype)
+    out = kernels.add_norm_route_triton(h, r, norm_weight, 1e-6, router, k)
+    _check_add_norm_route(out, h, r, norm_weight, router, k, dtype)
+    again = kernels.add_norm_route_triton(h, r, norm_weight, 1e-6, router, k)  # the counters were left at zero
+    assert all(torch.equal(a, b) for a, b in zip(again, out))
+    with pytest.raises(ValueError, match="one \\[T, H\\] shape and dtype"):
+        kernels.add_norm_route_triton(h, r[:, :-1], norm_weight, 1e-6, router, k)
+    with pytest.raises(ValueError, match="norm's weight"):
+        kernels.add_norm_route_triton(h, r, norm_weight[:-1], 1e-6, router, k)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_model_logits_with_the_norm_in_the_router(tiny_float32_model, fused_against_reference, monkeypatch, T):
+    """The residual add + norm before the experts inside the router's launch (``NORM_IN_ROUTER``): the
+    model's logits as with the norm's own launch, and the fused launch taken once a layer."""
+    monkeypatch.setattr(moe, "FUSED_GATE", True)
+    calls = []
+    fused = kernels.add_norm_route_triton
+    monkeypatch.setattr(kernels, "add_norm_route_triton", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    (ref, _), (out, _) = fused_against_reference(tiny_float32_model, moe, "NORM_IN_ROUTER", 20, T)
+    assert len(calls) == tiny_float32_model.cfg.n_layers
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("T, N", [(1, 7), (4, 512), (3, 1500)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_and_shared_combine(T, N, dtype):
@@ -182,3 +231,22 @@ def test_route_from_x_at_real_shapes_replays_in_a_cuda_graph(T):
         ref_ids, ref_w = reference_logits_route(x, router, 8)
         torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
         torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [1, 16])
+def test_add_norm_route_at_real_shapes_replays_in_a_cuda_graph(T):
+    """The residual add + norm in the router's launch at the 35B shapes (256 experts, top 8, hidden
+    2048, bf16): eager, then captured and replayed on new rows."""
+    h, r, norm_weight, router = _add_norm_route_case(T, 256, 2048, torch.bfloat16)
+    out = kernels.add_norm_route_triton(h, r, norm_weight, 1e-6, router, 8)  # compiles, makes the scratch
+    _check_add_norm_route(out, h, r, norm_weight, router, 8, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.add_norm_route_triton(h, r, norm_weight, 1e-6, router, 8)
+    for _ in range(3):
+        h.copy_(torch.randn_like(h))
+        r.copy_(torch.randn_like(r))
+        graph.replay()
+        _check_add_norm_route(out, h, r, norm_weight, router, 8, torch.bfloat16)
