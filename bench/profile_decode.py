@@ -22,7 +22,9 @@ gdn_prologue, delta_rule, attention_chunk, attention_combine), of the decode til
 (``tiles=PATH``, read in place of ``engine/kernels/quant/tuned.json``), of Gated DeltaNet's gated
 norm (``gdn-norm=apart``: its own launch; ``inside``: in the delta rule's,
 ``engine.model.gated_deltanet.NORM_IN_RULE``) and of the residual add + norm before the experts
-(``norm-route=inside``: in the router's launch, ``engine.model.moe.NORM_IN_ROUTER``), settings joined by ``+``, so that a change is timed against the tree before it in one process. ``--no-profile`` stops after the medians.
+(``norm-route=inside``: in the router's launch, ``engine.model.moe.NORM_IN_ROUTER``), settings
+joined by ``+``, so that a change is timed against the tree before it in one process.
+``--no-profile`` stops after the medians.
 """
 
 from __future__ import annotations

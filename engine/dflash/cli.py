@@ -80,7 +80,8 @@ def train_draft(
     try:
         opts = TrainOptions(steps=steps, seq_len=seq_len, batch=batch, anchors=anchors, lr=lr, gamma=gamma,
                             labels=labels, seed=seed, weights=weights, eval_prompts=eval_prompts,
-                            eval_prompt_len=eval_prompt_tokens, eval_new_tokens=eval_new_tokens, distill=distill, distill_prompt=distill_prompt,
+                            eval_prompt_len=eval_prompt_tokens, eval_new_tokens=eval_new_tokens, distill=distill,
+                            distill_prompt=distill_prompt,
                             distill_new=distill_new, distill_batch=distill_batch,
                             time_budget_s=parse_duration(time_budget) if time_budget is not None else None)
     except ValueError as exc:
