@@ -6,13 +6,17 @@
 # training passes and the captured bf16 step) and the bf16 gap is measured again; then waits for the
 # draft and copies it, its log and its held-out acceptance report to $OUT. On a warm machine remove
 # /tmp/draft first (an old checkpoint there is refused). 31_dflash_table.sh runs the table with it next.
+# DISTILL_PROMPT sets the prompt tokens of each distilled row and EVAL_PROMPT the held-out prompts' length:
+# drafts accept less past the context lengths they trained on (docs/benchmarks.md), and issue 4's table
+# continues prompts of 512 (for it: DISTILL_PROMPT=512 DISTILL_NEW=448 EVAL_PROMPT=512, fewer rows).
 source "$(dirname "$0")/env.sh"
 python3 -c "from engine.train.corpus import build_corpus; build_corpus('/tmp/corpus', n_retrieval=0)" > /dev/null
 mkdir -p /tmp/draft
 t0=$(date +%s)
 setsid nohup python3 -m tuner.cli train-draft --target models/luce-target.gguf --corpus /tmp/corpus/train.txt \
   --out /tmp/draft/luce-draft.gguf --layers 3 --features 3 --block-size 16 --batch 16 --anchors 256 --lr 2e-3 \
-  --distill ${DISTILL_N:-16384} --distill-prompt 64 --distill-new ${DISTILL_NEW:-96} --distill-batch 1024 \
+  --distill ${DISTILL_N:-16384} --distill-prompt ${DISTILL_PROMPT:-64} --distill-new ${DISTILL_NEW:-96} \
+  --distill-batch ${DISTILL_BATCH:-1024} --eval-prompt-tokens ${EVAL_PROMPT:-128} \
   --steps ${DRAFT_STEPS:-3072} --time-budget ${DRAFT_MINUTES:-6}m --device cuda > /tmp/draft/train.log 2>&1 &
 echo "draft training started"
 timeout ${TESTS_S:-200} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p no:cacheprovider \
