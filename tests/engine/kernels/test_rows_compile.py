@@ -111,6 +111,11 @@ def test_gemv_loads_its_first_weight_tile_before_waiting_on_the_kernel_before(pd
     assert masked and min(masked) > wait
 
 
+ROUTER_TYPES = {"x_ptr": "*bf16", "r_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i64",
+                "w_ptr": "*fp32", "res_ptr": "*bf16", "nw_ptr": "*fp32", "h_out_ptr": "*bf16", "x_out_ptr": "*bf16",
+                "eps": "fp32"}
+
+
 @pytest.mark.parametrize("module, name, types, consts", [
     ("engine.kernels.rope_norm", "_norm_rope_cache_kernel",
      {"k_ptr": "*bf16", "v_ptr": "*bf16", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
@@ -120,9 +125,10 @@ def test_gemv_loads_its_first_weight_tile_before_waiting_on_the_kernel_before(pd
      {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "slots_ptr": "*i64", "out_ptr": "*bf16",
       "g_ptr": "*bf16"},
      {"N_CHUNKS": 64, "GROUP": 8, "D": 256, "BLOCK_T": 1, "CHUNK": 256, "BLOCK_C": 16, "GATED": True, "PDL": True}),
-    ("engine.kernels.moe_gate", "_route_kernel",
-     {"x_ptr": "*bf16", "r_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i64", "w_ptr": "*fp32"},
-     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "PDL": True}),
+    ("engine.kernels.moe_gate", "_route_kernel", ROUTER_TYPES,
+     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": False, "PDL": True}),
+    ("engine.kernels.moe_gate", "_route_kernel", ROUTER_TYPES,
+     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": True, "PDL": True}),
     ("engine.kernels.quant.triton", "_moe_down_pairs_kernel",
      {"act_ptr": "*bf16", "d_ptr": "*u8", "ids_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16", "sd_ptr": "*u8",
       "sgate_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"},
@@ -133,10 +139,10 @@ def test_gemv_loads_its_first_weight_tile_before_waiting_on_the_kernel_before(pd
       "o_ptr": "*fp32", "s_out_ptr": "*fp32", "scale": "fp32", "gate_ptr": "*bf16", "nw_ptr": "*fp32",
       "y_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32"},
      {"T": 1, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": True, "BLOCK_DV": 128, "PDL": True}),
-], ids=["cache_write", "gated_combine", "router", "down_per_pair", "delta_rule_gated_norm"])
+], ids=["cache_write", "gated_combine", "router", "router_add_norm", "down_per_pair", "delta_rule_gated_norm"])
 def test_attention_glue_kernels_compile(module, name, types, consts, tmp_path):
-    """The attention layer's fused cache write and gated combine, the router, the experts' down
-    launch per pair and the delta rule with the gated norm build for sm_90 (the interpreter runs code the compiler may
+    """The attention layer's fused cache write and gated combine, the router (with the residual add +
+    norm and without), the experts' down launch per pair and the delta rule with the gated norm build for sm_90 (the interpreter runs code the compiler may
     reject), without spills, waiting on the kernel before them."""
     sass = _sass(name, types, consts, 4, tmp_path, module=module)
     assert "ACQBULK" in sass and "LDL" not in sass and "STL" not in sass
@@ -152,9 +158,12 @@ def test_attention_glue_kernels_compile(module, name, types, consts, tmp_path):
     ("engine.kernels.rope_norm", "_norm_rope_kernel",
      {"x_ptr": "*bf16", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"},
      {"D": 256, "HALF": 32, "BLOCK_D": 256, "PDL": True}),
-], ids=["add_norm", "gated_norm", "norm_rope"])
+    ("engine.kernels.moe_gate", "_route_kernel", ROUTER_TYPES,
+     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": True, "PDL": True}),
+], ids=["add_norm", "gated_norm", "norm_rope", "router_add_norm"])
 def test_small_kernels_build_at_one_warp(module, name, types, consts, tmp_path):
-    """The norms and the norm + RoPE at the 35B rows with one warp a program (a setting of
-    ``engine.kernels.warps`` that ``bench/small_kernels.py`` times): no spills, the PDL wait kept."""
+    """The norms, the norm + RoPE and the router with the add + norm at the 35B rows with one warp a
+    program (a setting of ``engine.kernels.warps`` that ``bench/small_kernels.py`` times): no spills,
+    the PDL wait kept."""
     sass = _sass(name, types, consts, 1, tmp_path, module=module)
     assert "ACQBULK" in sass and "LDL" not in sass and "STL" not in sass
