@@ -338,15 +338,15 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
         if record is not None:
             for buf, t in zip((record.q, record.k, record.v, record.g, record.beta), (q, k, v, g, beta)):
                 buf.copy_(t)
+    T = x.shape[0]
+    norm = (z.view(T, hv, dv), w.norm, cfg.rms_eps, x.dtype)
     if NORM_IN_RULE and getattr(delta_rule, "takes_norm", False):  # the gated norm inside the rule's launch
-        T = x.shape[0]
-        y, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5,
-                          norm=(z.view(T, hv, dv), w.norm, cfg.rms_eps, x.dtype))
-        recurrent_state.copy_(s)
-        return linear(y.reshape(T, hv * dv), w.out)
-    o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5)
+        y, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5, norm=norm)
+    else:
+        o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5)
+        y = gated_norm(o, norm)
     recurrent_state.copy_(s)
-    return _gdn_output(w, o, z, cfg, x.dtype)
+    return linear(y.reshape(T, hv * dv), w.out)
 
 
 def _gdn_projections(w: GDNWeights, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
