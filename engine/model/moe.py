@@ -27,9 +27,9 @@ FUSED_GATE: bool | None = None
 GATE = "MoE gate"
 # True: where the fused gate applies, the residual add + RMSNorm before the experts runs inside the
 # router's launch (``moe_gate.add_norm_route_triton``: 40 launches fewer a 35B step); False: in its own
-# launch. Off until the captured step says it is faster (``bench/profile_decode.py --kernel-variants
-# norm-route=inside``).
-NORM_IN_ROUTER = False
+# launch. On: in three alternating pairs of the captured 35B step on the H200 it ran 2.09 ms against
+# 2.11-2.19 ms apart (``bench/profile_decode.py --kernel-variants norm-route=apart,norm-route=inside``).
+NORM_IN_ROUTER = True
 
 
 def _fused_gate(x: torch.Tensor, *params: torch.Tensor) -> bool:

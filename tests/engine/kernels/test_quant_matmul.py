@@ -323,6 +323,51 @@ def test_grouped_quantized_moe_for_long_calls_matches_the_reference(qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("M,N,k,block_k", [(17, 45, 128, 64), (40, 19, 96, 32), (21, 33, 96, 64)])
+def test_gemm_reads_split_rows_in_whole_blocks(qtype, M, N, k, block_k, monkeypatch):
+    """The prefill GEMM over split-layout rows takes whole-block tiles where ``block_k`` divides K (96
+    with 64 does not: the per-weight tiles then) and gives the reference's products, odd M and N."""
+    qm = make(qtype, N, k, seed=M + N, maker="bytes").with_layout("split")
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(M))
+    ref = qmatmul_reference(x, qm.with_layout("ggml").raw, qtype, N, k)
+    config = tq.QuantKernelConfig(gemv_max_m=4, block_m=16, block_n=16, block_k=block_k)
+    assert tq._halves(qm, block_k) == (k % block_k == 0)
+    whole = tq.qmatmul(x, qm, config)
+    monkeypatch.setattr(tq, "GROUPED_HALVES", False)
+    assert rel_err(whole, ref) < 1e-5 and rel_err(tq.qmatmul(x, qm, config), ref) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("block_k,hidden,ffn", [(32, 96, 64), (64, 128, 192)])
+def test_grouped_moe_reads_split_rows_in_whole_blocks(qtype, block_k, hidden, ffn, monkeypatch):
+    """The grouped launches over split-layout rows read whole blocks (each tile's low and high halves in
+    two products) and give the per-weight path's result, and the reference's; rows past an expert's
+    last (45 of 64 in a tile), padded pairs, unrouted pairs and blocks past the last expert's included."""
+    from engine.hybrid import quantized_moe
+    from engine.kernels.quant.reference import split_rows
+
+    E, k, T = 5, 3, 23
+    rng = np.random.default_rng(11)
+    shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+    stack = [QuantExperts.from_gguf_bytes(random_quantized((E, n, kk), qtype, rng, 0.05), qtype, E, n, kk)
+             for n, kk in shapes]
+    split = [qe.with_layout("split") for qe in stack]
+    assert all(tq._halves(qe, block_k) for qe in split) and not tq._halves(stack[0], block_k)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(T, hidden, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[4, 1] = -1
+    w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    ref = quantized_moe(x, stack, ids, w, impl="torch")
+    config = tq.QuantKernelConfig(block_m=16, block_n=32, block_k=block_k, gemv_max_m=4)
+    whole = tq.quantized_moe_triton(x, *split, ids, w, config)
+    monkeypatch.setattr(tq, "GROUPED_HALVES", False)
+    per_weight = tq.quantized_moe_triton(x, *split, ids, w, config)
+    assert whole.shape == (T, hidden) and rel_err(whole, ref) < 1e-5
+    assert rel_err(whole, per_weight) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("M,N", [(1, 7), (5, 45), (33, 19)])
 def test_split_layout_gives_the_same_products(qtype, M, N):
     """Rows rearranged as codes then scales: the same bytes, the same weights, and the GEMV
