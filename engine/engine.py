@@ -20,6 +20,7 @@ from engine.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from engine.dflash.draft import DFlashDraft
     from engine.model.decode_graph import DecodeGraph
+    from engine.model.prefill_graph import PrefillGraph
     from engine.hybrid import HybridExperts
     from engine.pflash.drafter import Drafter
     from engine.pflash.select import PFlashConfig
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 GRAPH_MIN_TOKENS = 1024  # smallest state a captured decode step is built for
 MAX_DECODE_GRAPHS = 3  # captured decode steps kept per engine (each owns a state of its capacity)
+MAX_PREFILL_GRAPHS = 3  # captured padded prefills kept per engine (one memory pool between them)
 
 
 def graph_capacity(tokens: int) -> int:
@@ -118,6 +120,13 @@ class Engine:
         self.cuda_graph = cuda_graph  # plain decoding replays a captured decode step where it can
         self._graphs: dict[int, "DecodeGraph"] = {}  # state capacity -> decode step, least recently used first
         self._capture_failure: str | None = None
+        # True, with cuda_graph: prompts up to prefill_graph.BUCKETS[-1] tokens prefill through a captured
+        # padded prefill (``engine.model.prefill_graph``). Off until its CUDA tests pass: the first run of
+        # its capture test on the H200 failed (docs/benchmarks.md); its padded step is checked on the CPU
+        self.prefill_graph = False
+        self._prefills: dict[int, "PrefillGraph"] = {}  # padded length -> captured prefill, least recent first
+        self._prefill_pool = None
+        self._prefill_failure: str | None = None
 
     @property
     def config(self):
@@ -248,6 +257,7 @@ class Engine:
         if budget_mb < 0:
             raise ConfigError(f"expert budget must be >= 0 MB, got {budget_mb}")
         self._graphs.clear()  # they read the device slots about to move; their memory is freed first
+        self._prefills.clear()
         if self.hybrid is None:
             from engine.hybrid import attach_hybrid
             from engine.placement import load_routing_stats
@@ -377,12 +387,19 @@ class Engine:
             return self._speculative(ids, max_new_tokens, params, eos, stop, spec_len, on_token, extra, t0,
                                      fallback=spec_fallback)
         else:
-            if decoder is not None:
-                state = decoder.state
-                state.reset()
+            padded = self._prefill_graph(len(ids), extra)
+            if padded is not None:
+                last_logits, state = padded.run(prompt)
+                if decoder is not None:  # the static step is bound to its own state: continue from a copy
+                    decoder.state.copy_from(state)
+                    state = decoder.state
             else:
-                state = self.model.new_state(len(ids) + max_new_tokens)
-            last_logits = self.model.forward(prompt, state, logits="last").logits[-1]
+                if decoder is not None:
+                    state = decoder.state
+                    state.reset()
+                else:
+                    state = self.model.new_state(len(ids) + max_new_tokens)
+                last_logits = self.model.forward(prompt, state, logits="last").logits[-1]
         token = sample(last_logits, params, gen)
         new = [int(token)]  # the one host synchronisation point per token
         t1 = time.perf_counter()
@@ -459,6 +476,40 @@ class Engine:
         self._graphs[capacity] = decoder
         extra["decode_path"] = decoder.path
         return decoder
+
+    def _prefill_graph(self, tokens: int, extra: dict[str, Any]) -> "PrefillGraph | None":
+        """The cached captured prefill of the padded length that holds ``tokens``, captured on first use;
+        None (prefill eagerly) without ``cuda_graph``, where the decode step could not be captured either,
+        past the longest padded length, or after a capture failed. ``extra["prefill_path"]`` says which."""
+        from engine.model.prefill_graph import PrefillGraph, applies, bucket_for
+
+        extra["prefill_path"] = "eager"
+        bucket = bucket_for(tokens)
+        if (not self.prefill_graph or bucket is None or self._prefill_failure is not None
+                or self.decode_graph_blocker() is not None or not applies(self.model.executor)):
+            return None
+        padded = self._prefills.pop(bucket, None)
+        if padded is not None and not padded.current():
+            padded = None
+        if padded is None:
+            while len(self._prefills) >= MAX_PREFILL_GRAPHS:
+                del self._prefills[next(iter(self._prefills))]
+            if self._prefill_pool is None and self.device.type == "cuda":
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            t0 = time.perf_counter()
+            try:
+                padded = PrefillGraph(self.model, bucket, pool=self._prefill_pool)
+            except RuntimeError as exc:  # an op that cannot be captured: prefill eagerly from now on, and say so
+                self._prefill_failure = f"capturing the prefill failed: {exc}"
+                warnings.warn(self._prefill_failure, stacklevel=3)
+                extra["prefill_graph_blocker"] = self._prefill_failure
+                return None
+            _sync(self.device)
+            extra["prefill_graph_capture_s"] = time.perf_counter() - t0
+        self._prefills[bucket] = padded
+        extra["prefill_path"] = "cuda_graph" if padded.captured else "padded"  # padded: run eagerly (tests)
+        extra["prefill_padded_to"] = bucket
+        return padded
 
     def _speculative(self, ids: Sequence[int], max_new_tokens: int, params: SamplingParams, eos: set[int],
                      stop: list[str], spec_len: int, on_token: Callable[[int, str], None] | None,

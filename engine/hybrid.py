@@ -451,6 +451,17 @@ class HybridExperts:
                                           or all(layer.n_hot == layer.n_expert for layer in self._layers))
 
     @property
+    def all_hot(self) -> bool:
+        """Every expert of every layer in its device slot."""
+        return all(layer.n_hot == layer.n_expert for layer in self._layers)
+
+    def discount(self, layer_idx: int, pairs: torch.Tensor) -> None:
+        """Take ``pairs`` (a device scalar) off the layer's pair counter: routes a caller made with id -1
+        (padding, which no expert computes) and that ``__call__`` counted. All-hot placements only,
+        where pairs are the hot hits (``stats_snapshot``)."""
+        self._pairs[layer_idx].sub_(pairs)
+
+    @property
     def expert_vram_bytes(self) -> int:
         return sum(layer.slot_bytes for layer in self._layers)
 

@@ -108,7 +108,7 @@ class DecodeGraph:
         if graph and self.blocker is not None:
             raise ConfigError(f"the decode step cannot be captured in a CUDA graph: {self.blocker}")
         # what the capture read: a later swap of the executor or of its device slots invalidates it
-        self._source = (model.executor, _placement_version(model.executor))
+        self._source = (model.executor, placement_version(model.executor))
 
         dev = model.device
         with torch.inference_mode():
@@ -145,7 +145,7 @@ class DecodeGraph:
         """False once the model's expert executor or its placement changed since construction."""
         executor, version = self._source
         model = self.model
-        return (model.executor is executor and _placement_version(executor) == version
+        return (model.executor is executor and placement_version(executor) == version
                 and (not self.captured or model.routing_observer is None))
 
     @torch.inference_mode()
@@ -292,9 +292,10 @@ class DecodeGraph:
                 t.copy_(copy)
 
 
-def capture_graph(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+def capture_graph(run: Callable[[], None], device: torch.device, pool=None) -> torch.cuda.CUDAGraph:
     """``run`` captured in a CUDA graph, after ``WARMUP_RUNS`` runs on a side stream (the first
-    compiles the Triton kernels, the next runs as the graph will)."""
+    compiles the Triton kernels, the next runs as the graph will); ``pool``: a memory pool shared
+    with other graphs (``torch.cuda.graph_pool_handle``) that never replay at once."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -302,10 +303,10 @@ def capture_graph(run: Callable[[], None], device: torch.device) -> torch.cuda.C
             run()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         run()
     return graph
 
 
-def _placement_version(executor: ExpertExecutor) -> int:
+def placement_version(executor: ExpertExecutor) -> int:
     return getattr(executor, "placement_version", 0)

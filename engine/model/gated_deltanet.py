@@ -217,17 +217,44 @@ def decode_delta_rule(head_k: int, head_v: int, *, impl: str, in_place: bool = T
     return delta_rule_recurrent, "torch"
 
 
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv of x [T, C] continuing from ``state`` [C, K-1]; returns (out [T, C], new state)."""
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of x [T, C] continuing from ``state`` [C, K-1]; returns (out [T, C], new state).
+    ``keep`` [K-1] (device indices into the state then x's columns): the new state's columns, rather
+    than the last K-1 (a padded call's state ends at its last real token: ``PadMask``)."""
     padded = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
     out = F.conv1d(padded[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
-    return out.transpose(0, 1), padded[:, padded.shape[1] - state.shape[1]:]
+    new = padded[:, padded.shape[1] - state.shape[1]:] if keep is None else padded.index_select(1, keep)
+    return out.transpose(0, 1), new
 
 
 def _per_value_head(x: torch.Tensor, hv: int) -> torch.Tensor:
     """[T, hk, d] -> [T, hv, d], key head p // (hv / hk) at value head p (a copy, no host sync)."""
     T, hk, d = x.shape
     return x[:, :, None].expand(T, hk, hv // hk, d).reshape(T, hv, d)
+
+
+@dataclass(frozen=True)
+class PadMask:
+    """Which of a call's tokens are real when a prompt is padded at its end to a fixed length (a captured
+    prefill): the padding neither decays nor writes the recurrent state (its gate g and its beta are
+    zeroed, so the delta rule leaves the state as the last real token left it), and the conv state keeps
+    the inputs up to the last real token. Device tensors, so a graph replays any real length."""
+
+    mask: torch.Tensor  # [T] float32: 1 for real tokens, 0 for padding
+    conv_keep: torch.Tensor  # [K-1] long: n_real + arange(K-1), the conv window's columns to keep
+
+    @classmethod
+    def empty(cls, tokens: int, conv_kernel: int, device: torch.device | str) -> "PadMask":
+        return cls(torch.ones(tokens, device=device), torch.arange(conv_kernel - 1, device=device) + tokens)
+
+    def set(self, n_real: int) -> None:
+        """Mark the first ``n_real`` tokens real (in place: a captured graph reads these buffers)."""
+        T, tail = self.mask.shape[0], self.conv_keep.shape[0]
+        if not 1 <= n_real <= T:
+            raise ValueError(f"{n_real} real tokens do not fit a padded call of {T}")
+        self.mask.copy_((torch.arange(T) < n_real).float())
+        self.conv_keep.copy_(torch.arange(tail) + n_real)
 
 
 @dataclass(frozen=True)
@@ -277,12 +304,16 @@ PROLOGUE = "Gated DeltaNet prologue"
 
 def gdn_prologue_reference(qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
                            b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor,
-                           cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
+                           cfg: ModelConfig, pad: PadMask | None = None) -> tuple[torch.Tensor, ...]:
     """The delta rule's inputs from the projections: (q, k [T, hv, dk] unit rows, v [T, hv, dv],
-    g, beta [T, hv] float32). ``conv_state`` is updated in place."""
-    mixed, new_conv = causal_conv(qkv, conv_state, conv_weight)
+    g, beta [T, hv] float32). ``conv_state`` is updated in place. ``pad``: the padding's g and beta
+    are zero and the conv state ends at the last real token."""
+    mixed, new_conv = causal_conv(qkv, conv_state, conv_weight, None if pad is None else pad.conv_keep)
     conv_state.copy_(new_conv)
-    return _prologue_after_conv(mixed, b, alpha, a, dt_bias, cfg)
+    q, k, v, g, beta = _prologue_after_conv(mixed, b, alpha, a, dt_bias, cfg)
+    if pad is not None:
+        g, beta = g * pad.mask[:, None], beta * pad.mask[:, None]
+    return q, k, v, g, beta
 
 
 def _prologue_after_conv(mixed: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, a: torch.Tensor,
@@ -316,13 +347,17 @@ def _prologue_kernel():
 
 
 def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
-                cfg: ModelConfig, delta_rule: DeltaRuleFn, record: GDNRecord | None = None) -> torch.Tensor:
+                cfg: ModelConfig, delta_rule: DeltaRuleFn, record: GDNRecord | None = None,
+                pad: PadMask | None = None) -> torch.Tensor:
     """x [T, hidden] (already normed) -> [T, hidden]; updates both states in place and, with
-    ``record``, copies what rebuilding a shorter prefix's state needs into its buffers."""
+    ``record``, copies what rebuilding a shorter prefix's state needs into its buffers. ``pad``: x's
+    last tokens are padding, and the states are left as the real tokens leave them."""
     hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
     qkv, z, b, alpha = _gdn_projections(w, x, cfg)
     inputs = None
-    if _fused_prologue(qkv, w, cfg):  # one launch; with a record, straight into its buffers
+    if record is not None and pad is not None:
+        raise ValueError("a padded call keeps no record")
+    if pad is None and _fused_prologue(qkv, w, cfg):  # one launch; with a record, straight into its buffers
         out = (record.q, record.k, record.v, record.g, record.beta) if record is not None else None
         inputs = fused.attempt(PROLOGUE, FUSED_PROLOGUE, lambda: _prologue_kernel()(
             qkv, conv_state, w.conv, b, alpha, w.a, w.dt_bias, k_heads=cfg.gdn_k_heads, v_heads=hv,
@@ -334,7 +369,7 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
             tail = conv_state.shape[1]
             record.window[:, :tail].copy_(conv_state)
             record.window[:, tail:].copy_(qkv.transpose(0, 1))
-        q, k, v, g, beta = gdn_prologue_reference(qkv, conv_state, w.conv, b, alpha, w.a, w.dt_bias, cfg)
+        q, k, v, g, beta = gdn_prologue_reference(qkv, conv_state, w.conv, b, alpha, w.a, w.dt_bias, cfg, pad)
         if record is not None:
             for buf, t in zip((record.q, record.k, record.v, record.g, record.beta), (q, k, v, g, beta)):
                 buf.copy_(t)

@@ -34,6 +34,30 @@ def static_on_cpu(monkeypatch, eng):
     monkeypatch.setattr(eng, "decode_graph_blocker", lambda: None)
 
 
+def test_prompts_prefill_padded_and_the_tokens_stay_the_same(monkeypatch, eng):
+    """With the step's blocker lifted, prompts prefill through the padded prefill (uncaptured on the CPU),
+    one cached per padded length, and generate the eager tokens; past the longest length, or switched
+    off, the prefill is eager."""
+    from engine.model import prefill_graph
+
+    prompts = [eng.tokenizer.encode("def add(a, b):\n"), eng.tokenizer.encode("import os\n" * 30)]
+    eager = [eng.generate(p, 6, ignore_eos=True) for p in prompts]
+    assert all(g.timings.extra["prefill_path"] == "eager" for g in eager)
+    static_on_cpu(monkeypatch, eng)
+    assert eng.generate(prompts[0], 2, ignore_eos=True).timings.extra["prefill_path"] == "eager"  # off by default
+    eng.prefill_graph = True
+    padded = [eng.generate(p, 6, ignore_eos=True) for p in prompts]
+    assert [g.ids for g in padded] == [g.ids for g in eager]
+    assert [g.timings.extra["prefill_path"] for g in padded] == ["padded", "padded"]
+    assert sorted(eng._prefills) == sorted({prefill_graph.bucket_for(len(p)) for p in prompts})
+    one = eng.generate(prompts[0], 1, ignore_eos=True)  # no decode step: the prefill's own state
+    assert one.ids == eager[0].ids[:1]
+    monkeypatch.setattr(prefill_graph, "BUCKETS", (8,))
+    assert eng.generate(prompts[1], 2, ignore_eos=True).timings.extra["prefill_path"] == "eager"
+    eng.prefill_graph = False
+    assert eng.generate(prompts[0], 2, ignore_eos=True).timings.extra["prefill_path"] == "eager"
+
+
 def test_capacity_buckets():
     assert graph_capacity(1) == graph_capacity(GRAPH_MIN_TOKENS) == GRAPH_MIN_TOKENS
     assert graph_capacity(GRAPH_MIN_TOKENS + 1) == 2 * GRAPH_MIN_TOKENS
@@ -142,15 +166,21 @@ def test_cuda_greedy_text_is_identical_with_and_without_the_graph(tmp_path, weig
     path = make_model(tmp_path / "tiny.gguf", "tiny", seed=5, n_layers=8,
                       quant="q8_0" if weights == "quantized" else "f32")
     eng = Engine.from_gguf(path, device="cuda", dtype="float32", weights=weights, cuda_graph=True)
+    eng.prefill_graph = True
     ids = eng.tokenizer.encode("def fibonacci(n):\n")
+    long_ids = eng.tokenizer.encode("values = [1, 2, 3]\n" * 30)  # the captured prefill of 512 tokens
     graph = eng.generate(ids, 32, ignore_eos=True)
     assert graph.timings.extra["decode_path"] == "cuda_graph", graph.timings.extra.get("decode_graph_blocker")
+    assert graph.timings.extra["prefill_path"] == "cuda_graph", graph.timings.extra.get("prefill_graph_blocker")
     again = eng.generate(ids, 32, ignore_eos=True)
-    assert "decode_graph_capture_s" not in again.timings.extra
+    assert "decode_graph_capture_s" not in again.timings.extra and "prefill_graph_capture_s" not in again.timings.extra
+    graph_long = eng.generate(long_ids, 16, ignore_eos=True)
+    assert graph_long.timings.extra["prefill_padded_to"] == 512
     eng.cuda_graph = False
     eager = eng.generate(ids, 32, ignore_eos=True)
-    assert eager.timings.extra["decode_path"] == "eager"
+    assert eager.timings.extra["decode_path"] == eager.timings.extra["prefill_path"] == "eager"
     assert graph.ids == again.ids == eager.ids and graph.text == eager.text
+    assert graph_long.ids == eng.generate(long_ids, 16, ignore_eos=True).ids
 
 
 @pytest.mark.gpu

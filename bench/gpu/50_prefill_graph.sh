@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Issue 9: the captured padded prefill (engine/model/prefill_graph.py). Its CUDA tests and the engine's
+# greedy identity with and without it (TESTS_S box), then prefill at 512 and 2,048 tokens on the 35B
+# file through it (bench/engine_bench.py, cuda_graph on: the first call at each length captures).
+source "$(dirname "$0")/env.sh"
+start_q35
+t0=$(date +%s)
+timeout ${TESTS_S:-75} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p no:cacheprovider \
+  tests/engine/model/test_prefill_graph.py tests/engine/test_engine_decode_graph.py > "$OUT/tests.log" 2>&1 \
+  || echo "tests rc=$?"
+tests_summary $t0
+[ -z "$maker" ] || wait $maker || echo "make-model failed"
+timeout ${BENCH_S:-100} python3 bench/engine_bench.py --model /tmp/q35.gguf --weights quantized --experts quantized \
+  --prompt-lens ${LENS:-512,2048} --decode 4 --repeats 3 --json "$OUT/engine_bench.json" \
+  > "$OUT/engine_bench.log" 2>&1 || echo "bench rc=$?"
+grep -E "loaded|prefill|decode" "$OUT/engine_bench.log" || true
