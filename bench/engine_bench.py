@@ -1,7 +1,8 @@
 """Load time, prefill tok/s at given prompt lengths, decode tok/s and peak memory of one model.
 
     python bench/engine_bench.py --model M.gguf [--prompt-lens 512,4096] [--decode 64]
-        [--repeats 3] [--weights dense|quantized] [--experts dense|quantized] [--no-graph] [--json out.json]
+        [--repeats 3] [--weights dense|quantized] [--experts dense|quantized] [--no-graph] [--prefill-graph]
+        [--json out.json]
 
 Prompts are random token ids (the figures are about speed, not text). Each figure is the
 median of ``--repeats`` runs after one warm-up run, with min and max beside it. Decoding is
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--experts", default="dense", choices=("dense", "quantized"),
                     help="quantized: every routed expert on the device in its GGUF blocks (the appliance's form)")
     ap.add_argument("--no-graph", action="store_true", help="measure eager decoding only")
+    ap.add_argument("--prefill-graph", action="store_true",
+                    help="prefill through the captured padded prefill (engine.model.prefill_graph; off by default)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -51,6 +54,7 @@ def main() -> None:
     if quantized:  # every expert hot, in its blocks
         placement = eng.set_expert_budget(0)
         eng.set_expert_budget(placement.n_expert * sum(placement.expert_bytes) / 2**20)
+    eng.prefill_graph = args.prefill_graph
     load_s = time.perf_counter() - t0
     load_mem = torch.cuda.memory_allocated() / 2**20 if eng.device.type == "cuda" else 0.0
     vocab = eng.config.vocab
@@ -71,9 +75,10 @@ def main() -> None:
         result["prefill"][n] = {
             "tok_s": spread([n / t.prefill_s for t in runs]),
             "peak_mem_mb": max(t.peak_mem_mb for t in runs),
+            "path": runs[0].extra.get("prefill_path", "eager"),
         }
         print(f"prefill {n:>6} tokens: {result['prefill'][n]['tok_s']['median']:10.1f} tok/s "
-              f"(peak {result['prefill'][n]['peak_mem_mb']:.0f} MiB)", flush=True)
+              f"(peak {result['prefill'][n]['peak_mem_mb']:.0f} MiB, {result['prefill'][n]['path']})", flush=True)
 
     ids = torch.randint(0, vocab, (16,), generator=gen).tolist()
     blocker = eng.decode_graph_blocker()
