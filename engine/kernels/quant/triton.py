@@ -352,6 +352,31 @@ def _x_halves(p_x, col, HI: tl.constexpr, m_m):
 
 
 @triton.jit
+def _rows_dot(p_x, m_m, p_row, m_n, K, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_AT: tl.constexpr, HALVES: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32: rows of x starting at ``p_x`` [BM, 1] (zeros outside ``m_m``) times the
+    weight rows starting at byte pointers ``p_row`` [1, BN] (clamped in bounds; ``m_n`` the real ones) over
+    K, tensor-core dots on tiles dequantized in registers: whole blocks with ``HALVES``
+    (``_split_tile``), else per weight (``_dequant``)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if HALVES:
+        HI: tl.constexpr = 16 if QTYPE == 0 else BLOCK_K // 2
+        for k0 in range(0, K, BLOCK_K):
+            w_lo, w_hi, col = _split_tile(p_row, k0, QTYPE, BLOCK_K, SPLIT_AT)
+            x_lo, x_hi = _x_halves(p_x, col, HI, m_m)
+            acc = tl.dot(x_lo, w_lo.to(x_lo.dtype), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x_hi, w_hi.to(x_hi.dtype), acc, input_precision=DOT_PRECISION)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < K
+            b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+            b_w = _dequant(p_row, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE, SPLIT_AT)  # [BK, BN] float32
+            acc = tl.dot(b_x, b_w.to(b_x.dtype), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K: tl.constexpr,
     stride_xm, stride_wn, stride_om,
@@ -367,23 +392,8 @@ def _gemm_kernel(
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     p_row = w_ptr + tl.minimum(o_n, N - 1).to(tl.int64)[None, :] * stride_wn  # [1, BN], in bounds
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if HALVES:
-        HI: tl.constexpr = 16 if QTYPE == 0 else BLOCK_K // 2
-        p_x = x_ptr + o_m[:, None] * stride_xm
-        for k0 in range(0, K, BLOCK_K):
-            w_lo, w_hi, col = _split_tile(p_row, k0, QTYPE, BLOCK_K, SPLIT_AT)
-            x_lo, x_hi = _x_halves(p_x, col, HI, m_m)
-            acc = tl.dot(x_lo, w_lo.to(x_lo.dtype), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(x_hi, w_hi.to(x_hi.dtype), acc, input_precision=DOT_PRECISION)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_k = o_k < K
-            b_x = tl.load(x_ptr + o_m[:, None] * stride_xm + o_k[None, :],
-                          mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
-            b_w = _dequant(p_row, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE, SPLIT_AT)  # [BK, BN] float32
-            acc = tl.dot(b_x, b_w.to(b_x.dtype), acc, input_precision=DOT_PRECISION)
+    acc = _rows_dot(x_ptr + o_m[:, None] * stride_xm, m_m, p_row, m_n, K, QTYPE, BLOCK_M, BLOCK_N, BLOCK_K,
+                    DOT_PRECISION, SPLIT_AT, HALVES)
     tl.store(out_ptr + o_m[:, None] * stride_om + o_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_m[:, None] & m_n[None, :])
 
@@ -788,23 +798,8 @@ def _q_grouped_down_kernel(
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = (o_n < H) & used
     p_d = d_ptr + e * stride_de + tl.minimum(o_n, H - 1).to(tl.int64)[None, :] * stride_dn  # [1, BN]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if HALVES:
-        HI: tl.constexpr = 16 if QTYPE == 0 else BLOCK_K // 2
-        p_a = act_ptr + b_pair[:, None] * stride_ap
-        for k0 in range(0, FFN, BLOCK_K):
-            d_lo, d_hi, col = _split_tile(p_d, k0, QTYPE, BLOCK_K, SPLIT_AT)
-            a_lo, a_hi = _x_halves(p_a, col, HI, m_m)
-            acc = tl.dot(a_lo, d_lo.to(a_lo.dtype), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(a_hi, d_hi.to(a_hi.dtype), acc, input_precision=DOT_PRECISION)
-    else:
-        for k0 in range(0, FFN, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_k = o_k < FFN
-            b_a = tl.load(act_ptr + b_pair[:, None] * stride_ap + o_k[None, :],
-                          mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
-            b_d = _dequant(p_d, o_k[:, None], m_k[:, None] & m_n[None, :], QTYPE, SPLIT_AT)  # [BK, BN]
-            acc = tl.dot(b_a, b_d.to(b_a.dtype), acc, input_precision=DOT_PRECISION)
+    acc = _rows_dot(act_ptr + b_pair[:, None] * stride_ap, m_m, p_d, m_n, FFN, QTYPE, BLOCK_M, BLOCK_N, BLOCK_K,
+                    DOT_PRECISION, SPLIT_AT, HALVES)
     b_w = tl.load(w_ptr + b_pair, mask=m_m, other=0.0).to(tl.float32)  # [BM]
     tl.store(out_ptr + b_pair[:, None] * stride_op + o_n[None, :], acc * b_w[:, None],
              mask=m_m[:, None] & m_n[None, :])

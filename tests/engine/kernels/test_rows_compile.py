@@ -167,3 +167,30 @@ def test_small_kernels_build_at_one_warp(module, name, types, consts, tmp_path):
     the PDL wait kept."""
     sass = _sass(name, types, consts, 1, tmp_path, module=module)
     assert "ACQBULK" in sass and "LDL" not in sass and "STL" not in sass
+
+
+PREFILL_KERNELS = {  # name -> (pointer and int argument types, constexprs) at the 35B shapes, bf16 x
+    "_gemm_kernel": ({"x_ptr": "*bf16", "w_ptr": "*u8", "out_ptr": "*bf16"},
+                     {"K": 2048, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
+    "_q_grouped_gate_up_kernel": ({"x_ptr": "*bf16", "g_ptr": "*u8", "u_ptr": "*u8", "act_ptr": "*bf16",
+                                   "pairs_ptr": "*i64", "block_expert_ptr": "*i64"},
+                                  {"H": 2048, "TOP_K": 8, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
+    "_q_grouped_down_kernel": ({"act_ptr": "*bf16", "d_ptr": "*u8", "w_ptr": "*fp32", "out_ptr": "*fp32",
+                                "pairs_ptr": "*i64", "block_expert_ptr": "*i64"},
+                               {"FFN": 512, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}),
+}
+
+
+@pytest.mark.parametrize("qtype", [0, 1], ids=["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("name", sorted(PREFILL_KERNELS))
+def test_prefill_kernels_compile_with_whole_block_tiles(name, qtype, tmp_path):
+    """The prefill GEMM and grouped expert launches with whole-block tiles (``HALVES``) build for sm_90
+    without spilling registers to local memory."""
+    types, consts = PREFILL_KERNELS[name]
+    k = consts.get("K", consts.get("H", consts.get("FFN")))
+    consts = {**consts, "QTYPE": qtype, "DOT_PRECISION": "tf32", "HALVES": True,
+              "SPLIT_AT": k // 32 * (16 if qtype == 0 else 32)}
+    sass = _sass(name, types, consts, 4, tmp_path, module="engine.kernels.quant.triton")
+    ops = re.findall(r"\b(LDL|STL)\b", sass)
+    assert "HGMMA" in sass or "HMMA" in sass  # the tiles go to the tensor cores
+    assert not ops, sorted(set(ops))
