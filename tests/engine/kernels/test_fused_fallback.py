@@ -38,6 +38,7 @@ def test_a_kernel_that_fails_is_switched_off_once_and_the_torch_path_answers(mod
     import engine.kernels.rms_norm as norm_kernels
 
     monkeypatch.setattr(gate_kernels, "route_triton", broken)
+    monkeypatch.setattr(gate_kernels, "add_norm_route_triton", broken)  # moe.NORM_IN_ROUTER is on
     monkeypatch.setattr(gate_kernels, "swiglu_triton", broken)
     monkeypatch.setattr(norm, "FUSED_ADD_NORM", None)
     monkeypatch.setattr(norm, "_picks_kernel", lambda h: fused.allowed(norm.ADD_NORM))  # as on CUDA
