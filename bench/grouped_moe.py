@@ -5,7 +5,7 @@
 For each token count: random top-8 routing over 256 experts of hidden 2048 and FFN 512 in split-layout
 blocks on CUDA, bf16 activations, and ``engine.kernels.quant.triton.quantized_moe_triton``'s grouped path
 timed (``triton.testing.do_bench``, median with the 20th-80th percentile) with whole-block tiles
-(``GROUPED_HALVES``) and per-weight tiles, for each tile setting of the grid. Each setting's output is
+(``WHOLE_BLOCK_TILES``) and per-weight tiles, for each tile setting of the grid. Each setting's output is
 checked against the first one's before it is timed. Prints the weight bytes over time (every expert's
 blocks are read at least once at these token counts) and the fastest setting per token count.
 """
@@ -61,7 +61,7 @@ def main() -> None:
         best = None
         for (bm, bn, bk, warps, stages), halves in itertools.product(GRIDS[args.grid], (True, False)):
             config = tq.QuantKernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-            tq.GROUPED_HALVES = halves
+            tq.WHOLE_BLOCK_TILES = halves
             fn = lambda: tq.quantized_moe_triton(x, *stack, ids, w, config)  # noqa: E731
             try:
                 out = fn().float()
@@ -82,7 +82,7 @@ def main() -> None:
                   f"({lo:.3f}-{hi:.3f}), weights {run['weight_gb_s']:7.0f} GB/s", flush=True)
             if best is None or ms < best["ms"]:
                 best = run
-        tq.GROUPED_HALVES = True
+        tq.WHOLE_BLOCK_TILES = True
         if best is not None:
             print(f"fastest at T={T}: {best}", flush=True)
     if args.json:

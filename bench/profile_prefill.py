@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -98,9 +99,7 @@ def main() -> None:
         raise SystemExit(f"--dequant-min-m takes comma-separated integers, got {args.dequant_min_m!r}") from None
     for setting in settings:
         if setting is not None:
-            from dataclasses import replace
-
-            from engine.kernels.quant import triton as tq
+            from engine.kernels.quant import triton as tq  # only here: it needs Triton
 
             tq.PREFILL = replace(tq.PREFILL, dequant_min_m=setting)
             print(f"dequant_min_m {setting}", flush=True)

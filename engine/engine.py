@@ -457,25 +457,35 @@ class Engine:
         from engine.model.decode_graph import DecodeGraph
 
         capacity = graph_capacity(tokens)
-        decoder = self._graphs.pop(capacity, None)
-        if decoder is not None and not decoder.current():
-            decoder = None
-        if decoder is None:
-            while len(self._graphs) >= MAX_DECODE_GRAPHS:
-                del self._graphs[next(iter(self._graphs))]
-            t0 = time.perf_counter()
-            try:
-                decoder = DecodeGraph(self.model, self.model.new_state(capacity))
-            except RuntimeError as exc:  # an op that cannot be captured: decode eagerly from now on, and say so
-                self._capture_failure = f"capturing the decode step failed: {exc}"
-                warnings.warn(self._capture_failure, stacklevel=3)
-                extra["decode_graph_blocker"] = self._capture_failure
-                return None
-            _sync(self.device)
-            extra["decode_graph_capture_s"] = time.perf_counter() - t0
-        self._graphs[capacity] = decoder
+        try:
+            decoder, capture_s = self._cached(self._graphs, capacity, MAX_DECODE_GRAPHS,
+                                              lambda: DecodeGraph(self.model, self.model.new_state(capacity)))
+        except RuntimeError as exc:  # an op that cannot be captured: decode eagerly from now on, and say so
+            self._capture_failure = f"capturing the decode step failed: {exc}"
+            warnings.warn(self._capture_failure, stacklevel=3)
+            extra["decode_graph_blocker"] = self._capture_failure
+            return None
+        if capture_s is not None:
+            extra["decode_graph_capture_s"] = capture_s
         extra["decode_path"] = decoder.path
         return decoder
+
+    def _cached(self, cache: dict[int, Any], key: int, limit: int,
+                build: Callable[[], Any]) -> tuple[Any, float | None]:
+        """``cache[key]`` (a captured step) while it is ``current()``, else a new one from ``build`` (the least
+        recently used dropped past ``limit``); made the most recently used. Returns it and the seconds
+        building took (None when cached). ``build``'s errors propagate."""
+        item = cache.pop(key, None)
+        built_s = None
+        if item is None or not item.current():
+            while len(cache) >= limit:
+                del cache[next(iter(cache))]
+            t0 = time.perf_counter()
+            item = build()
+            _sync(self.device)
+            built_s = time.perf_counter() - t0
+        cache[key] = item
+        return item, built_s
 
     def _prefill_graph(self, tokens: int, extra: dict[str, Any]) -> "PrefillGraph | None":
         """The cached captured prefill of the padded length that holds ``tokens``, captured on first use;
@@ -488,25 +498,18 @@ class Engine:
         if (not self.prefill_graph or bucket is None or self._prefill_failure is not None
                 or self.decode_graph_blocker() is not None or not applies(self.model.executor)):
             return None
-        padded = self._prefills.pop(bucket, None)
-        if padded is not None and not padded.current():
-            padded = None
-        if padded is None:
-            while len(self._prefills) >= MAX_PREFILL_GRAPHS:
-                del self._prefills[next(iter(self._prefills))]
-            if self._prefill_pool is None and self.device.type == "cuda":
-                self._prefill_pool = torch.cuda.graph_pool_handle()
-            t0 = time.perf_counter()
-            try:
-                padded = PrefillGraph(self.model, bucket, pool=self._prefill_pool)
-            except RuntimeError as exc:  # an op that cannot be captured: prefill eagerly from now on, and say so
-                self._prefill_failure = f"capturing the prefill failed: {exc}"
-                warnings.warn(self._prefill_failure, stacklevel=3)
-                extra["prefill_graph_blocker"] = self._prefill_failure
-                return None
-            _sync(self.device)
-            extra["prefill_graph_capture_s"] = time.perf_counter() - t0
-        self._prefills[bucket] = padded
+        if self._prefill_pool is None and self.device.type == "cuda":
+            self._prefill_pool = torch.cuda.graph_pool_handle()
+        try:
+            padded, capture_s = self._cached(self._prefills, bucket, MAX_PREFILL_GRAPHS,
+                                             lambda: PrefillGraph(self.model, bucket, pool=self._prefill_pool))
+        except RuntimeError as exc:  # an op that cannot be captured: prefill eagerly from now on, and say so
+            self._prefill_failure = f"capturing the prefill failed: {exc}"
+            warnings.warn(self._prefill_failure, stacklevel=3)
+            extra["prefill_graph_blocker"] = self._prefill_failure
+            return None
+        if capture_s is not None:
+            extra["prefill_graph_capture_s"] = capture_s
         extra["prefill_path"] = "cuda_graph" if padded.captured else "padded"  # padded: run eagerly (tests)
         extra["prefill_padded_to"] = bucket
         return padded

@@ -45,7 +45,7 @@ from engine.kernels.tiles import check_tiles
 _CODE = {Q.Q4_0: 0, Q.Q8_0: 1, Q.Q4_K: 2, Q.Q5_K: 3, Q.Q6_K: 4}
 # The prefill launches (GEMM, grouped experts) read split-layout Q4_0/Q8_0 tiles as whole blocks
 # (``_split_tile``); False: per weight (``_dequant``), as before (benchmarks compare the two).
-GROUPED_HALVES = True
+WHOLE_BLOCK_TILES = True
 
 
 @dataclass(frozen=True)
@@ -489,9 +489,9 @@ def _blockwise(qtype: Q, block_k: int) -> bool:
 
 
 def _halves(qe: QuantExperts | QuantMatrix, block_k: int) -> bool:
-    """Whether the prefill launches read ``qe`` in whole-block tiles (``_split_tile``): split-layout
-    Q4_0/Q8_0 rows that ``block_k`` divides."""
-    return qe.qtype in (Q.Q4_0, Q.Q8_0) and qe.layout == "split" and qe.k % block_k == 0
+    """Whether the prefill launches read ``qe`` in whole-block tiles (``_split_tile``): ``WHOLE_BLOCK_TILES``
+    on, split-layout Q4_0/Q8_0 rows, and K tiles of whole blocks that divide K."""
+    return WHOLE_BLOCK_TILES and _blockwise(qe.qtype, block_k) and qe.layout == "split" and qe.k % block_k == 0
 
 
 def _check_x(x: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
@@ -568,7 +568,7 @@ def qmatmul_gemm(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
         x.stride(0), qm.raw.stride(0), out.stride(0),
         QTYPE=_CODE[qm.qtype], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_AT=qm.split_at,
-        HALVES=GROUPED_HALVES and config.block_k >= 32 and _halves(qm, config.block_k),
+        HALVES=_halves(qm, config.block_k),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -748,7 +748,7 @@ def _q_grouped_gate_up_kernel(
         return
     b_tok = b_pair // TOP_K
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = (o_n < FFN) & used
+    m_n = o_n < FFN
     rows = tl.minimum(o_n, FFN - 1).to(tl.int64)[None, :]  # [1, BN], in bounds
     p_g = g_ptr + e * stride_ge + rows * stride_gn
     p_u = u_ptr + e * stride_ue + rows * stride_un
@@ -796,7 +796,7 @@ def _q_grouped_down_kernel(
     if not used:
         return
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = (o_n < H) & used
+    m_n = o_n < H
     p_d = d_ptr + e * stride_de + tl.minimum(o_n, H - 1).to(tl.int64)[None, :] * stride_dn  # [1, BN]
     acc = _rows_dot(act_ptr + b_pair[:, None] * stride_ap, m_m, p_d, m_n, FFN, QTYPE, BLOCK_M, BLOCK_N, BLOCK_K,
                     DOT_PRECISION, SPLIT_AT, HALVES)
@@ -817,19 +817,18 @@ def _grouped_quantized_moe(x: torch.Tensor, gate: QuantExperts, up: QuantExperts
     n_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(n_pairs, gate.n, dtype=x.dtype, device=x.device)
-    halves = GROUPED_HALVES and bk >= 32
     _q_grouped_gate_up_kernel[(n_blocks, triton.cdiv(gate.n, bn))](
         x, gate.raw, up.raw, act, pairs, block_expert, n_pairs, gate.k, gate.n,
         x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
         QTYPE=_CODE[gate.qtype], TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=precision,
-        SPLIT_AT=gate.split_at, HALVES=halves and _halves(gate, bk), num_warps=config.num_warps,
+        SPLIT_AT=gate.split_at, HALVES=_halves(gate, bk), num_warps=config.num_warps,
         num_stages=config.num_stages)
     out = torch.zeros(n_pairs, down.n, dtype=torch.float32, device=x.device)
     _q_grouped_down_kernel[(n_blocks, triton.cdiv(down.n, bn))](
         act, down.raw, w, out, pairs, block_expert, n_pairs, down.n, down.k,
         act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0),
         QTYPE=_CODE[down.qtype], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=precision,
-        SPLIT_AT=down.split_at, HALVES=halves and _halves(down, bk), num_warps=config.num_warps,
+        SPLIT_AT=down.split_at, HALVES=_halves(down, bk), num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out.view(T, top_k, down.n).sum(1).to(x.dtype)
 

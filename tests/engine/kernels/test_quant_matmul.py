@@ -333,7 +333,7 @@ def test_gemm_reads_split_rows_in_whole_blocks(qtype, M, N, k, block_k, monkeypa
     config = tq.QuantKernelConfig(gemv_max_m=4, block_m=16, block_n=16, block_k=block_k)
     assert tq._halves(qm, block_k) == (k % block_k == 0)
     whole = tq.qmatmul(x, qm, config)
-    monkeypatch.setattr(tq, "GROUPED_HALVES", False)
+    monkeypatch.setattr(tq, "WHOLE_BLOCK_TILES", False)
     assert rel_err(whole, ref) < 1e-5 and rel_err(tq.qmatmul(x, qm, config), ref) < 1e-5
 
 
@@ -361,7 +361,7 @@ def test_grouped_moe_reads_split_rows_in_whole_blocks(qtype, block_k, hidden, ff
     ref = quantized_moe(x, stack, ids, w, impl="torch")
     config = tq.QuantKernelConfig(block_m=16, block_n=32, block_k=block_k, gemv_max_m=4)
     whole = tq.quantized_moe_triton(x, *split, ids, w, config)
-    monkeypatch.setattr(tq, "GROUPED_HALVES", False)
+    monkeypatch.setattr(tq, "WHOLE_BLOCK_TILES", False)
     per_weight = tq.quantized_moe_triton(x, *split, ids, w, config)
     assert whole.shape == (T, hidden) and rel_err(whole, ref) < 1e-5
     assert rel_err(whole, per_weight) < 1e-5
