@@ -1,13 +1,15 @@
 """Load time, prefill tok/s at given prompt lengths, decode tok/s and peak memory of one model.
 
     python bench/engine_bench.py --model M.gguf [--prompt-lens 512,4096] [--decode 64]
-        [--repeats 3] [--weights dense|quantized] [--experts dense|quantized] [--no-graph] [--prefill-graph]
+        [--repeats 3] [--weights dense|quantized] [--experts dense|quantized] [--no-graph] [--prefill-graph [on|both]]
         [--json out.json]
 
 Prompts are random token ids (the figures are about speed, not text). Each figure is the
 median of ``--repeats`` runs after one warm-up run, with min and max beside it. Decoding is
 measured eagerly and, where the engine can capture it, replayed from a CUDA graph (the
 capture happens in the graph path's warm-up run); ``--no-graph`` measures eager only.
+``--prefill-graph`` prefills through the captured padded prefill; ``--prefill-graph both``
+measures each prompt length both ways, in alternating runs, under ``prefill`` and ``prefill_graph``.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def main() -> None:
     ap.add_argument("--experts", default="dense", choices=("dense", "quantized"),
                     help="quantized: every routed expert on the device in its GGUF blocks (the appliance's form)")
     ap.add_argument("--no-graph", action="store_true", help="measure eager decoding only")
-    ap.add_argument("--prefill-graph", action="store_true",
-                    help="prefill through the captured padded prefill (engine.model.prefill_graph; off by default)")
+    ap.add_argument("--prefill-graph", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                    help="prefill through the captured padded prefill (engine.model.prefill_graph; off by "
+                         "default); both: each length eagerly and captured, in alternating runs")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -54,7 +57,7 @@ def main() -> None:
     if quantized:  # every expert hot, in its blocks
         placement = eng.set_expert_budget(0)
         eng.set_expert_budget(placement.n_expert * sum(placement.expert_bytes) / 2**20)
-    eng.prefill_graph = args.prefill_graph
+    eng.prefill_graph = args.prefill_graph == "on"
     load_s = time.perf_counter() - t0
     load_mem = torch.cuda.memory_allocated() / 2**20 if eng.device.type == "cuda" else 0.0
     vocab = eng.config.vocab
@@ -68,17 +71,34 @@ def main() -> None:
     }
     print(f"loaded {args.model.name} in {load_s:.1f} s on {eng.device} ({load_mem:.0f} MiB)", flush=True)
 
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefill_graph]
+    if len(modes) > 1:
+        result["prefill_graph"] = {}
     for n in [int(x) for x in args.prompt_lens.split(",") if x]:
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        eng.generate(ids, 1, ignore_eos=True)  # warm-up
-        runs = [eng.generate(ids, 1, ignore_eos=True).timings for _ in range(args.repeats)]
-        result["prefill"][n] = {
-            "tok_s": spread([n / t.prefill_s for t in runs]),
-            "peak_mem_mb": max(t.peak_mem_mb for t in runs),
-            "path": runs[0].extra.get("prefill_path", "eager"),
-        }
-        print(f"prefill {n:>6} tokens: {result['prefill'][n]['tok_s']['median']:10.1f} tok/s "
-              f"(peak {result['prefill'][n]['peak_mem_mb']:.0f} MiB, {result['prefill'][n]['path']})", flush=True)
+        runs = {}
+        for captured in modes:  # warm-up (and capture)
+            eng.prefill_graph = captured
+            eng.generate(ids, 1, ignore_eos=True)
+            runs[captured] = []
+        for _ in range(args.repeats):
+            for captured in modes:
+                eng.prefill_graph = captured
+                runs[captured].append(eng.generate(ids, 1, ignore_eos=True).timings)
+        for captured in modes:
+            key = "prefill_graph" if captured and len(modes) > 1 else "prefill"
+            got = runs[captured]
+            fig = result[key][n] = {
+                "tok_s": spread([n / t.prefill_s for t in got]),
+                "peak_mem_mb": max(t.peak_mem_mb for t in got),
+                "path": got[0].extra.get("prefill_path", "eager"),
+            }
+            blocker = got[0].extra.get("prefill_graph_blocker")
+            if blocker:
+                fig["blocker"] = blocker
+            print(f"prefill {n:>6} tokens: {fig['tok_s']['median']:10.1f} tok/s "
+                  f"(peak {fig['peak_mem_mb']:.0f} MiB, {fig['path']}{f': {blocker}' if blocker else ''})", flush=True)
+    eng.prefill_graph = args.prefill_graph == "on"
 
     ids = torch.randint(0, vocab, (16,), generator=gen).tolist()
     blocker = eng.decode_graph_blocker()
