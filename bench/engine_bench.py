@@ -1,15 +1,16 @@
 """Load time, prefill tok/s at given prompt lengths, decode tok/s and peak memory of one model.
 
     python bench/engine_bench.py --model M.gguf [--prompt-lens 512,4096] [--decode 64]
-        [--repeats 3] [--weights dense|quantized] [--experts dense|quantized] [--no-graph] [--prefill-graph [on|both]]
+        [--repeats 3] [--weights dense|quantized] [--experts dense|quantized] [--no-graph] [--prefill-graph on|off|both]
         [--json out.json]
 
 Prompts are random token ids (the figures are about speed, not text). Each figure is the
 median of ``--repeats`` runs after one warm-up run, with min and max beside it. Decoding is
 measured eagerly and, where the engine can capture it, replayed from a CUDA graph (the
 capture happens in the graph path's warm-up run); ``--no-graph`` measures eager only.
-``--prefill-graph`` prefills through the captured padded prefill; ``--prefill-graph both``
-measures each prompt length both ways, in alternating runs, under ``prefill`` and ``prefill_graph``.
+Prompts prefill as the engine does by default (through the captured padded prefill where decoding is
+captured, ``--prefill-graph on``); ``off`` prefills eagerly; ``both`` measures each prompt length both
+ways, in alternating runs, under ``prefill`` (eager) and ``prefill_graph``.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def main() -> None:
     ap.add_argument("--experts", default="dense", choices=("dense", "quantized"),
                     help="quantized: every routed expert on the device in its GGUF blocks (the appliance's form)")
     ap.add_argument("--no-graph", action="store_true", help="measure eager decoding only")
-    ap.add_argument("--prefill-graph", nargs="?", const="on", default="off", choices=("off", "on", "both"),
-                    help="prefill through the captured padded prefill (engine.model.prefill_graph; off by "
-                         "default); both: each length eagerly and captured, in alternating runs")
+    ap.add_argument("--prefill-graph", default="on", choices=("off", "on", "both"),
+                    help="on (the engine's default): prefill through the captured padded prefill "
+                         "(engine.model.prefill_graph) where it applies; off: eagerly; both: each length "
+                         "both ways, in alternating runs")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -76,10 +78,10 @@ def main() -> None:
         result["prefill_graph"] = {}
     for n in [int(x) for x in args.prompt_lens.split(",") if x]:
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        runs = {}
+        runs, capture = {}, {}
         for captured in modes:  # warm-up (and capture)
             eng.prefill_graph = captured
-            eng.generate(ids, 1, ignore_eos=True)
+            capture[captured] = eng.generate(ids, 1, ignore_eos=True).timings.extra.get("prefill_graph_capture_s")
             runs[captured] = []
         for _ in range(args.repeats):
             for captured in modes:
@@ -96,8 +98,11 @@ def main() -> None:
             blocker = got[0].extra.get("prefill_graph_blocker")
             if blocker:
                 fig["blocker"] = blocker
+            if capture[captured] is not None:
+                fig["capture_s"] = capture[captured]
             print(f"prefill {n:>6} tokens: {fig['tok_s']['median']:10.1f} tok/s "
-                  f"(peak {fig['peak_mem_mb']:.0f} MiB, {fig['path']}{f': {blocker}' if blocker else ''})", flush=True)
+                  f"(peak {fig['peak_mem_mb']:.0f} MiB, {fig['path']}{f': {blocker}' if blocker else ''}"
+                  f"{f'; captured in {capture[captured]:.2f} s' if capture[captured] is not None else ''})", flush=True)
     eng.prefill_graph = args.prefill_graph == "on"
 
     ids = torch.randint(0, vocab, (16,), generator=gen).tolist()

@@ -3,7 +3,7 @@
     python bench/vs_llamacpp.py --model M.gguf (--llama-bench BIN | --llama-src SRC | --fetch-sdist DIR)
         [--build-dir build/llama.cpp] [--cuda auto|on|off] [--cuda-arch 90] [--jobs N] [--cmake-arg -DX=Y]
         [--prompts 512,8192] [--gen 128] [--depths 0,16384] [--repeats 3] [--ncmoe N]
-        [--weights dense|quantized] [--experts dense|quantized] [--cuda-graph] [--prefill-graph] [--device auto]
+        [--weights dense|quantized] [--experts dense|quantized] [--cuda-graph] [--no-prefill-graph] [--device auto]
         [--threads N] [--json out.json]
 
 llama.cpp comes from an existing llama-bench binary, or is built (llama-bench target only,
@@ -93,8 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="quantized: routed experts stay Q4_0 blocks on both tiers (GPU slots and CPU), every "
                     "expert placed on the GPU for the all-GPU rows")
     ap.add_argument("--cuda-graph", action="store_true", help="our decoding replays a captured CUDA graph where it can")
-    ap.add_argument("--prefill-graph", action="store_true",
-                    help="with --cuda-graph, our prompts prefill through the captured padded prefill (off by default)")
+    ap.add_argument("--no-prefill-graph", action="store_true",
+                    help="our prompts prefill eagerly (with --cuda-graph, by default, prompts up to 3,072 tokens "
+                         "prefill through the captured padded prefill)")
     ap.add_argument("--cold-device", default="cpu", choices=("cpu", "gpu"),
                     help="our cold experts (--ncmoe): CPU threads, or the GPU reading their pinned host copies")
     ap.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (cpu: llama.cpp gets -ngl 0)")
@@ -232,11 +233,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            expert_budget_mb=0 if quantized_experts else None, cold_device=args.cold_device)
     if quantized_experts:  # every expert hot, as Q4_0 blocks
         eng.set_expert_budget(ncmoe_budget_mb(eng, 0)[0])
-    eng.prefill_graph = args.prefill_graph
+    eng.prefill_graph = not args.no_prefill_graph
     gen = torch.Generator().manual_seed(0)
     ours_info: dict[str, Any] = {"device": str(eng.device), "dtype": str(eng.dtype), "weights": args.weights,
                                  "experts": args.experts, "cuda_graph": args.cuda_graph,
-                                 "prefill_graph": args.prefill_graph,
+                                 "prefill_graph": eng.prefill_graph and args.cuda_graph,
                                  "cold_device": args.cold_device, "load_s": eng.load_s}
     for ncmoe in passes:
         if ncmoe:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from engine.dflash.draft import DFlashDraft
     from engine.model.decode_graph import DecodeGraph
     from engine.model.prefill_graph import PrefillGraph
+    from engine.model.state import ModelState
     from engine.hybrid import HybridExperts
     from engine.pflash.drafter import Drafter
     from engine.pflash.select import PFlashConfig
@@ -29,7 +30,9 @@ if TYPE_CHECKING:
 
 GRAPH_MIN_TOKENS = 1024  # smallest state a captured decode step is built for
 MAX_DECODE_GRAPHS = 3  # captured decode steps kept per engine (each owns a state of its capacity)
-MAX_PREFILL_GRAPHS = 3  # captured padded prefills kept per engine (one memory pool between them)
+# captured padded prefills kept per engine: one per padded length (they share one memory pool and one state,
+# so each adds only its graph and its input and logits buffers)
+MAX_PREFILL_GRAPHS = 12
 
 
 def graph_capacity(tokens: int) -> int:
@@ -120,12 +123,13 @@ class Engine:
         self.cuda_graph = cuda_graph  # plain decoding replays a captured decode step where it can
         self._graphs: dict[int, "DecodeGraph"] = {}  # state capacity -> decode step, least recently used first
         self._capture_failure: str | None = None
-        # True, with cuda_graph: prompts up to prefill_graph.BUCKETS[-1] tokens prefill through a captured
-        # padded prefill (``engine.model.prefill_graph``). Off until its CUDA tests pass: the first run of
-        # its capture test on the H200 failed (docs/benchmarks.md); its padded step is checked on the CPU
-        self.prefill_graph = False
+        # With cuda_graph: prompts up to prefill_graph.BUCKETS[-1] tokens prefill through a captured padded
+        # prefill (``engine.model.prefill_graph``), 1.4-3.3x faster than eagerly on the H200 up to 2,048
+        # tokens (docs/benchmarks.md); False prefills eagerly
+        self.prefill_graph = True
         self._prefills: dict[int, "PrefillGraph"] = {}  # padded length -> captured prefill, least recent first
         self._prefill_pool = None
+        self._prefill_state: "ModelState | None" = None  # the captured prefills' one state (the longest length)
         self._prefill_failure: str | None = None
 
     @property
@@ -491,7 +495,7 @@ class Engine:
         """The cached captured prefill of the padded length that holds ``tokens``, captured on first use;
         None (prefill eagerly) without ``cuda_graph``, where the decode step could not be captured either,
         past the longest padded length, or after a capture failed. ``extra["prefill_path"]`` says which."""
-        from engine.model.prefill_graph import PrefillGraph, applies, bucket_for
+        from engine.model.prefill_graph import BUCKETS, PrefillGraph, applies, bucket_for
 
         extra["prefill_path"] = "eager"
         bucket = bucket_for(tokens)
@@ -500,9 +504,14 @@ class Engine:
             return None
         if self._prefill_pool is None and self.device.type == "cuda":
             self._prefill_pool = torch.cuda.graph_pool_handle()
+
+        def build() -> PrefillGraph:
+            if self._prefill_state is None:
+                self._prefill_state = self.model.new_state(BUCKETS[-1])
+            return PrefillGraph(self.model, bucket, pool=self._prefill_pool, state=self._prefill_state)
+
         try:
-            padded, capture_s = self._cached(self._prefills, bucket, MAX_PREFILL_GRAPHS,
-                                             lambda: PrefillGraph(self.model, bucket, pool=self._prefill_pool))
+            padded, capture_s = self._cached(self._prefills, bucket, MAX_PREFILL_GRAPHS, build)
         except RuntimeError as exc:  # an op that cannot be captured: prefill eagerly from now on, and say so
             self._prefill_failure = f"capturing the prefill failed: {exc}"
             warnings.warn(self._prefill_failure, stacklevel=3)

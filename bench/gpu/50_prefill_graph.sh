@@ -12,6 +12,6 @@ timeout ${TESTS_S:-75} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p n
 tests_summary $t0
 [ -z "$maker" ] || wait $maker || echo "make-model failed"
 timeout ${BENCH_S:-100} python3 bench/engine_bench.py --model /tmp/q35.gguf --weights quantized --experts quantized \
-  --prompt-lens ${LENS:-512,2048} --decode 4 --repeats 3 --prefill-graph --json "$OUT/engine_bench.json" \
+  --prompt-lens ${LENS:-512,2048} --decode 4 --repeats 3 --prefill-graph on --json "$OUT/engine_bench.json" \
   > "$OUT/engine_bench.log" 2>&1 || echo "bench rc=$?"
 grep -E "loaded|prefill|decode" "$OUT/engine_bench.log" || true

@@ -14,8 +14,9 @@ buffers, so one graph per length replays any prompt up to it:
 The padding's tokens still run through the projections and the attention (at most the bucket's length
 of extra work, where the host was the bound), but not through the routed experts: their routes get id
 -1, which the expert kernels skip, and a hybrid executor's pair counters are corrected for them (it
-must hold every expert on the device: ``applies``). The graph is bound to its own state (the bucket's
-capacity); ``Engine.generate`` copies it into the decode step's state.
+must hold every expert on the device: ``applies``). The graph is bound to a state of at least the bucket's
+capacity, which the engine's graphs share (one run at a time); ``Engine.generate`` copies it into the
+decode step's state.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ from engine.model.qwen35moe import Qwen35MoE
 from engine.model.state import ModelState
 from engine.model.weights import AttentionWeights, GDNWeights
 
-BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)  # padded lengths; longer prompts prefill eagerly
+# Padded lengths, steps of 1.5x and 2x so that padding adds at most half the real tokens; longer prompts
+# prefill eagerly. On the H200's 35B file (docs/benchmarks.md) the captured prefill took 512 tokens at
+# 15,000 tok/s against 4,576 eagerly and 2,048 at 20,355 against 14,790, but 4,096 only at 24,988 against
+# 23,585: a prompt just past 3,072 tokens padded to 4,096 would prefill slower than eagerly.
+BUCKETS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072)
 
 
 def applies(executor) -> bool:
@@ -75,13 +80,18 @@ class PrefillGraph:
     """The padded prefill of ``tokens`` (a bucket) from an empty state of that capacity.
 
     ``graph``: None captures where ``decode_graph.graph_blocker`` allows, False runs the same
-    padded step eagerly (CPU tests); ``pool`` shares a capture memory pool between graphs that never
-    replay at once.
+    padded step eagerly (CPU tests); ``pool`` shares a capture memory pool and ``state`` (a
+    ``ModelState`` of at least ``tokens`` capacity; a new one of exactly that by default) the states
+    between graphs that never replay at once.
     """
 
-    def __init__(self, model: Qwen35MoE, tokens: int, *, graph: bool | None = None, pool=None):
+    def __init__(self, model: Qwen35MoE, tokens: int, *, graph: bool | None = None, pool=None,
+                 state: ModelState | None = None):
         if tokens < 1:
             raise ValueError(f"a padded prefill takes at least 1 token, got {tokens}")
+        if state is not None and state.max_len < tokens:
+            raise ValueError(f"a padded prefill of {tokens} tokens needs a state of at least that many; the "
+                             f"state given holds {state.max_len}")
         if not applies(model.executor):
             raise ValueError("a padded prefill needs every expert on the device; the hybrid placement holds "
                              "some on the host")
@@ -89,7 +99,7 @@ class PrefillGraph:
         self.model = model
         self.tokens = tokens
         with torch.inference_mode():
-            self.state = ModelState.new(cfg, tokens, device=dev, dtype=model.dtype)
+            self.state = state if state is not None else ModelState.new(cfg, tokens, device=dev, dtype=model.dtype)
             self.ids = torch.zeros(tokens, dtype=torch.long, device=dev)
             self.last = torch.zeros(1, dtype=torch.long, device=dev)  # the last real token's index
             self.pad = PadMask.empty(tokens, cfg.conv_kernel, dev)

@@ -44,8 +44,7 @@ def test_prompts_prefill_padded_and_the_tokens_stay_the_same(monkeypatch, eng):
     eager = [eng.generate(p, 6, ignore_eos=True) for p in prompts]
     assert all(g.timings.extra["prefill_path"] == "eager" for g in eager)
     static_on_cpu(monkeypatch, eng)
-    assert eng.generate(prompts[0], 2, ignore_eos=True).timings.extra["prefill_path"] == "eager"  # off by default
-    eng.prefill_graph = True
+    assert eng.prefill_graph  # on by default
     padded = [eng.generate(p, 6, ignore_eos=True) for p in prompts]
     assert [g.ids for g in padded] == [g.ids for g in eager]
     assert [g.timings.extra["prefill_path"] for g in padded] == ["padded", "padded"]
@@ -168,14 +167,14 @@ def test_cuda_greedy_text_is_identical_with_and_without_the_graph(tmp_path, weig
     eng = Engine.from_gguf(path, device="cuda", dtype="float32", weights=weights, cuda_graph=True)
     eng.prefill_graph = True
     ids = eng.tokenizer.encode("def fibonacci(n):\n")
-    long_ids = eng.tokenizer.encode("values = [1, 2, 3]\n" * 30)  # the captured prefill of 512 tokens
+    long_ids = eng.tokenizer.encode("values = [1, 2, 3]\n" * 30)  # 360 tokens: the captured prefill of 384
     graph = eng.generate(ids, 32, ignore_eos=True)
     assert graph.timings.extra["decode_path"] == "cuda_graph", graph.timings.extra.get("decode_graph_blocker")
     assert graph.timings.extra["prefill_path"] == "cuda_graph", graph.timings.extra.get("prefill_graph_blocker")
     again = eng.generate(ids, 32, ignore_eos=True)
     assert "decode_graph_capture_s" not in again.timings.extra and "prefill_graph_capture_s" not in again.timings.extra
     graph_long = eng.generate(long_ids, 16, ignore_eos=True)
-    assert graph_long.timings.extra["prefill_padded_to"] == 512
+    assert graph_long.timings.extra["prefill_padded_to"] == 384
     eng.cuda_graph = False
     eager = eng.generate(ids, 32, ignore_eos=True)
     assert eager.timings.extra["decode_path"] == eager.timings.extra["prefill_path"] == "eager"

@@ -4,9 +4,13 @@ A prompt padded at its end to a bucket's length must give the plain forward's la
 the same KV caches (over the real tokens), conv and recurrent states; on the CPU it runs eagerly, on
 CUDA it is captured and replayed for prompts of several lengths. Bounds as in test_decode_graph.py:
 float32, logits within 1e-4 of the largest logit and states within 1e-5 of their largest entry (the
-attention and the chunked delta rule see longer matrices, summed in other orders). On CUDA fla's chunk
-kernel forms its products in reduced precision (about 1e-3 relative in float32 on an H200,
-engine.model.gated_deltanet.DeltaRule), and a padded call chunks the tokens differently: 2e-3 there.
+attention and the chunked delta rule see longer matrices, summed in other orders). On CUDA the captured
+replay must equal the same padded prefill run eagerly (the same kernels at the same shapes), and its
+logits the plain forward's within 2e-3: fla's chunk kernel forms its products in reduced precision
+(about 1e-3 relative in float32 on an H200, engine.model.gated_deltanet.DeltaRule), and the plain
+forward's matrices have other shapes. The states are not compared with the plain forward's there: in
+this random model a token whose top-k experts nearly tie switches experts under such differences (the
+H200 saw a key 2.6% off in one run while the logits agreed within 2e-3).
 """
 
 import pytest
@@ -41,8 +45,11 @@ def _assert_same(model, ids, logits, state, logits_tol=LOGITS_TOL, state_tol=STA
 
 
 def test_buckets():
-    assert bucket_for(1) == BUCKETS[0] and bucket_for(64) == 64 and bucket_for(65) == 128
+    assert bucket_for(1) == BUCKETS[0] and bucket_for(64) == 64 and bucket_for(65) == 96
     assert bucket_for(BUCKETS[-1]) == BUCKETS[-1] and bucket_for(BUCKETS[-1] + 1) is None
+    assert list(BUCKETS) == sorted(set(BUCKETS))
+    # padding adds at most half the real tokens past the first length
+    assert all(b <= 1.5 * a + 1e-9 or b <= 2 * a and a == BUCKETS[0] for a, b in zip(BUCKETS, BUCKETS[1:]))
 
 
 def test_conv_keeps_the_columns_up_to_the_last_real_input():
@@ -76,6 +83,20 @@ def test_padded_prefill_equals_the_plain_forward(engine_model, T):
     assert _rel(a, b) < LOGITS_TOL
 
 
+def test_padded_prefills_share_one_state(engine_model):
+    """Two padded lengths on one state of the longer's capacity give what each gives on its own; a state
+    shorter than the length is refused."""
+    shared = engine_model.new_state(64)
+    short, long = PrefillGraph(engine_model, 16, graph=False, state=shared), PrefillGraph(engine_model, 64, graph=False, state=shared)
+    ids = torch.randint(0, engine_model.cfg.vocab, (12,), generator=torch.Generator().manual_seed(5))
+    long.run(torch.randint(0, engine_model.cfg.vocab, (50,), generator=torch.Generator().manual_seed(6)))
+    logits, state = short.run(ids)
+    assert state is shared
+    _assert_same(engine_model, ids, logits, state)
+    with pytest.raises(ValueError, match="state of at least that many"):
+        PrefillGraph(engine_model, 128, graph=False, state=shared)
+
+
 def test_padded_prefill_refuses_prompts_past_its_length(engine_model):
     step = PrefillGraph(engine_model, 8, graph=False)
     with pytest.raises(ValueError, match="1 to 8 tokens"):
@@ -87,15 +108,23 @@ def test_padded_prefill_refuses_prompts_past_its_length(engine_model):
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_prefill_graph_replays_prompts_of_several_lengths(gguf_path):
-    """Captured on CUDA (float32, the tiny model), replayed for three prompt lengths."""
+    """Captured on CUDA (float32, the tiny model), replayed for three prompt lengths: the same logits and
+    states as the padded prefill run eagerly, the plain forward's logits within 2e-3 (module docstring)."""
     from engine.gguf.reader import GGUFFile
     from engine.model.qwen35moe import Qwen35MoE
 
     with GGUFFile(gguf_path) as f:
         model = Qwen35MoE.from_gguf(f, device="cuda", dtype=torch.float32)
-    step = PrefillGraph(model, 128)
-    assert step.captured
+    step, eager = PrefillGraph(model, 128), PrefillGraph(model, 128, graph=False)
+    assert step.captured and not eager.captured
     for T in (100, 17, 128):
         ids = torch.randint(0, model.cfg.vocab, (T,), generator=torch.Generator().manual_seed(T)).cuda()
         logits, state = step.run(ids)
-        _assert_same(model, ids, logits, state, 2e-3, 2e-3)
+        ref_logits, ref = eager.run(ids)
+        assert _rel(logits, ref_logits) < 1e-6
+        for i, c in ref.kv.items():
+            assert _rel(state.kv[i].k[:, :T], c.k[:, :T]) < 1e-6 and _rel(state.kv[i].v[:, :T], c.v[:, :T]) < 1e-6
+        for i in ref.conv:
+            assert _rel(state.conv[i], ref.conv[i]) < 1e-6 and _rel(state.recurrent[i], ref.recurrent[i]) < 1e-6
+        plain = model.forward(ids, model.new_state(T + 1), logits="last").logits[-1]
+        assert _rel(logits, plain) < 2e-3
