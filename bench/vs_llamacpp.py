@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "expert placed on the GPU for the all-GPU rows")
     ap.add_argument("--cuda-graph", action="store_true", help="our decoding replays a captured CUDA graph where it can")
     ap.add_argument("--no-prefill-graph", action="store_true",
-                    help="our prompts prefill eagerly (with --cuda-graph, by default, prompts up to 3,072 tokens "
+                    help="our prompts prefill eagerly (with --cuda-graph, by default, prompts up to 2,048 tokens "
                          "prefill through the captured padded prefill)")
     ap.add_argument("--cold-device", default="cpu", choices=("cpu", "gpu"),
                     help="our cold experts (--ncmoe): CPU threads, or the GPU reading their pinned host copies")

@@ -32,7 +32,7 @@ GRAPH_MIN_TOKENS = 1024  # smallest state a captured decode step is built for
 MAX_DECODE_GRAPHS = 3  # captured decode steps kept per engine (each owns a state of its capacity)
 # captured padded prefills kept per engine: one per padded length (they share one memory pool and one state,
 # so each adds only its graph and its input and logits buffers)
-MAX_PREFILL_GRAPHS = 12
+MAX_PREFILL_GRAPHS = 11
 
 
 def graph_capacity(tokens: int) -> int:
@@ -124,8 +124,8 @@ class Engine:
         self._graphs: dict[int, "DecodeGraph"] = {}  # state capacity -> decode step, least recently used first
         self._capture_failure: str | None = None
         # With cuda_graph: prompts up to prefill_graph.BUCKETS[-1] tokens prefill through a captured padded
-        # prefill (``engine.model.prefill_graph``), 1.4-3.3x faster than eagerly on the H200 up to 2,048
-        # tokens (docs/benchmarks.md); False prefills eagerly
+        # prefill (``engine.model.prefill_graph``), 1.16-5.5x faster than eagerly on the H200's 35B file
+        # from 100 to 2,048 tokens (docs/benchmarks.md); False prefills eagerly
         self.prefill_graph = True
         self._prefills: dict[int, "PrefillGraph"] = {}  # padded length -> captured prefill, least recent first
         self._prefill_pool = None
@@ -363,10 +363,12 @@ class Engine:
         if pflash_keep_ratio is not None and self.drafter is None:
             raise ConfigError("pflash_keep_ratio needs a drafter: load the engine with drafter=PATH")
         extra: dict[str, Any] = {"decode_path": "eager"}
-        decoder = None
+        decoder = padded = None
+        # before the counters are reset: a capture's warm-up routes tokens through the experts
         if spec_len is None and max_new_tokens > 1:
-            # before the counters are reset: a capture's warm-up routes tokens through the experts
             decoder = self._decode_graph(len(ids) + max_new_tokens, extra)
+        if spec_len is None and pflash_keep_ratio is None:
+            padded = self._prefill_graph(len(ids), extra)
         _reset_peak(self.device)
         if self.hybrid is not None:
             self.hybrid.reset_counters()
@@ -391,7 +393,6 @@ class Engine:
             return self._speculative(ids, max_new_tokens, params, eos, stop, spec_len, on_token, extra, t0,
                                      fallback=spec_fallback)
         else:
-            padded = self._prefill_graph(len(ids), extra)
             if padded is not None:
                 last_logits, state = padded.run(prompt)
                 if decoder is not None:  # the static step is bound to its own state: continue from a copy

@@ -34,10 +34,11 @@ from engine.model.state import ModelState
 from engine.model.weights import AttentionWeights, GDNWeights
 
 # Padded lengths, steps of 1.5x and 2x so that padding adds at most half the real tokens; longer prompts
-# prefill eagerly. On the H200's 35B file (docs/benchmarks.md) the captured prefill took 512 tokens at
-# 15,000 tok/s against 4,576 eagerly and 2,048 at 20,355 against 14,790, but 4,096 only at 24,988 against
-# 23,585: a prompt just past 3,072 tokens padded to 4,096 would prefill slower than eagerly.
-BUCKETS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072)
+# prefill eagerly. On the H200's 35B file (docs/benchmarks.md) the captured prefill took 300 tokens at
+# 9,773 tok/s against 2,771 eagerly, 1,100 at 14,582 against 6,090 and 2,048 at 20,117 against 17,386,
+# but 2,500 (padded to 3,072) at 18,087 against 19,063: past 2,048 tokens the eager prefill is no longer
+# bound by the host.
+BUCKETS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 def applies(executor) -> bool:
