@@ -60,6 +60,7 @@ def main() -> None:
         placement = eng.set_expert_budget(0)
         eng.set_expert_budget(placement.n_expert * sum(placement.expert_bytes) / 2**20)
     eng.prefill_graph = args.prefill_graph == "on"
+    eng.prefill_capture_after = 0  # the steady state: each length's warm-up run captures
     load_s = time.perf_counter() - t0
     load_mem = torch.cuda.memory_allocated() / 2**20 if eng.device.type == "cuda" else 0.0
     vocab = eng.config.vocab

@@ -234,6 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if quantized_experts:  # every expert hot, as Q4_0 blocks
         eng.set_expert_budget(ncmoe_budget_mb(eng, 0)[0])
     eng.prefill_graph = not args.no_prefill_graph
+    eng.prefill_capture_after = 0  # the steady state: each length's warm-up run captures
     gen = torch.Generator().manual_seed(0)
     ours_info: dict[str, Any] = {"device": str(eng.device), "dtype": str(eng.dtype), "weights": args.weights,
                                  "experts": args.experts, "cuda_graph": args.cuda_graph,

@@ -127,6 +127,11 @@ class Engine:
         # prefill (``engine.model.prefill_graph``), 1.16-5.5x faster than eagerly on the H200's 35B file
         # from 100 to 2,048 tokens (docs/benchmarks.md); False prefills eagerly
         self.prefill_graph = True
+        # A padded length is captured at its prompt after this many eager prefills of that length: a
+        # capture costs 0.4-1.8 s on the 35B file, while a captured 512-token prefill saves about 75 ms, so
+        # a one-shot run (``luce-tune generate``) is better off never capturing; 0 captures on first use
+        self.prefill_capture_after = 1
+        self._prefill_seen: dict[int, int] = {}  # padded length -> eager prefills counted towards its capture
         self._prefills: dict[int, "PrefillGraph"] = {}  # padded length -> captured prefill, least recent first
         self._prefill_pool = None
         self._prefill_state: "ModelState | None" = None  # the captured prefills' one state (the longest length)
@@ -493,15 +498,20 @@ class Engine:
         return item, built_s
 
     def _prefill_graph(self, tokens: int, extra: dict[str, Any]) -> "PrefillGraph | None":
-        """The cached captured prefill of the padded length that holds ``tokens``, captured on first use;
-        None (prefill eagerly) without ``cuda_graph``, where the decode step could not be captured either,
-        past the longest padded length, or after a capture failed. ``extra["prefill_path"]`` says which."""
+        """The cached captured prefill of the padded length that holds ``tokens``, captured once that length
+        has prefilled eagerly ``prefill_capture_after`` times; None (prefill eagerly) until then, without
+        ``cuda_graph``, where the decode step could not be captured either, past the longest padded length,
+        or after a capture failed. ``extra["prefill_path"]`` says which."""
         from engine.model.prefill_graph import BUCKETS, PrefillGraph, applies, bucket_for
 
         extra["prefill_path"] = "eager"
         bucket = bucket_for(tokens)
         if (not self.prefill_graph or bucket is None or self._prefill_failure is not None
                 or self.decode_graph_blocker() is not None or not applies(self.model.executor)):
+            return None
+        cached = self._prefills.get(bucket)
+        if (cached is None or not cached.current()) and self._prefill_seen.get(bucket, 0) < self.prefill_capture_after:
+            self._prefill_seen[bucket] = self._prefill_seen.get(bucket, 0) + 1
             return None
         if self._prefill_pool is None and self.device.type == "cuda":
             self._prefill_pool = torch.cuda.graph_pool_handle()

@@ -35,16 +35,18 @@ def static_on_cpu(monkeypatch, eng):
 
 
 def test_prompts_prefill_padded_and_the_tokens_stay_the_same(monkeypatch, eng):
-    """With the step's blocker lifted, prompts prefill through the padded prefill (uncaptured on the CPU),
-    one cached per padded length, and generate the eager tokens; past the longest length, or switched
-    off, the prefill is eager."""
+    """With the step's blocker lifted, prompts prefill through the padded prefill (uncaptured on the CPU)
+    from the second prompt of a padded length on (``prefill_capture_after``), one cached per length, and
+    generate the eager tokens; past the longest length, or switched off, the prefill is eager."""
     from engine.model import prefill_graph
 
     prompts = [eng.tokenizer.encode("def add(a, b):\n"), eng.tokenizer.encode("import os\n" * 30)]
     eager = [eng.generate(p, 6, ignore_eos=True) for p in prompts]
     assert all(g.timings.extra["prefill_path"] == "eager" for g in eager)
     static_on_cpu(monkeypatch, eng)
-    assert eng.prefill_graph  # on by default
+    assert eng.prefill_graph and eng.prefill_capture_after == 1  # the defaults
+    first = [eng.generate(p, 6, ignore_eos=True) for p in prompts]
+    assert [g.timings.extra["prefill_path"] for g in first] == ["eager", "eager"] and not eng._prefills
     padded = [eng.generate(p, 6, ignore_eos=True) for p in prompts]
     assert [g.ids for g in padded] == [g.ids for g in eager]
     assert [g.timings.extra["prefill_path"] for g in padded] == ["padded", "padded"]
@@ -55,6 +57,11 @@ def test_prompts_prefill_padded_and_the_tokens_stay_the_same(monkeypatch, eng):
     assert eng.generate(prompts[1], 2, ignore_eos=True).timings.extra["prefill_path"] == "eager"
     eng.prefill_graph = False
     assert eng.generate(prompts[0], 2, ignore_eos=True).timings.extra["prefill_path"] == "eager"
+    monkeypatch.undo()
+    static_on_cpu(monkeypatch, eng)
+    eng.prefill_graph, eng.prefill_capture_after = True, 0  # captured on first use
+    fresh = eng.tokenizer.encode("x = 1\n" * 200)  # a length not seen before
+    assert eng.generate(fresh, 2, ignore_eos=True).timings.extra["prefill_path"] == "padded"
 
 
 def test_capacity_buckets():
@@ -166,6 +173,7 @@ def test_cuda_greedy_text_is_identical_with_and_without_the_graph(tmp_path, weig
                       quant="q8_0" if weights == "quantized" else "f32")
     eng = Engine.from_gguf(path, device="cuda", dtype="float32", weights=weights, cuda_graph=True)
     eng.prefill_graph = True
+    eng.prefill_capture_after = 0
     ids = eng.tokenizer.encode("def fibonacci(n):\n")
     long_ids = eng.tokenizer.encode("values = [1, 2, 3]\n" * 30)  # 360 tokens: the captured prefill of 384
     graph = eng.generate(ids, 32, ignore_eos=True)
