@@ -5,11 +5,7 @@
 # the Triton GEMM throughout), with a profile of 512 tokens under the last setting.
 source "$(dirname "$0")/env.sh"
 start_q35
-t0=$(date +%s)
-timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
-  tests/engine/kernels/test_quant_matmul.py -k "cuda_split_layout_real_shapes or (cuda_quantized_moe_real_shapes and split)" \
-  > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
-tests_summary $t0
+prefill_tile_tests
 [ -z "$maker" ] || wait $maker || echo "make-model failed"
 timeout ${PREFILL_S:-240} python3 bench/profile_prefill.py --model /tmp/q35.gguf --lens ${LENS:-128,512,2048,8192} \
   --dequant-min-m ${SETTINGS:-256,4096,0} --profile-len 512 --rows 30 --json "$OUT/prefill.json" \

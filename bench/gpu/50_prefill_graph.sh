@@ -5,11 +5,7 @@
 # run: the capture test failed inside its 75 s box and nothing else finished; give it TESTS_S=150 BENCH_S=150.
 source "$(dirname "$0")/env.sh"
 start_q35
-t0=$(date +%s)
-timeout ${TESTS_S:-75} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p no:cacheprovider \
-  tests/engine/model/test_prefill_graph.py tests/engine/test_engine_decode_graph.py > "$OUT/tests.log" 2>&1 \
-  || echo "tests rc=$?"
-tests_summary $t0
+GRAPH_TESTS_S=${TESTS_S:-150} prefill_graph_tests
 [ -z "$maker" ] || wait $maker || echo "make-model failed"
 timeout ${BENCH_S:-100} python3 bench/engine_bench.py --model /tmp/q35.gguf --weights quantized --experts quantized \
   --prompt-lens ${LENS:-512,2048} --decode 4 --repeats 3 --prefill-graph on --json "$OUT/engine_bench.json" \

@@ -60,3 +60,21 @@ expert_tests() {
   tests_summary $t0
   mv "$OUT/tests.log" "$OUT/tests_kernels.log"
 }
+# The prefill launches' CUDA tests at the 35B shapes (the split-layout GEMV/GEMM and the grouped experts'
+# whole-block tiles), in a TESTS_S box; log $OUT/tests_tiles.log.
+prefill_tile_tests() {
+  local t0; t0=$(date +%s)
+  timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
+    tests/engine/kernels/test_quant_matmul.py -k "cuda_split_layout_real_shapes or (cuda_quantized_moe_real_shapes and split)" \
+    > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
+  tests_summary $t0
+  mv "$OUT/tests.log" "$OUT/tests_tiles.log"
+}
+# The captured padded prefill's and the engine's graph GPU tests, in a GRAPH_TESTS_S box; log $OUT/tests.log.
+prefill_graph_tests() {
+  local t0; t0=$(date +%s)
+  timeout ${GRAPH_TESTS_S:-150} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p no:cacheprovider \
+    tests/engine/model/test_prefill_graph.py tests/engine/test_engine_decode_graph.py > "$OUT/tests.log" 2>&1 \
+    || echo "tests rc=$?"
+  tests_summary $t0
+}
