@@ -87,7 +87,8 @@ def test_padded_prefills_share_one_state(engine_model):
     """Two padded lengths on one state of the longer's capacity give what each gives on its own; a state
     shorter than the length is refused."""
     shared = engine_model.new_state(64)
-    short, long = PrefillGraph(engine_model, 16, graph=False, state=shared), PrefillGraph(engine_model, 64, graph=False, state=shared)
+    short = PrefillGraph(engine_model, 16, graph=False, state=shared)
+    long = PrefillGraph(engine_model, 64, graph=False, state=shared)
     ids = torch.randint(0, engine_model.cfg.vocab, (12,), generator=torch.Generator().manual_seed(5))
     long.run(torch.randint(0, engine_model.cfg.vocab, (50,), generator=torch.Generator().manual_seed(6)))
     logits, state = short.run(ids)
