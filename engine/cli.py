@@ -42,7 +42,7 @@ def generate(
         "dequantized in the kernels; the budget then counts quantized bytes); quantized needs --cold-format quantized"),
     cold_device: str = typer.Option(
         "cpu", "--cold-device", help="what computes the cold experts: cpu (CPU threads) or gpu (the GPU reads "
-        "their pinned host copies over the bus; no host sync, so --cuda-graph captures such steps too)"),
+        "their pinned host copies over the bus; no host sync, so the decode step is captured with them too)"),
     weights: str = typer.Option(
         "dense", "--weights", help="dense (dequantized at load) or quantized (projection matrices kept as GGUF "
         "blocks, dequantized in the matmul kernels)"),
@@ -55,8 +55,9 @@ def generate(
         "generation before speculation is tried again (default 1.2; 0: speculate throughout; auto: where "
         "speculation commits tokens more slowly than timed plain steps)"),
     cuda_graph: bool = typer.Option(
-        False, "--cuda-graph/--no-cuda-graph", help="replay plain decoding from a captured CUDA graph where the "
-        "configuration allows it (all experts on the GPU); off by default until its GPU tests have passed"),
+        True, "--cuda-graph/--no-cuda-graph", help="replay plain decoding and prefills up to 2,048 tokens from "
+        "captured CUDA graphs where the configuration allows it (on a GPU, no experts on CPU threads); "
+        "--no-cuda-graph runs everything eagerly"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
 ) -> None:
     """Generate a continuation of a prompt, streaming the text, then the timings."""

@@ -78,7 +78,7 @@ class EngineConfig:
 
     weights: str = "dense"  # projection matrices dequantized at load, or kept as GGUF blocks
     experts: str = "dense"  # routed experts on both tiers dense, or as GGUF blocks (budgets in quantized bytes)
-    cuda_graph: bool = False  # plain decoding and DFlash verify blocks replayed from CUDA graphs where possible
+    cuda_graph: bool = True  # decoding, short prefills and DFlash verify blocks replayed from CUDA graphs where possible
     cold_device: str = "cpu"  # what computes the cold experts: CPU threads, or the GPU reading host memory
 
     def __post_init__(self) -> None:
@@ -95,8 +95,8 @@ class EngineConfig:
             out["weights"] = self.weights
         if self.experts != "dense":
             out["cold_format"] = out["hot_format"] = self.experts
-        if self.cuda_graph:
-            out["cuda_graph"] = True
+        if not self.cuda_graph:
+            out["cuda_graph"] = False
         if self.cold_device != "cpu":
             out["cold_device"] = self.cold_device
         return out

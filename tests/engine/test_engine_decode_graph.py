@@ -74,8 +74,7 @@ def test_capacity_buckets():
 
 
 def test_cpu_decodes_eagerly_and_says_why(eng):
-    assert "cuda_graph=False" in eng.decode_graph_blocker()  # off unless asked for
-    eng.cuda_graph = True
+    assert eng.cuda_graph  # on by default
     g = eng.generate(eng.tokenizer.encode("x = 1"), 4, ignore_eos=True)
     assert g.timings.extra["decode_path"] == "eager"
     assert "not on a CUDA device" in g.timings.extra["decode_graph_blocker"]

@@ -113,20 +113,21 @@ def test_pflash_floor_needs_needle_cases(tmp_path):
 
 def test_engine_section_becomes_load_options(tmp_path):
     cfg = load_config(_write(tmp_path, MINIMAL + "[engine]\nweights = \"quantized\"\nexperts = \"quantized\"\n"
-                                               "cuda_graph = true\ncold_device = \"gpu\"\n"))
+                                               "cuda_graph = false\ncold_device = \"gpu\"\n"))
     assert cfg.engine.load_options() == {"weights": "quantized", "cold_format": "quantized",
-                                         "hot_format": "quantized", "cuda_graph": True, "cold_device": "gpu"}
+                                         "hot_format": "quantized", "cuda_graph": False, "cold_device": "gpu"}
+    assert load_config(_write(tmp_path, MINIMAL)).engine.load_options() == {}  # cuda_graph on: the engine's default
 
 
 def test_engine_section_is_published_with_the_winner(tmp_path):
     from tuner.publish import build_profile
     from tuner.space import TrialParams
 
-    cfg = load_config(_write(tmp_path, MINIMAL + "[engine]\nexperts = \"quantized\"\ncuda_graph = true\n"
+    cfg = load_config(_write(tmp_path, MINIMAL + "[engine]\nexperts = \"quantized\"\ncuda_graph = false\n"
                                                "cold_device = \"gpu\"\n"))
     fingerprint = {"gpu_name": "", "gpu_uuid": "", "gpu_driver": "", "gpu_vram_mb": 0, "cpu": "c", "cpu_count": 2,
                    "ram_mb": 1}
     files = {"target": {"path": str(cfg.models.target), "size": 1, "sha256": "0" * 64}}
     profile = build_profile(cfg, files, 3, TrialParams(expert_budget_mb=512), {}, "cuda", fingerprint)
     assert profile.load_options() == {"device": "cuda", "expert_budget_mb": 512, "cold_format": "quantized",
-                                      "hot_format": "quantized", "cuda_graph": True, "cold_device": "gpu"}
+                                      "hot_format": "quantized", "cuda_graph": False, "cold_device": "gpu"}
