@@ -109,10 +109,13 @@ def generate(
     t = result.timings
     sys.stdout.write("\n")
     err.print(f"[dim]prefill {t.prompt_tokens} tok in {t.prefill_s * 1000:.1f} ms "
-              f"({t.prompt_tokens / max(t.prefill_s, 1e-9):.1f} tok/s) | decode {t.new_tokens} tok "
-              f"at {t.decode_tok_s:.1f} tok/s ({t.extra.get('decode_path', 'eager')}) | peak memory "
+              f"({t.prompt_tokens / max(t.prefill_s, 1e-9):.1f} tok/s{_prefill_path(t.extra)}) | decode "
+              f"{t.new_tokens} tok at {t.decode_tok_s:.1f} tok/s ({t.extra.get('decode_path', 'eager')}) | peak memory "
               f"{t.peak_mem_mb:.0f} MB | stop: {result.stop_reason}[/dim]")
     extra = t.extra
+    if "prefill_graph_capture_s" in extra:
+        err.print(f"[dim]prefill of {extra['prefill_padded_to']} tokens captured in a CUDA graph in "
+                  f"{extra['prefill_graph_capture_s'] * 1000:.0f} ms (once per engine and padded length)[/dim]")
     if "decode_graph_capture_s" in extra:
         err.print(f"[dim]decode step captured in a CUDA graph in {extra['decode_graph_capture_s'] * 1000:.0f} ms "
                   "(once per engine and state size)[/dim]")
@@ -130,6 +133,15 @@ def generate(
         err.print(f"[dim]pflash kept {extra['pflash_kept_tokens']}/{extra['pflash_total_tokens']} tokens | "
                   f"drafter {extra['pflash_drafter_s'] * 1000:.1f} ms | target prefill "
                   f"{extra['pflash_target_prefill_s'] * 1000:.1f} ms[/dim]")
+
+
+def _prefill_path(extra: dict) -> str:
+    """``, eager`` or ``, cuda_graph padded to N`` for the timings line (empty where a DFlash or PFlash
+    prefill ran, which report their own)."""
+    path = extra.get("prefill_path")
+    if path is None:
+        return ""
+    return f", {path}" + (f" padded to {extra['prefill_padded_to']}" if "prefill_padded_to" in extra else "")
 
 
 def _spec_fallback(text: str, draft: Path | None) -> float | str:

@@ -164,6 +164,15 @@ def test_cli_flag_keeps_decoding_eager(tiny, capsys):
     assert out["timings"]["decode_graph_blocker"] == "the engine was loaded with cuda_graph=False"
 
 
+def test_cli_timings_name_the_prefill_path(tiny, capsys):
+    from engine.cli import _prefill_path
+
+    assert main(["generate", "-m", str(tiny), "-p", "hello", "-n", "3", "--device", "cpu"]) == 0
+    assert "tok/s, eager) | decode" in " ".join(capsys.readouterr().err.split())  # rich wraps at 80 columns
+    assert _prefill_path({"prefill_path": "cuda_graph", "prefill_padded_to": 512}) == ", cuda_graph padded to 512"
+    assert _prefill_path({"decode_path": "eager"}) == ""  # a DFlash or PFlash prefill
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("weights", ["dense", "quantized"])
