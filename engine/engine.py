@@ -551,7 +551,8 @@ class Engine:
             self.model, self.draft, ids, max_new_tokens, spec_len=spec_len, temperature=params.temperature,
             top_p=params.top_p, seed=params.seed, eos_ids=eos, stop=stopped,
             stall_timeout_s=self.stall_timeout_s, prefilled=prefilled, fallback_threshold=fallback,
-            verify_path="graph" if self.cuda_graph else "eager")
+            # nothing is captured on the CPU: verify eagerly there (the fixed-shape step attends over its whole cache)
+            verify_path="graph" if self.cuda_graph and self.device.type == "cuda" else "eager")
         text = self.tokenizer.decode(new)
         if stats.stop_reason == "stop":
             text = _cut_at_stop(text, stop)
