@@ -55,9 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="time decode tiles at the 35B shapes instead")
     ap.add_argument("--write-tuned", type=Path, default=None, help="with --sweep: write the fastest tiles here")
-    ap.add_argument("--grid", choices=("blocks", "rows", "both", "none"), default="both",
+    ap.add_argument("--grid", choices=("blocks", "rows", "both", "words", "all", "none"), default="both",
                     help="with --sweep: the block tiles, the row kernels' warps and unroll "
-                         "(engine.kernels.quant.rows), both, or none (the defaults and the table's tiles only); "
+                         "(engine.kernels.quant.rows), both, the word GEMV's tiles (engine.kernels.quant.words, "
+                         "Q4_0 GEMV shapes), all three, or none (the defaults and the table's tiles only); "
                          "the table's current tiles for a shape are always among the candidates")
     ap.add_argument("--verbose", action="store_true", help="with --sweep: print every candidate's time")
     ap.add_argument("--sweep-shapes", type=lambda s: s.split(","), default=None,
@@ -176,8 +177,16 @@ TILE_VARIANTS = [dict(gemv_num_warps=2), dict(gemv_num_warps=8), dict(gemv_num_w
 ROWS_GRID = {kind: [dict(gemv_rows_warps=w, gemv_rows_unroll=u) for w in warps for u in (2, 4, 8)]
              for kind, warps in (("gemv", (2, 4, 8)), ("moe_gate_up", (2, 4, 8)), ("moe_down", (8, 16)))}
 ROWS_VARIANTS = [dict(gemv_split_k=1), dict(gemv_split_k=2)]
+# the word GEMV (Q4_0, one token): rows a program x (K tile, warps), the tile holding a block for every lane
+WORDS_TILES = [(bk, w) for bk in (1024, 2048, 4096) for w in (1, 2, 4) if bk >= 32 * 32 * w]
 FIELDS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k", "gemv_rows_warps", "gemv_rows_unroll",
-          "gemv_pair_split")
+          "gemv_pair_split", "gemv_words")
+
+
+def words_grid(k: int) -> list[dict]:
+    """The word GEMV's candidates for a launch over ``k`` columns: K tiles that divide K."""
+    return [dict(gemv_words=1, gemv_block_n=bn, gemv_block_k=bk, gemv_num_warps=w)
+            for bn in (1, 2, 4, 8) for bk, w in WORDS_TILES if k % bk == 0]
 
 
 def tile_grid(k: int, kind: str = "gemv") -> list[dict]:
@@ -256,11 +265,21 @@ def sweep(args, rng) -> None:
                 down_cfg = QuantKernelConfig(**down) if down is not None else None
                 if kind == "gemv":
                     fn = lambda: qmatmul(x, mats(), cfg)  # noqa: E731
-                    out = qmatmul(x, mats(), cfg)
+                    try:
+                        out = qmatmul(x, mats(), cfg)
+                    except Exception as exc:  # noqa: BLE001 - a candidate kernel that does not build or run
+                        if not tiles.get("gemv_words"):
+                            raise
+                        print(f"    {label} {tiles}: the word GEMV failed ({exc!r:.300}); skipped", flush=True)
+                        return float("inf")
                 else:
                     fn = lambda: quantized_moe_triton(x, *stack, draws(), w, cfg, down_cfg, shared)  # noqa: E731
                     out = quantized_moe_triton(x, *stack, ids, w, cfg, down_cfg, shared)
                 err = rel_err(out, ref)
+                if not err < 2e-2 and tiles.get("gemv_words"):  # a candidate kernel: reported, never picked
+                    print(f"    {label} {tiles}: the word GEMV differs from the reference by {err:.2e}; skipped",
+                          flush=True)
+                    return float("inf")
                 if not err < 2e-2:
                     raise SystemExit(f"{qtype.name} {label} {tiles} {down}: kernel differs from the reference "
                                      f"by {err:.2e}")
@@ -279,8 +298,11 @@ def sweep(args, rng) -> None:
                 to the launch's K), then warps and no-split variants of its best; the row kernels' grid,
                 then (GEMV) K-split variants of its best (each as ``--grid`` says): (ms, tiles)."""
                 results = [(time_of({}), {}), (time_of(current(kind_, n_, k_)), current(kind_, n_, k_))]
-                for on, grid, variants in ((args.grid in ("blocks", "both"), tile_grid(k_, kind_), TILE_VARIANTS),
-                                           (args.grid in ("rows", "both"), ROWS_GRID[kind_],
+                words_on = args.grid in ("words", "all") and kind_ == "gemv" and qtype == Q.Q4_0
+                blocks_on = args.grid in ("blocks", "both", "all")
+                for on, grid, variants in ((blocks_on, tile_grid(k_, kind_), TILE_VARIANTS),
+                                           (words_on, words_grid(k_), []),
+                                           (args.grid in ("rows", "both", "all"), ROWS_GRID[kind_],
                                             ROWS_VARIANTS if kind_ == "gemv" else [])):
                     if not on:
                         continue

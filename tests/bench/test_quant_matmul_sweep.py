@@ -34,3 +34,24 @@ def test_the_down_launch_is_swept_per_token_and_per_pair(quant_matmul):
     for tiles in down:
         QuantKernelConfig(**tiles)
     assert "gemv_pair_split" in qm.FIELDS  # written to the table with the other fields
+
+
+def test_the_word_gemv_is_swept_where_it_reads_the_weights(quant_matmul):
+    """``--grid words``: tiles whose K tile divides K and holds a block for every lane, each a valid config
+    that the word GEMV takes; the flag is written to the table."""
+    from engine.kernels.quant import words
+    from engine.kernels.quant.triton import QuantKernelConfig
+    from gguf import GGMLQuantizationType as Q
+    from types import SimpleNamespace
+
+    qm = quant_matmul
+    assert {t["gemv_block_k"] for t in qm.words_grid(2048)} == {1024, 2048}
+    assert {t["gemv_block_k"] for t in qm.words_grid(4096)} == {1024, 2048, 4096}
+    assert qm.words_grid(512) == []  # the shared expert's down projection: too short a K
+    for k in (2048, 4096):
+        for tiles in qm.words_grid(k):
+            c = QuantKernelConfig(**tiles)
+            rows = SimpleNamespace(stride=lambda _: k // 32 * 18)  # a split-layout row's bytes
+            fake = SimpleNamespace(qtype=Q.Q4_0, layout="split", raw=rows, k=k)
+            assert c.gemv_words == 1 and words.fits(fake, c.gemv_block_k, c.gemv_num_warps), tiles
+    assert "gemv_words" in qm.FIELDS

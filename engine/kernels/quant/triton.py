@@ -64,6 +64,10 @@ class QuantKernelConfig:
     least 2 warps (gate and up halves) and the down launch at least top-k rounded up to a power of
     two (a pair each); fewer keep the block kernels there.
 
+    ``gemv_words`` 1 takes ``engine.kernels.quant.words`` for one token over Q4_0 in the split layout on
+    CUDA, with ``gemv_block_n`` rows and ``gemv_block_k`` columns a program and ``gemv_num_warps`` warps
+    (the K tile holding at least 32 blocks a warp; other tiles keep the block kernel).
+
     ``gemv_pair_split`` 1 gives the experts' down launch a program per pair (the shared expert one
     more) and row block rather than per token and row block: each stores its pair's weighted rows
     in float32, and the token's pair that arrives last adds them in pair order (the sum the
@@ -88,6 +92,7 @@ class QuantKernelConfig:
     gemv_rows_warps: int = 0
     gemv_rows_unroll: int = 4
     gemv_pair_split: int = 0
+    gemv_words: int = 0
 
     def __post_init__(self) -> None:
         check_tiles(self, {"gemv_block_n": 1, "gemv_block_k": 16, "block_m": 16, "block_n": 16, "block_k": 16},
@@ -99,6 +104,8 @@ class QuantKernelConfig:
                 raise ValueError(f"{name} must be a power of two up to {most} (gemv_rows_warps may be 0), got {v}")
         if self.gemv_pair_split not in (0, 1):
             raise ValueError(f"gemv_pair_split must be 0 or 1, got {self.gemv_pair_split}")
+        if self.gemv_words not in (0, 1):
+            raise ValueError(f"gemv_words must be 0 or 1, got {self.gemv_words}")
         if not 0 <= self.gemv_max_m <= 16:
             raise ValueError(f"gemv_max_m must be in [0, 16], got {self.gemv_max_m}")
         if self.dequant_min_m < 0:
@@ -531,6 +538,11 @@ def qmatmul_gemv(x: torch.Tensor, qm: QuantMatrix, config: QuantKernelConfig | N
     M = x.shape[0]
     if not 1 <= M <= 16:
         raise ValueError(f"the GEMV kernel takes 1 to 16 rows of x, got {M}")
+    if config.gemv_words and M == 1 and x.is_cuda:
+        from engine.kernels.quant import words
+
+        if words.fits(qm, config.gemv_block_k, config.gemv_num_warps):
+            return words.gemv_words(x, qm, config.gemv_block_n, config.gemv_block_k, config.gemv_num_warps)
     if config.gemv_rows_warps and M == 1 and rows.rows_fit(qm.qtype, qm.layout):
         return rows.gemv_rows(x, qm, lambda s: torch.empty(s, qm.n, dtype=torch.float32, device=x.device),
                               _split_counters(x.device), config.gemv_rows_warps, config.gemv_rows_unroll,

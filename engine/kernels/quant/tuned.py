@@ -22,8 +22,9 @@ import torch
 TABLE = Path(__file__).with_name("tuned.json")
 KINDS = ("gemv", "experts", "moe_gate_up", "moe_down")
 TILE_KEYS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k")
-# optional: the row kernels (``engine.kernels.quant.rows``) and the experts' down launch split per pair
-ROW_KEYS = ("gemv_rows_warps", "gemv_rows_unroll", "gemv_pair_split")
+# optional: the row kernels (``engine.kernels.quant.rows``), the experts' down launch split per pair and the
+# word GEMV (``engine.kernels.quant.words``)
+ROW_KEYS = ("gemv_rows_warps", "gemv_rows_unroll", "gemv_pair_split", "gemv_words")
 
 
 @lru_cache(maxsize=None)

@@ -442,6 +442,50 @@ def test_cuda_split_layout_real_shapes(real_weights, qtype, n, k, M):
     assert not tq._split_counters(x.device).any()
 
 
+def test_word_gemv_refuses_what_it_cannot_read():
+    """The word GEMV's checks, which run before its launch (so anywhere): Q4_0 in the split layout only, K a
+    multiple of the tile, a block for every lane, powers of two; its config flag is 0 or 1; where it does
+    not apply (here: the CPU) ``qmatmul`` keeps the block kernel."""
+    words = pytest.importorskip("engine.kernels.quant.words")
+    q4 = make(Q.Q4_0, 8, 2048, seed=1, maker="bytes").with_layout("split")
+    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="Q4_0 in the split layout"):
+        words.gemv_words(x, make(Q.Q8_0, 8, 2048, seed=1).with_layout("split"), 4, 2048, 2)
+    with pytest.raises(ValueError, match="one block a lane"):
+        words.gemv_words(x, q4, 4, 1024, 2)  # 32 blocks for 64 lanes
+    with pytest.raises(ValueError, match="power of two"):
+        words.gemv_words(x, q4, 3, 2048, 2)
+    assert words.fits(q4, 2048, 2) and words.fits(q4, 1024, 1)
+    assert not words.fits(q4, 4096, 1) and not words.fits(q4.with_layout("ggml"), 2048, 2)
+    with pytest.raises(ValueError, match="gemv_words"):
+        tq.QuantKernelConfig(gemv_words=2)
+    config = tq.QuantKernelConfig(gemv_words=1, gemv_block_n=4, gemv_block_k=2048, gemv_num_warps=2)
+    ref = qmatmul_reference(x, q4.with_layout("ggml").raw, Q.Q4_0, 8, 2048)
+    assert rel_err(tq.qmatmul(x, q4, config), ref) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k,block_n,block_k,warps", [
+    (12352, 2048, 4, 2048, 2), (9216, 2048, 8, 2048, 2), (2048, 4096, 4, 4096, 4), (2048, 4096, 8, 2048, 1),
+    (248320, 2048, 8, 1024, 1), (37, 2048, 4, 1024, 1), (5, 1024, 2, 1024, 1), (1024, 2048, 1, 2048, 2)])
+def test_cuda_word_gemv(real_weights, n, k, block_n, block_k, warps):
+    """The word GEMV (``engine.kernels.quant.words``) at the 35B projection shapes and odd row counts, K in
+    one tile or several, through ``qmatmul``'s ``gemv_words`` tiles: the reference's products for float32
+    and bf16 x, the same bits on every call and as the kernel called directly."""
+    from engine.kernels.quant import words
+
+    qm = real_weights(Q.Q4_0, n, k).with_layout("split")
+    x = torch.randn(1, k, device="cuda", generator=torch.Generator("cuda").manual_seed(n))
+    ref = qmatmul_reference(x, qm.ggml_raw, Q.Q4_0, n, k)
+    config = tq.QuantKernelConfig(gemv_words=1, gemv_block_n=block_n, gemv_block_k=block_k, gemv_num_warps=warps)
+    exact = tq.qmatmul(x, qm, config)
+    assert exact.shape == (1, n) and rel_err(exact, ref) < 1e-4
+    assert rel_err(tq.qmatmul(x.bfloat16(), qm, config), ref) < 2e-2
+    assert torch.equal(tq.qmatmul(x, qm, config), exact)
+    assert torch.equal(words.gemv_words(x, qm, block_n, block_k, warps), exact)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("qtype,layout", [(Q.Q4_0, "ggml"), (Q.Q4_0, "split"), (Q.Q4_K, "ggml")],

@@ -1,0 +1,149 @@
+"""Single-token decode GEMV over Q4_0 rows in the split layout, codes taken apart as 32-bit words, in
+Triton's Gluon dialect (explicit layouts).
+
+The block kernel of ``engine.kernels.quant.triton`` (``_gemv_kernel``) takes every code byte out of its
+register, splits it into two nibbles and turns each into float32 on the int-to-float unit (a quarter
+of the ALU rate); compiled for sm_90 its ``gdn_in`` program (4 rows x 2,048, 2 warps) is 1,048
+instructions for 128 codes a thread, with 122 registers. Here the codes stay in the 32-bit words they
+were loaded in: one ``lop3`` per word and shift, ``(w & 0x000F000F) | 0x64006400``, makes two fp16
+numbers ``1024 + q`` (a nibble in the mantissa of 1024, whose step is 1), one ``sub.f16x2`` takes
+1,032 from both (``q - 8``, exact), and each half turns into float32 on the half-precision path. Word
+j of a block holds its bytes 4j .. 4j + 3, so the shifts 0, 4, 8 and 12 give the codes of columns
+(4j, 4j + 2), (4j + 16, 4j + 18), (4j + 1, 4j + 3) and (4j + 17, 4j + 19) of the block.
+
+The layout is fixed by hand (Triton's own choice moved x and the products between lanes,
+docs/benchmarks.md): a lane holds one block's four words for every row of the program, the 32 lanes
+of a warp and the warps lie along the blocks. So each x value is loaded and turned into float32 once
+for all the rows, and the only exchange between lanes is the final sum over blocks. The same program
+compiles to 680 instructions and 60 registers (``tests/engine/kernels/test_rows_compile.py``).
+
+Each block's products are summed in float32 (fused multiply-adds), scaled by the block's fp16 scale,
+and the blocks' sums added at the end. The torch definition is
+``engine.kernels.quant.reference.qmatmul_reference``. Gluon kernels run on CUDA only (the Triton
+interpreter cannot run them): the CPU tests compile them for sm_90 and check the machine code; the
+CUDA tests compare them with the reference. A candidate of the tile sweep (``gemv_words`` 1 in a table
+entry), not the default until the H200 has measured it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from gguf import GGMLQuantizationType as Q
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from engine.kernels.pdl import launch
+from engine.kernels.quant.reference import QuantMatrix
+
+LANES = 32
+
+
+@gluon.jit
+def _launch_next(PDL: gl.constexpr):
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_previous(PDL: gl.constexpr):
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
+def _code_pair(v):
+    """The codes at bits 0-3 and 16-19 of int32 ``v``, each less 8, as float32 (module docstring)."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, c;
+        .reg .b16 l, h;
+        lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;
+        mov.b32 c, 0x64086408;
+        sub.rn.f16x2 t, t, c;
+        mov.b32 {l, h}, t;
+        cvt.f32.f16 $0, l;
+        cvt.f32.f16 $1, h;
+        }""",
+        constraints="=r,=r,r", args=[v], dtype=(gl.float32, gl.float32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _tile(acc, x_ptr, w_words, w_bytes, row_w, row_b, k0, N_BLOCKS: gl.constexpr, NB: gl.constexpr,
+          SPLIT_AT: gl.constexpr, L: gl.constexpr, PDL: gl.constexpr, FIRST: gl.constexpr):
+    """``acc`` [BN, NB] plus the blocks ``k0 // 32 ..`` of the rows (word offsets ``row_w``, byte offsets
+    ``row_b``, [BN]) dotted with x, each scaled. ``FIRST``: the weights are loaded before the wait for the
+    kernel before (``engine.kernels.pdl``), x after it."""
+    L_bw: gl.constexpr = gl.SliceLayout(0, L)  # [NB, 4]: a block's words
+    L_nb: gl.constexpr = gl.SliceLayout(2, L)  # [BN, NB]: a row's blocks
+    kb = gl.minimum(k0 // 32 + gl.arange(0, NB, layout=gl.SliceLayout(1, L_bw)), N_BLOCKS - 1)  # in bounds
+    o_j = gl.arange(0, 4, layout=gl.SliceLayout(0, L_bw))
+    o_w = gl.max_contiguous(gl.multiple_of(gl.expand_dims(kb * 4, 1) + gl.expand_dims(o_j, 0), [4, 4]), [1, 4])
+    w = gl.load(w_words + gl.expand_dims(gl.expand_dims(row_w, 1), 2) + gl.expand_dims(o_w, 0))  # [BN, NB, 4]
+    kb_d = k0 // 32 + gl.arange(0, NB, layout=gl.SliceLayout(0, L_nb))
+    p_d = w_bytes + gl.expand_dims(row_b, 1) + SPLIT_AT + gl.expand_dims(gl.minimum(kb_d, N_BLOCKS - 1) * 2, 0)
+    d = gl.load(p_d.to(gl.pointer_type(gl.float16))).to(gl.float32)
+    d = gl.where(gl.expand_dims(kb_d < N_BLOCKS, 0), d, 0.0)  # blocks past K count zero
+    if FIRST:
+        _wait_previous(PDL)
+    col = gl.expand_dims(kb * 32, 1) + gl.expand_dims(o_j * 4, 0)  # [NB, 4]: column of word j's first code
+    s = gl.zeros(w.shape, gl.float32, layout=L)
+    for i in gl.static_range(4):  # shift 4i: columns (0, 2), (16, 18), (1, 3), (17, 19) past word j's first
+        c = (i % 2) * 16 + i // 2
+        x_a = gl.load(x_ptr + col + c).to(gl.float32)
+        x_b = gl.load(x_ptr + col + (c + 2)).to(gl.float32)
+        a, b = _code_pair(w >> (4 * i))
+        s = gl.fma(a, gl.expand_dims(x_a, 0), s)
+        s = gl.fma(b, gl.expand_dims(x_b, 0), s)
+    return acc + d * gl.sum(s, axis=2)
+
+
+@gluon.jit
+def _gemv_words_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, K: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_K: gl.constexpr, SPLIT_AT: gl.constexpr, WARPS: gl.constexpr, PDL: gl.constexpr):
+    _launch_next(PDL)
+    NB: gl.constexpr = BLOCK_K // 32
+    N_BLOCKS: gl.constexpr = K // 32
+    L: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_N, 1, 4], threads_per_warp=[1, 32, 1],
+                                       warps_per_cta=[1, WARPS, 1], order=[2, 1, 0])
+    L_nb: gl.constexpr = gl.SliceLayout(2, L)
+    o_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_nb))
+    row = gl.minimum(o_n, N - 1).to(gl.int64)  # rows past N read the last row; their sums are not stored
+    w_words = w_ptr.to(gl.pointer_type(gl.int32))
+    acc = gl.zeros([BLOCK_N, NB], gl.float32, layout=L_nb)
+    acc = _tile(acc, x_ptr, w_words, w_ptr, row * (stride_wn // 4), row * stride_wn, 0, N_BLOCKS, NB, SPLIT_AT, L,
+                PDL, True)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        acc = _tile(acc, x_ptr, w_words, w_ptr, row * (stride_wn // 4), row * stride_wn, k0, N_BLOCKS, NB,
+                    SPLIT_AT, L, PDL, False)
+    gl.store(out_ptr + o_n, gl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=o_n < N)
+
+
+def fits(qm: QuantMatrix, block_k: int, warps: int) -> bool:
+    """Whether ``gemv_words`` reads ``qm`` with K tiles of ``block_k`` columns and ``warps`` warps: Q4_0 in the
+    split layout with 16-byte aligned rows (each block's codes one vector load), K a multiple of the tile,
+    and the tile at least one block for each lane."""
+    return (qm.qtype == Q.Q4_0 and qm.layout == "split" and qm.raw.stride(0) % 16 == 0 and qm.k % block_k == 0
+            and block_k % (32 * LANES * warps) == 0)
+
+
+def gemv_words(x: torch.Tensor, qm: QuantMatrix, block_n: int, block_k: int, warps: int) -> torch.Tensor:
+    """``x @ W.T`` for one row of x [1, K] -> [1, N] in x.dtype, on CUDA: ``block_n`` rows and ``block_k``
+    columns a program's tile (powers of two, ``fits``), ``warps`` warps."""
+    for name, v in (("block_n", block_n), ("block_k", block_k), ("warps", warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"gemv_words' {name} must be a power of two, got {v}")
+    if not fits(qm, block_k, warps):
+        raise ValueError(f"gemv_words reads Q4_0 in the split layout, rows 16-byte aligned, K a multiple of the "
+                         f"tile, one block a lane or more ({LANES} a warp): got {qm.qtype.name} in {qm.layout}, "
+                         f"K {qm.k}, rows of {qm.raw.stride(0)} bytes, {block_k} columns over {warps} warps")
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != qm.k or not x.is_contiguous():
+        raise ValueError(f"gemv_words takes one contiguous row of x of {qm.k} columns, got {tuple(x.shape)}")
+    out = torch.empty(1, qm.n, dtype=x.dtype, device=x.device)
+    pdl = launch(x.device, 1, "gemv")
+    _gemv_words_kernel[(triton.cdiv(qm.n, block_n),)](
+        x, qm.raw, out, qm.n, qm.raw.stride(0), K=qm.k, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_AT=qm.split_at,
+        WARPS=warps, PDL=pdl["PDL"], num_warps=warps, launch_pdl=pdl["launch_pdl"])
+    return out
