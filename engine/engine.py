@@ -122,7 +122,8 @@ class Engine:
         self.defaults: dict[str, Any] = {}  # generate() options a profile chose (spec_len, keep ratio)
         self.cuda_graph = cuda_graph  # plain decoding replays a captured decode step where it can
         self._graphs: dict[int, "DecodeGraph"] = {}  # state capacity -> decode step, least recently used first
-        self._capture_failure: str | None = None
+        # "decode" / "prefill" -> why capturing it failed (that path then runs eagerly from then on)
+        self._capture_failures: dict[str, str] = {}
         # With cuda_graph: prompts up to prefill_graph.BUCKETS[-1] tokens prefill through a captured padded
         # prefill (``engine.model.prefill_graph``), 1.16-5.5x faster than eagerly on the H200's 35B file
         # from 100 to 2,048 tokens (docs/benchmarks.md); False prefills eagerly
@@ -135,7 +136,6 @@ class Engine:
         self._prefills: dict[int, "PrefillGraph"] = {}  # padded length -> captured prefill, least recent first
         self._prefill_pool = None
         self._prefill_state: "ModelState | None" = None  # the captured prefills' one state (the longest length)
-        self._prefill_failure: str | None = None
 
     @property
     def config(self):
@@ -452,8 +452,8 @@ class Engine:
         (replayed from a CUDA graph)."""
         if not self.cuda_graph:
             return "the engine was loaded with cuda_graph=False"
-        if self._capture_failure is not None:
-            return self._capture_failure
+        if "decode" in self._capture_failures:
+            return self._capture_failures["decode"]
         from engine.model.decode_graph import graph_blocker
 
         return graph_blocker(self.model)
@@ -468,35 +468,36 @@ class Engine:
         from engine.model.decode_graph import DecodeGraph
 
         capacity = graph_capacity(tokens)
-        try:
-            decoder, capture_s = self._cached(self._graphs, capacity, MAX_DECODE_GRAPHS,
-                                              lambda: DecodeGraph(self.model, self.model.new_state(capacity)))
-        except RuntimeError as exc:  # an op that cannot be captured: decode eagerly from now on, and say so
-            self._capture_failure = f"capturing the decode step failed: {exc}"
-            warnings.warn(self._capture_failure, stacklevel=3)
-            extra["decode_graph_blocker"] = self._capture_failure
-            return None
-        if capture_s is not None:
-            extra["decode_graph_capture_s"] = capture_s
-        extra["decode_path"] = decoder.path
+        decoder = self._cached("decode", self._graphs, capacity, MAX_DECODE_GRAPHS,
+                               lambda: DecodeGraph(self.model, self.model.new_state(capacity)), extra)
+        if decoder is not None:
+            extra["decode_path"] = decoder.path
         return decoder
 
-    def _cached(self, cache: dict[int, Any], key: int, limit: int,
-                build: Callable[[], Any]) -> tuple[Any, float | None]:
-        """``cache[key]`` (a captured step) while it is ``current()``, else a new one from ``build`` (the least
-        recently used dropped past ``limit``); made the most recently used. Returns it and the seconds
-        building took (None when cached). ``build``'s errors propagate."""
+    def _cached(self, kind: str, cache: dict[int, Any], key: int, limit: int, build: Callable[[], Any],
+                extra: dict[str, Any]) -> Any:
+        """``cache[key]`` (a captured ``kind`` step: decode or prefill) while it is ``current()``, else a new one
+        from ``build`` (the least recently used dropped past ``limit``), made the most recently used; the
+        seconds building took go to ``extra[f"{kind}_graph_capture_s"]``. A build that raises
+        ``RuntimeError`` (an op that cannot be captured) returns None, warns once and is remembered: that
+        path runs eagerly from then on, ``extra[f"{kind}_graph_blocker"]`` saying why."""
         item = cache.pop(key, None)
-        built_s = None
         if item is None or not item.current():
             while len(cache) >= limit:
                 del cache[next(iter(cache))]
             t0 = time.perf_counter()
-            item = build()
+            try:
+                item = build()
+            except RuntimeError as exc:
+                what = "the decode step" if kind == "decode" else "the prefill"
+                self._capture_failures[kind] = f"capturing {what} failed: {exc}"
+                warnings.warn(self._capture_failures[kind], stacklevel=4)
+                extra[f"{kind}_graph_blocker"] = self._capture_failures[kind]
+                return None
             _sync(self.device)
-            built_s = time.perf_counter() - t0
+            extra[f"{kind}_graph_capture_s"] = time.perf_counter() - t0
         cache[key] = item
-        return item, built_s
+        return item
 
     def _prefill_graph(self, tokens: int, extra: dict[str, Any]) -> "PrefillGraph | None":
         """The cached captured prefill of the padded length that holds ``tokens``, captured once that length
@@ -507,7 +508,7 @@ class Engine:
 
         extra["prefill_path"] = "eager"
         bucket = bucket_for(tokens)
-        if (not self.prefill_graph or bucket is None or self._prefill_failure is not None
+        if (not self.prefill_graph or bucket is None or "prefill" in self._capture_failures
                 or self.decode_graph_blocker() is not None or not applies(self.model.executor)):
             return None
         cached = self._prefills.get(bucket)
@@ -522,15 +523,9 @@ class Engine:
                 self._prefill_state = self.model.new_state(BUCKETS[-1])
             return PrefillGraph(self.model, bucket, pool=self._prefill_pool, state=self._prefill_state)
 
-        try:
-            padded, capture_s = self._cached(self._prefills, bucket, MAX_PREFILL_GRAPHS, build)
-        except RuntimeError as exc:  # an op that cannot be captured: prefill eagerly from now on, and say so
-            self._prefill_failure = f"capturing the prefill failed: {exc}"
-            warnings.warn(self._prefill_failure, stacklevel=3)
-            extra["prefill_graph_blocker"] = self._prefill_failure
+        padded = self._cached("prefill", self._prefills, bucket, MAX_PREFILL_GRAPHS, build, extra)
+        if padded is None:
             return None
-        if capture_s is not None:
-            extra["prefill_graph_capture_s"] = capture_s
         extra["prefill_path"] = "cuda_graph" if padded.captured else "padded"  # padded: run eagerly (tests)
         extra["prefill_padded_to"] = bucket
         return padded

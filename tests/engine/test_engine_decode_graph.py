@@ -145,9 +145,9 @@ def test_a_failed_capture_falls_back_to_eager_decoding_once(monkeypatch, eng):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(decode_graph, "DecodeGraph", fail)
-    monkeypatch.setattr(eng, "_capture_failure", None)
-    monkeypatch.setattr(Engine, "decode_graph_blocker",
-                        lambda self: self._capture_failure)  # as on a CUDA device that allows capture
+    monkeypatch.setattr(eng, "_capture_failures", {})
+    monkeypatch.setattr(Engine, "decode_graph_blocker",  # as on a CUDA device that allows capture
+                        lambda self: self._capture_failures.get("decode"))
     with pytest.warns(UserWarning, match="capturing the decode step failed"):
         g = eng.generate(ids, 6, ignore_eos=True)
     assert g.ids == eager.ids and g.timings.extra["decode_path"] == "eager"
