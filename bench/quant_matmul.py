@@ -186,7 +186,7 @@ FIELDS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k", "gem
 def words_grid(k: int) -> list[dict]:
     """The word GEMV's candidates for a launch over ``k`` columns: K tiles that divide K."""
     return [dict(gemv_words=1, gemv_block_n=bn, gemv_block_k=bk, gemv_num_warps=w)
-            for bn in (1, 2, 4, 8) for bk, w in WORDS_TILES if k % bk == 0]
+            for bn in (4, 8, 16, 32) for bk, w in WORDS_TILES if k % bk == 0]
 
 
 def tile_grid(k: int, kind: str = "gemv") -> list[dict]:
