@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.model.attention import apply_rope, norm_rope, rope_cos_sin, sdpa, static_attention
 from engine.model.norm import add_rms_norm, rms_norm
+from engine.model.linear import linear
 
 
 def default_layer_ids(n_target_layers: int, n_features: int) -> tuple[int, ...]:
@@ -160,13 +161,13 @@ class DFlashDraft(nn.Module):
         """
         cfg = self.cfg
         lead = features.shape[:-1]  # [..., C]
-        ctx = rms_norm(F.linear(features.to(self.dtype), self.fc), self.hidden_norm, cfg.rms_eps)
+        ctx = rms_norm(linear(features.to(self.dtype), self.fc), self.hidden_norm, cfg.rms_eps)
         ctx = ctx.reshape(-1, cfg.hidden)
         cos, sin = self._rope(positions.reshape(-1))
         out = []
         for layer in self.layers:
-            k = F.linear(ctx, layer.k).view(-1, cfg.n_head_kv, cfg.head_dim)
-            v = F.linear(ctx, layer.v).view(-1, cfg.n_head_kv, cfg.head_dim)
+            k = linear(ctx, layer.k).view(-1, cfg.n_head_kv, cfg.head_dim)
+            v = linear(ctx, layer.v).view(-1, cfg.n_head_kv, cfg.head_dim)
             k = apply_rope(rms_norm(k, layer.k_norm, cfg.rms_eps), cos, sin)
             shape = (*lead, cfg.n_head_kv, cfg.head_dim)
             out.append((k.view(shape).transpose(-3, -2), v.view(shape).transpose(-3, -2)))
@@ -198,9 +199,9 @@ class DFlashDraft(nn.Module):
         for i, layer in enumerate(self.layers):
             mask = _visibility(positions, key_positions, causal=cfg.causal, window=cfg.window(i), extra=visible)
             a = rms_norm(h, layer.attn_norm, cfg.rms_eps)
-            q = F.linear(a, layer.q).view(R * T, H, D)
-            k = F.linear(a, layer.k).view(R * T, Hkv, D)
-            v = F.linear(a, layer.v).view(R * T, Hkv, D)
+            q = linear(a, layer.q).view(R * T, H, D)
+            k = linear(a, layer.k).view(R * T, Hkv, D)
+            v = linear(a, layer.v).view(R * T, Hkv, D)
             q = apply_rope(rms_norm(q, layer.q_norm, cfg.rms_eps), cos, sin).view(R, T, H, D).transpose(1, 2)
             k = apply_rope(rms_norm(k, layer.k_norm, cfg.rms_eps), cos, sin).view(R, T, Hkv, D).transpose(1, 2)
             ck, cv = context[i]
@@ -215,9 +216,9 @@ class DFlashDraft(nn.Module):
                 gqa = False
             att = sdpa(q, keys, values, attn_mask=None if mask is None else mask[:, None],
                        enable_gqa=gqa)  # [R, H, T, D]
-            h = h + F.linear(att.transpose(1, 2).reshape(R * T, H * D), layer.o)
+            h = h + linear(att.transpose(1, 2).reshape(R * T, H * D), layer.o)
             m = rms_norm(h, layer.ffn_norm, cfg.rms_eps)
-            h = h + F.linear(F.silu(F.linear(m, layer.gate)) * F.linear(m, layer.up), layer.down)
+            h = h + linear(F.silu(linear(m, layer.gate)) * linear(m, layer.up), layer.down)
         return rms_norm(h, self.norm, cfg.rms_eps).view(R, T, cfg.hidden)
 
     def forward_in_cache(self, x: torch.Tensor, positions: torch.Tensor, cache: "DraftCache", slots: torch.Tensor,
@@ -236,15 +237,15 @@ class DFlashDraft(nn.Module):
         h, r = x.to(self.dtype), None
         for i, layer in enumerate(self.layers):
             h, a = add_rms_norm(h, r, layer.attn_norm, cfg.rms_eps)
-            q, k, v = F.linear(a, fused.qkv[i]).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = linear(a, fused.qkv[i]).split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = norm_rope(q.view(T, H, D), layer.q_norm, cos, sin, cfg.rms_eps)
             k = norm_rope(k.view(T, Hkv, D), layer.k_norm, cos, sin, cfg.rms_eps)
             cache.k[i].index_copy_(1, slots, k.transpose(0, 1))
             cache.v[i].index_copy_(1, slots, v.view(T, Hkv, D).transpose(0, 1))
             att = static_attention(q, cache.k[i], cache.v[i], visible, slots)  # [T, H * D]
-            h, m = add_rms_norm(h, F.linear(att, layer.o), layer.ffn_norm, cfg.rms_eps)
-            gate, up = F.linear(m, fused.gate_up[i]).chunk(2, dim=-1)
-            r = F.linear(F.silu(gate) * up, layer.down)
+            h, m = add_rms_norm(h, linear(att, layer.o), layer.ffn_norm, cfg.rms_eps)
+            gate, up = linear(m, fused.gate_up[i]).chunk(2, dim=-1)
+            r = linear(F.silu(gate) * up, layer.down)
         return add_rms_norm(h, r, self.norm, cfg.rms_eps)[1]
 
 

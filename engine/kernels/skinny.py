@@ -1,0 +1,76 @@
+"""Dense float32 projections of a few rows in one Triton launch: ``x @ w.T`` for x [M, K] with
+M from 2 to ``MAX_M`` (a DFlash verify block of spec_len + 1 tokens, a draft block) and w [N, K].
+
+cuBLAS picks its float32 kernel for such calls by heuristics that go badly for some of them: on the
+H200, verifying blocks of 17 tokens with the shipped float32 target spent 48% of its device time in
+one cuBLAS kernel at 29 us a call, for matrices of 256 columns that take a few microseconds to read
+(docs/benchmarks.md, 2026-12-02). Here one program computes a tile of BLOCK_M rows by BLOCK_N
+outputs over the whole of K, products and sums in float32 (``input_precision="ieee"``: no TF32; K is compiled in, a model has few), so
+the result is that of a float32 matmul up to the order of its sums. The torch definition is
+``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.fused import check_device
+
+MAX_M = 32  # rows; longer calls go to cuBLAS, whose large-tile kernels suit them
+MAX_K = 16384
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
+                    other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``skinny_linear`` takes ``x @ w.T``: float32 rows of x (2 to ``MAX_M`` of them, the last
+    dimension contiguous) against a float32 [N, K] weight with contiguous rows, outside autograd."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.dtype == torch.float32 and w.dtype == torch.float32 and w.dim() == 2 and x.shape[-1] == w.shape[1]
+            and 2 <= rows <= MAX_M and w.shape[1] <= MAX_K and x.stride(-1) == 1 and w.stride(1) == 1
+            and x.device == w.device
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
+def tiles(m: int, n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for ``m`` rows and ``n`` outputs: one row tile covering the rows
+    (``tl.dot`` wants 16 at least), narrow output tiles where N is small so that the launch has
+    programs enough to spread over the GPU."""
+    block_m = 16 if m <= 16 else 32
+    block_n = 16 if n <= 2048 else 32
+    return block_m, block_n, 64
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` for float32 x [..., K] of 2 to ``MAX_M`` rows and w [N, K] (``applies``):
+    a new contiguous float32 [..., N]."""
+    check_device(x, "skinny_linear")
+    if not applies(x, w):
+        raise ValueError(f"skinny_linear takes 2-{MAX_M} float32 rows against a float32 [N, K] weight with "
+                         f"contiguous rows, K <= {MAX_K}; got x {tuple(x.shape)} {x.dtype}, "
+                         f"w {tuple(w.shape)} {w.dtype}")
+    K, N = w.shape[1], w.shape[0]
+    flat = x.reshape(-1, K)
+    M = flat.shape[0]
+    out = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    bm, bn, bk = tiles(M, N)
+    _skinny_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
+        flat, w, out, M, N, flat.stride(0), w.stride(0), K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return out.view(*x.shape[:-1], N)
