@@ -1,5 +1,5 @@
 """Dense float32 projections of a few rows in one Triton launch: ``x @ w.T`` for x [M, K] with
-M from 2 to ``MAX_M`` (a DFlash verify block of spec_len + 1 tokens, a draft block) and w [N, K].
+M up to ``MAX_M`` (a DFlash verify block of spec_len + 1 tokens, a draft block) and w [N, K].
 
 cuBLAS picks its float32 kernel for such calls by heuristics that go badly for some of them: on the
 H200, verifying blocks of 17 tokens with the shipped float32 target spent 48% of its device time in
@@ -19,6 +19,10 @@ import triton.language as tl
 from engine.kernels.fused import check_device
 
 MAX_M = 32  # rows; longer calls go to cuBLAS, whose large-tile kernels suit them
+# the fewest rows ``engine.model.linear`` sends here: on the H200, blocks of 4-5 rows ran faster through
+# cuBLAS (a draft block of 4: 161 us against 216), blocks of 8-17 through this kernel (a verify block of
+# 17: 543 us against 1,158; docs/benchmarks.md, 2026-12-02)
+MIN_M = 8
 MAX_K = 16384
 
 
@@ -40,11 +44,11 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, K: tl.cons
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``skinny_linear`` takes ``x @ w.T``: float32 rows of x (2 to ``MAX_M`` of them, the last
+    """Whether ``skinny_linear`` takes ``x @ w.T``: float32 rows of x (1 to ``MAX_M`` of them, the last
     dimension contiguous) against a float32 [N, K] weight with contiguous rows, outside autograd."""
     rows = x.numel() // max(x.shape[-1], 1)
     return (x.dtype == torch.float32 and w.dtype == torch.float32 and w.dim() == 2 and x.shape[-1] == w.shape[1]
-            and 2 <= rows <= MAX_M and w.shape[1] <= MAX_K and x.stride(-1) == 1 and w.stride(1) == 1
+            and 1 <= rows <= MAX_M and w.shape[1] <= MAX_K and x.stride(-1) == 1 and w.stride(1) == 1
             and x.device == w.device
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
@@ -59,11 +63,11 @@ def tiles(m: int, n: int) -> tuple[int, int, int]:
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` for float32 x [..., K] of 2 to ``MAX_M`` rows and w [N, K] (``applies``):
+    """``F.linear(x, w)`` for float32 x [..., K] of 1 to ``MAX_M`` rows and w [N, K] (``applies``):
     a new contiguous float32 [..., N]."""
     check_device(x, "skinny_linear")
     if not applies(x, w):
-        raise ValueError(f"skinny_linear takes 2-{MAX_M} float32 rows against a float32 [N, K] weight with "
+        raise ValueError(f"skinny_linear takes 1-{MAX_M} float32 rows against a float32 [N, K] weight with "
                          f"contiguous rows, K <= {MAX_K}; got x {tuple(x.shape)} {x.dtype}, "
                          f"w {tuple(w.shape)} {w.dtype}")
     K, N = w.shape[1], w.shape[0]

@@ -1,6 +1,6 @@
 """Projections whose weight is either a dense tensor or a quantized matrix kept as GGUF blocks.
 
-Dense float32 projections of a few rows on CUDA (DFlash verify and draft blocks) take the one-launch
+Dense float32 projections of 8 to 32 rows on CUDA (DFlash verify and draft blocks) take the one-launch
 kernel of ``engine.kernels.skinny``; everything else ``F.linear``.
 """
 
@@ -29,7 +29,7 @@ def _skinny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         return None
     from engine.kernels import skinny
 
-    if not skinny.applies(x, w):
+    if x.numel() < skinny.MIN_M * x.shape[-1] or not skinny.applies(x, w):
         return None
     return fused.attempt(SKINNY, FUSED_SKINNY, lambda: skinny.skinny_linear(x, w))
 

@@ -31,7 +31,7 @@ def max_rel(out, x, w):
     return ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("m", [2, 3, 16, 17, 32])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32])
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (33, 64), (130, 65), (257, 200)])
 def test_matches_float64_reference(m, n, k):
     x, w = case(m, n, k, seed=m * 1000 + n + k)
@@ -53,13 +53,14 @@ def test_leading_dims_and_strided_rows():
 def test_refuses_what_it_does_not_take():
     x, w = case(4, 8, 16, seed=5)
     assert skinny.applies(x, w)
-    assert not skinny.applies(x[:1], w)  # one row: the decode step's GEMV
+    assert skinny.applies(x[:1], w)
+    assert not skinny.applies(x[:0], w)
     assert not skinny.applies(torch.randn(skinny.MAX_M + 1, 16, device=DEVICE), w)  # prefill: cuBLAS
     assert not skinny.applies(x.bfloat16(), w.bfloat16())
     assert not skinny.applies(x, w.t().contiguous().t())  # weight columns not contiguous
     assert not skinny.applies(x, w.requires_grad_(True))  # autograd: draft training
     with pytest.raises(ValueError, match="skinny_linear takes"):
-        skinny.skinny_linear(x[:1], w.detach())
+        skinny.skinny_linear(x[:0], w.detach())
 
 
 def test_linear_dispatch(monkeypatch):
@@ -77,8 +78,10 @@ def test_linear_dispatch(monkeypatch):
     assert calls == [1]
     assert (on - off).abs().max().item() <= 1e-5 * off.abs().max().item()
     monkeypatch.setattr(linear_mod, "FUSED_SKINNY", True)
-    linear_mod.linear(x[:1], w)  # one row: F.linear
+    linear_mod.linear(x[:skinny.MIN_M - 1], w)  # fewer rows (the decode step's one, DFlash blocks of 4): F.linear
     assert calls == [1]
+    linear_mod.linear(x[:skinny.MIN_M], w)
+    assert calls == [1, 1]
 
 
 @pytest.mark.gpu
