@@ -66,7 +66,9 @@ class QuantKernelConfig:
 
     ``gemv_words`` 1 takes ``engine.kernels.quant.words`` for one token over Q4_0 in the split layout on
     CUDA, with ``gemv_block_n`` rows and ``gemv_block_k`` columns a program and ``gemv_num_warps`` warps
-    (the K tile holding at least 32 blocks a warp; other tiles keep the block kernel).
+    (the K tile holding at least 32 blocks a warp; other tiles keep the block kernel); in the experts'
+    gate/up launch (kind ``moe_gate_up``) it takes the word layout for every pair of a decode or verify
+    block.
 
     ``gemv_pair_split`` 1 gives the experts' down launch a program per pair (the shared expert one
     more) and row block rather than per token and row block: each stores its pair's weighted rows
@@ -912,7 +914,15 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     # launch that follows it on the stream
     sgate = torch.empty(T, dtype=torch.float32, device=x.device) if shared is not None else w
     bn, bk = c_up.gemv_block_n, c_up.gemv_block_k
-    if c_up.gemv_rows_warps >= 2 and rows.rows_fit(gate.qtype, gate.layout):
+    words_up = False
+    if c_up.gemv_words and x.is_cuda:
+        from engine.kernels.quant import words
+
+        words_up = words.experts_fit(gate, up, bk, c_up.gemv_num_warps)
+    if words_up:
+        words.moe_gate_up_words(x, gate, up, ids, act, n_routed, top_k,
+                                (s_gu, gate_inp, sgate) if shared is not None else None, bn, bk, c_up.gemv_num_warps)
+    elif c_up.gemv_rows_warps >= 2 and rows.rows_fit(gate.qtype, gate.layout):
         rows.moe_gate_up_rows(x, gate, up, ids, act, n_routed, top_k,
                               (s_gu, gate_inp, sgate) if shared is not None else None, c_up.gemv_rows_warps,
                               c_up.gemv_rows_unroll)

@@ -35,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from engine.kernels.pdl import launch
-from engine.kernels.quant.reference import QuantMatrix
+from engine.kernels.quant.reference import QuantExperts, QuantMatrix
 
 LANES = 32
 
@@ -72,11 +72,11 @@ def _code_pair(v):
 
 
 @gluon.jit
-def _tile(acc, x_ptr, w_words, w_bytes, row_w, row_b, k0, N_BLOCKS: gl.constexpr, NB: gl.constexpr,
-          SPLIT_AT: gl.constexpr, L: gl.constexpr, PDL: gl.constexpr, FIRST: gl.constexpr):
-    """``acc`` [BN, NB] plus the blocks ``k0 // 32 ..`` of the rows (word offsets ``row_w``, byte offsets
-    ``row_b``, [BN]) dotted with x, each scaled. ``FIRST``: the weights are loaded before the wait for the
-    kernel before (``engine.kernels.pdl``), x after it."""
+def _tile_words(w_words, w_bytes, row_w, row_b, k0, N_BLOCKS: gl.constexpr, NB: gl.constexpr, SPLIT_AT: gl.constexpr,
+                L: gl.constexpr):
+    """The blocks ``k0 // 32 ..`` of the rows at word offsets ``row_w`` and byte offsets ``row_b`` ([BN]): their
+    words [BN, NB, 4] and their scales [BN, NB] in float32, zero for blocks past K (those read the last
+    block, in bounds)."""
     L_bw: gl.constexpr = gl.SliceLayout(0, L)  # [NB, 4]: a block's words
     L_nb: gl.constexpr = gl.SliceLayout(2, L)  # [BN, NB]: a row's blocks
     kb = gl.minimum(k0 // 32 + gl.arange(0, NB, layout=gl.SliceLayout(1, L_bw)), N_BLOCKS - 1)  # in bounds
@@ -86,9 +86,16 @@ def _tile(acc, x_ptr, w_words, w_bytes, row_w, row_b, k0, N_BLOCKS: gl.constexpr
     kb_d = k0 // 32 + gl.arange(0, NB, layout=gl.SliceLayout(0, L_nb))
     p_d = w_bytes + gl.expand_dims(row_b, 1) + SPLIT_AT + gl.expand_dims(gl.minimum(kb_d, N_BLOCKS - 1) * 2, 0)
     d = gl.load(p_d.to(gl.pointer_type(gl.float16))).to(gl.float32)
-    d = gl.where(gl.expand_dims(kb_d < N_BLOCKS, 0), d, 0.0)  # blocks past K count zero
-    if FIRST:
-        _wait_previous(PDL)
+    return w, gl.where(gl.expand_dims(kb_d < N_BLOCKS, 0), d, 0.0)
+
+
+@gluon.jit
+def _tile_dot(acc, w, d, x_ptr, k0, N_BLOCKS: gl.constexpr, NB: gl.constexpr, L: gl.constexpr):
+    """``acc`` [BN, NB] plus the tile's blocks (``_tile_words``' w and d) dotted with x at ``x_ptr``, each
+    block's products summed in float32 and scaled."""
+    L_bw: gl.constexpr = gl.SliceLayout(0, L)
+    kb = gl.minimum(k0 // 32 + gl.arange(0, NB, layout=gl.SliceLayout(1, L_bw)), N_BLOCKS - 1)
+    o_j = gl.arange(0, 4, layout=gl.SliceLayout(0, L_bw))
     col = gl.expand_dims(kb * 32, 1) + gl.expand_dims(o_j * 4, 0)  # [NB, 4]: column of word j's first code
     s = gl.zeros(w.shape, gl.float32, layout=L)
     for i in gl.static_range(4):  # shift 4i: columns (0, 2), (16, 18), (1, 3), (17, 19) past word j's first
@@ -99,6 +106,18 @@ def _tile(acc, x_ptr, w_words, w_bytes, row_w, row_b, k0, N_BLOCKS: gl.constexpr
         s = gl.fma(a, gl.expand_dims(x_a, 0), s)
         s = gl.fma(b, gl.expand_dims(x_b, 0), s)
     return acc + d * gl.sum(s, axis=2)
+
+
+@gluon.jit
+def _tile(acc, x_ptr, w_words, w_bytes, row_w, row_b, k0, N_BLOCKS: gl.constexpr, NB: gl.constexpr,
+          SPLIT_AT: gl.constexpr, L: gl.constexpr, PDL: gl.constexpr, FIRST: gl.constexpr):
+    """``acc`` [BN, NB] plus the blocks ``k0 // 32 ..`` of the rows (word offsets ``row_w``, byte offsets
+    ``row_b``, [BN]) dotted with x, each scaled. ``FIRST``: the weights are loaded before the wait for the
+    kernel before (``engine.kernels.pdl``), x after it."""
+    w, d = _tile_words(w_words, w_bytes, row_w, row_b, k0, N_BLOCKS, NB, SPLIT_AT, L)
+    if FIRST:
+        _wait_previous(PDL)
+    return _tile_dot(acc, w, d, x_ptr, k0, N_BLOCKS, NB, L)
 
 
 @gluon.jit
@@ -148,3 +167,109 @@ def gemv_words(x: torch.Tensor, qm: QuantMatrix, block_n: int, block_k: int, war
         x, qm.raw, out, qm.n, qm.raw.stride(0), K=qm.k, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_AT=qm.split_at,
         WARPS=warps, PDL=pdl["PDL"], num_warps=warps, launch_pdl=pdl["launch_pdl"])
     return out
+
+
+@gluon.jit
+def _store_shared_gate(p_x, gi_ptr, p_gate, K: gl.constexpr, BLOCK_H: gl.constexpr, WARPS: gl.constexpr):
+    """``sigmoid(x . gate_inp)`` in float32 at ``p_gate``, x the ``K`` values at ``p_x``: a token's shared-expert
+    gate, for the down launch (as ``engine.kernels.quant.rows.store_shared_gate``)."""
+    L1: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_H // (32 * WARPS)], threads_per_warp=[32],
+                                        warps_per_cta=[WARPS], order=[0])
+    h = gl.arange(0, BLOCK_H, layout=L1)
+    xv = gl.load(p_x + h, mask=h < K, other=0.0).to(gl.float32)
+    gi = gl.load(gi_ptr + h, mask=h < K, other=0.0).to(gl.float32)
+    gl.store(p_gate, 1.0 / (1.0 + gl.exp(-gl.sum(xv * gi, axis=0))))
+
+
+@gluon.jit
+def _moe_gate_up_words_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi_ptr, sgate_ptr, FFN, N_ROUTED,
+                              stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap, stride_sgu,
+                              K: gl.constexpr, TOP_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                              SPLIT_AT: gl.constexpr, HAS_SHARED: gl.constexpr, BLOCK_H: gl.constexpr,
+                              WARPS: gl.constexpr, PDL: gl.constexpr):
+    """Pair ``p``, rows ``BLOCK_N`` of its expert's gate and up: ``act[p] = silu(gate x) * up x`` in float32,
+    stored in act's dtype (zero for id -1), as ``engine.kernels.quant.triton._moe_gate_up_kernel`` computes
+    it: pairs below ``N_ROUTED`` are routed (token ``p // TOP_K``); with ``HAS_SHARED`` pair ``N_ROUTED + t``
+    is token t's shared expert (gate rows the first ``FFN`` of ``sgu``, up rows the next), whose first
+    row block also stores ``sgate[t]``. Which expert a pair reads comes from the router's launch, so the
+    wait for the kernel before comes first."""
+    _launch_next(PDL)
+    _wait_previous(PDL)
+    NB: gl.constexpr = BLOCK_K // 32
+    N_BLOCKS: gl.constexpr = K // 32
+    L: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_N, 1, 4], threads_per_warp=[1, 32, 1],
+                                       warps_per_cta=[1, WARPS, 1], order=[2, 1, 0])
+    L_nb: gl.constexpr = gl.SliceLayout(2, L)
+    p = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    shared = p >= N_ROUTED
+    e = gl.load(ids_ptr + gl.minimum(p, N_ROUTED - 1))
+    live = (e >= 0) | shared
+    e = gl.maximum(e, 0).to(gl.int64)
+    tok = gl.where(shared, p - N_ROUTED, p // TOP_K)
+    o_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_nb))
+    row = gl.minimum(o_n, FFN - 1).to(gl.int64)  # rows past FFN read the last row; their sums are not stored
+    p_x = x_ptr + tok * stride_xt
+    g_base = g_ptr + e * stride_ge
+    u_base = u_ptr + e * stride_ue
+    r_g = row * stride_gn
+    r_u = row * stride_un
+    if HAS_SHARED:
+        if shared:
+            g_base = sgu_ptr
+            u_base = sgu_ptr
+            r_g = row * stride_sgu
+            r_u = (row + FFN) * stride_sgu
+            if pid_n == 0:
+                _store_shared_gate(p_x, gi_ptr, sgate_ptr + tok, K, BLOCK_H, WARPS)
+    g_words = g_base.to(gl.pointer_type(gl.int32))
+    u_words = u_base.to(gl.pointer_type(gl.int32))
+    acc_g = gl.zeros([BLOCK_N, NB], gl.float32, layout=L_nb)
+    acc_u = gl.zeros([BLOCK_N, NB], gl.float32, layout=L_nb)
+    if live:  # a pair routed nowhere reads nothing and stores zeros
+        for k0 in range(0, K, BLOCK_K):
+            w_g, d_g = _tile_words(g_words, g_base, r_g // 4, r_g, k0, N_BLOCKS, NB, SPLIT_AT, L)
+            w_u, d_u = _tile_words(u_words, u_base, r_u // 4, r_u, k0, N_BLOCKS, NB, SPLIT_AT, L)
+            acc_g = _tile_dot(acc_g, w_g, d_g, p_x, k0, N_BLOCKS, NB, L)
+            acc_u = _tile_dot(acc_u, w_u, d_u, p_x, k0, N_BLOCKS, NB, L)
+    g = gl.sum(acc_g, axis=1)
+    act = g / (1.0 + gl.exp(-g)) * gl.sum(acc_u, axis=1)
+    gl.store(act_ptr + p * stride_ap + o_n, act.to(act_ptr.dtype.element_ty), mask=o_n < FFN)
+
+
+def experts_fit(gate: QuantExperts, up: QuantExperts, block_k: int, warps: int) -> bool:
+    """Whether ``moe_gate_up_words`` reads these experts with K tiles of ``block_k`` columns and ``warps`` warps:
+    what ``fits`` asks of a matrix, of every expert's rows and of the experts' strides."""
+    return all(qe.qtype == Q.Q4_0 and qe.layout == "split" and qe.raw.stride(0) % 16 == 0
+               and qe.raw.stride(1) % 16 == 0 for qe in (gate, up)) and (
+        gate.k % block_k == 0 and block_k % (32 * LANES * warps) == 0)
+
+
+def moe_gate_up_words(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, ids: torch.Tensor, act: torch.Tensor,
+                      n_routed: int, top_k: int, shared: tuple[QuantMatrix, torch.Tensor, torch.Tensor] | None,
+                      block_n: int, block_k: int, warps: int) -> None:
+    """The experts' gate/up launch of ``engine.kernels.quant.triton.quantized_moe_triton`` with the word
+    layout: ``act`` [pairs, ffn] gets ``silu(gate x) * up x`` per pair (routed pairs first, then each
+    token's shared expert when ``shared`` = (gate and up merged [2 ffn, K], gate_inp [K] float32, sgate [T]
+    float32, which the first row block of each shared pair fills)). ``experts_fit`` must hold; tiles are
+    powers of two."""
+    for name, v in (("block_n", block_n), ("block_k", block_k), ("warps", warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"moe_gate_up_words' {name} must be a power of two, got {v}")
+    if not experts_fit(gate, up, block_k, warps):
+        raise ValueError(f"moe_gate_up_words reads Q4_0 experts in the split layout, rows and experts 16-byte "
+                         f"aligned, K a multiple of the tile, one block a lane or more: got {gate.qtype.name} in "
+                         f"{gate.layout}, K {gate.k}, {block_k} columns over {warps} warps")
+    s_gu, gate_inp, sgate = shared if shared is not None else (None, ids, ids)  # unread without one
+    if s_gu is not None and (s_gu.qtype != Q.Q4_0 or s_gu.layout != "split" or s_gu.raw.stride(0) % 16
+                             or s_gu.split_at != gate.split_at):
+        raise ValueError(f"the shared expert's gate/up ({s_gu.qtype.name}, {s_gu.layout}) is not read as the "
+                         f"routed experts are")
+    pdl = launch(x.device, x.shape[0], "experts")
+    _moe_gate_up_words_kernel[(act.shape[0], triton.cdiv(gate.n, block_n))](
+        x, gate.raw, up.raw, ids, act, s_gu.raw if s_gu is not None else gate.raw, gate_inp, sgate, gate.n,
+        n_routed, x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1),
+        act.stride(0), s_gu.raw.stride(0) if s_gu is not None else 0, K=gate.k, TOP_K=top_k, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_AT=gate.split_at, HAS_SHARED=s_gu is not None,
+        BLOCK_H=triton.next_power_of_2(gate.k), WARPS=warps, PDL=pdl["PDL"], num_warps=warps,
+        launch_pdl=pdl["launch_pdl"])

@@ -628,6 +628,58 @@ def test_cuda_shared_expert_rides_in_the_routed_launches_real_shapes(T):
         assert torch.equal(a, b) and rel_err(b, ref) < 1e-4
 
 
+def test_word_gate_up_refuses_what_it_cannot_read():
+    """The experts' word gate/up launch checks before it launches (so anywhere): Q4_0 experts in the split
+    layout, a block for every lane, powers of two, a shared expert read as the routed ones are; where it
+    does not apply (here: the CPU) ``quantized_moe_triton`` keeps the block kernel."""
+    words = pytest.importorskip("engine.kernels.quant.words")
+    stack, shared, x, ids, w, ref = _moe_with_shared_case(Q.Q4_0, "split", 2, 5, 3, 1024, 64, seed=4)
+    gate, up = stack[0], stack[1]
+    act = torch.empty(8, 64)
+    assert words.experts_fit(gate, up, 1024, 1) and not words.experts_fit(gate, up, 1024, 2)
+    assert not words.experts_fit(gate.with_layout("ggml"), up.with_layout("ggml"), 1024, 1)
+    with pytest.raises(ValueError, match="one block a lane"):
+        words.moe_gate_up_words(x, gate, up, ids, act, 6, 3, None, 4, 1024, 2)
+    with pytest.raises(ValueError, match="power of two"):
+        words.moe_gate_up_words(x, gate, up, ids, act, 6, 3, None, 3, 1024, 1)
+    q8 = _moe_with_shared_case(Q.Q8_0, "split", 2, 5, 3, 1024, 64, seed=4)[0]
+    assert not words.experts_fit(q8[0], q8[1], 1024, 1)
+    s_gu = shared[0].with_layout("ggml")
+    with pytest.raises(ValueError, match="shared expert"):
+        words.moe_gate_up_words(x, gate, up, ids, act, 6, 3, (s_gu, shared[2], torch.empty(2)), 4, 1024, 1)
+    config = tq.QuantKernelConfig(gemv_words=1, gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1)
+    assert rel_err(tq.quantized_moe_triton(x, *stack, ids, w, config, shared=shared), ref) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("block_n,block_k,warps", [(8, 2048, 2), (4, 1024, 1), (16, 2048, 2)])
+def test_cuda_word_gate_up_real_shapes(T, block_n, block_k, warps, monkeypatch):
+    """The experts' gate/up launch in the word layout (``engine.kernels.quant.words``) at the 35B expert
+    shapes (hidden 2048, ffn 512, 8 of 16 experts, a pair routed nowhere, the shared expert riding along),
+    Q4_0 in the split layout: the reference's result for float32 and bf16 x, the block kernel's within
+    float32 rounding, the same bits on every call, and the word launch really taken."""
+    from engine.kernels.quant import words
+
+    stack, shared, x, ids, w, ref = _moe_with_shared_case(Q.Q4_0, "split", T, 16, 8, 2048, 512, seed=T,
+                                                          device="cuda")
+    down = tq.QuantKernelConfig(gemv_block_n=16, gemv_block_k=512, gemv_split_k=1, gemv_pair_split=1)
+    config = tq.QuantKernelConfig(gemv_words=1, gemv_block_n=block_n, gemv_block_k=block_k, gemv_num_warps=warps)
+    calls = []
+    real = words.moe_gate_up_words
+    monkeypatch.setattr(words, "moe_gate_up_words", lambda *a: calls.append(1) or real(*a))
+    out = tq.quantized_moe_triton(x, *stack, ids, w, config, down, shared=shared)
+    assert calls == [1] and rel_err(out, ref) < 1e-4
+    assert torch.equal(tq.quantized_moe_triton(x, *stack, ids, w, config, down, shared=shared), out)
+    blocks = tq.quantized_moe_triton(x, *stack, ids, w, tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=512),
+                                     down, shared=shared)
+    assert rel_err(out, blocks) < 1e-5
+    assert rel_err(tq.quantized_moe_triton(x.bfloat16(), *stack, ids, w, config, down, shared=shared), ref) < 2e-2
+    no_shared = tq.quantized_moe_triton(x, *stack, ids, w, config, down)
+    assert rel_err(no_shared, tq.quantized_moe_triton(x, *stack, ids, w, tq.QuantKernelConfig(), down)) < 1e-5
+
+
 @pytest.mark.parametrize("layout", ["ggml", "split"])
 def test_long_half_precision_calls_dequantize_once_then_multiply_densely(layout, monkeypatch):
     """From ``dequant_min_m`` rows of a bf16 x the weight is dequantized once and multiplied by
