@@ -111,21 +111,36 @@ class DraftStep:
     @torch.inference_mode()
     def extend(self, start: int, keep: int) -> bool:
         """Count the first ``keep`` rows of ``context`` (the verify block that began at position
-        ``start``) into the cache. False, with the cache untouched, where the step has no
-        ``context`` or the whole block's rows would not fit: then extend the cache eagerly."""
-        cache = self.cache
-        if self.context is None or cache.length + self.tokens > cache.max_len:
+        ``start``) into the cache: ``write_block`` then ``count``. False, with the cache untouched,
+        where the step has no ``context`` or the whole block's rows would not fit: then extend the
+        cache eagerly."""
+        if not self.write_block(start):
             return False
-        if not 1 <= keep <= self.tokens:
-            raise ValueError(f"keep must be 1..{self.tokens}, got {keep}")
-        self.length.fill_(cache.length)
+        self.count(keep)
+        return True
+
+    @torch.inference_mode()
+    def write_block(self, start: int) -> bool:
+        """Write every row of ``context`` (the verify block that began at position ``start``) at the
+        cache's slots from its length, without counting any in. It needs neither the acceptance nor
+        a host sync, so the speculative loop launches it before it waits for the acceptance. False,
+        writing nothing, where the step has no ``context`` or the block's rows would not fit."""
+        if self.context is None or self.cache.length + self.tokens > self.cache.max_len:
+            return False
+        self.length.fill_(self.cache.length)
         self._context_start.fill_(start)
         if self.extend_graph is not None:
             self.extend_graph.replay()
         else:
             self._run_extend()
-        cache.length += keep
         return True
+
+    def count(self, keep: int) -> None:
+        """Count the first ``keep`` rows that ``write_block`` wrote into the cache; the rows past them
+        are masked out and overwritten by the next block."""
+        if not 1 <= keep <= self.tokens:
+            raise ValueError(f"keep must be 1..{self.tokens}, got {keep}")
+        self.cache.length += keep
 
     def _run_extend(self) -> None:
         features = torch.cat([self.context[i] for i in self.draft.cfg.target_layer_ids], dim=-1)

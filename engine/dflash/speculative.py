@@ -344,11 +344,17 @@ class _Generation:
         choice = sample(logits, self.params, self.gen)  # [n]: the target's token after each prefix
         agree = (drafted == choice[:-1]).long().cumprod(0).sum()
         c2 = self.clock.mark()
-        row = torch.cat([agree.view(1), choice, drafted]).tolist()  # the host sync of this step
+        row = torch.cat([agree.view(1), choice, drafted])
+        # the draft cache's extension reads the block's context rows and the cache length only: it goes
+        # to the device before the host waits for the acceptance, and only the count waits
+        written = fixed and self.draft_step.write_block(start)
+        row = row.tolist()  # the host sync of this step
         accepted = row[0]
         keep = accepted + 1  # the token that opened the block and the accepted drafts
         rollback(keep)
-        if not (fixed and self.draft_step.extend(start, keep)):
+        if written:
+            self.draft_step.count(keep)
+        else:
             self._extend_context(hidden, keep, start)
         c3 = self.clock.mark()
         self.clock.add("draft", c0, c1)

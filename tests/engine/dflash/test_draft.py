@@ -176,8 +176,8 @@ def test_fixed_shape_draft_step_proposes_the_eager_block(overrides, tokens):
 
 
 def test_fixed_shape_context_extension_counts_only_the_kept_rows():
-    """``DraftStep.extend`` writes every row of the verify block's context buffers at slots from
-    the cache length and counts the kept ones in: the cache's rows, positions and proposals then
+    """``DraftStep.write_block`` writes every row of the verify block's context buffers at slots from
+    the cache length (before the acceptance is known) and ``count`` counts the kept ones in: the cache's rows, positions and proposals then
     equal an eager ``DraftCache.extend`` of the kept rows alone, block after block."""
     from engine.dflash.draft_step import DraftStep
 
@@ -191,7 +191,11 @@ def test_fixed_shape_context_extension_counts_only_the_kept_rows():
     for keep in (4, 1, 3, 2):  # 10 rows kept; each block writes all 4
         for buf in context.values():
             buf.copy_(torch.randn(tokens, 32, generator=gen))
-        assert step.extend(start, keep)
+        before = fixed.length
+        assert step.write_block(start) and fixed.length == before  # written, nothing counted yet
+        with pytest.raises(ValueError, match="keep must be 1..4"):
+            step.count(tokens + 1)
+        step.count(keep)
         features = torch.cat([context[1], context[3]], dim=-1)[:keep]
         eager.extend(draft, features, torch.arange(start, start + keep))
         start += keep
