@@ -344,7 +344,6 @@ def test_grouped_moe_reads_split_rows_in_whole_blocks(qtype, block_k, hidden, ff
     two products) and give the per-weight path's result, and the reference's; rows past an expert's
     last (45 of 64 in a tile), padded pairs, unrouted pairs and blocks past the last expert's included."""
     from engine.hybrid import quantized_moe
-    from engine.kernels.quant.reference import split_rows
 
     E, k, T = 5, 3, 23
     rng = np.random.default_rng(11)
