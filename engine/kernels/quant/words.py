@@ -71,6 +71,14 @@ def _code_pair(v):
         constraints="=r,=r,r", args=[v], dtype=(gl.float32, gl.float32), is_pure=True, pack=1)
 
 
+@gluon.constexpr_function
+def _word_layout(block_n, warps):
+    """[rows, blocks, words]: a lane holds one block's four words for all ``block_n`` rows, the 32 lanes of
+    a warp and the ``warps`` warps lie along the blocks."""
+    return gl.BlockedLayout(size_per_thread=[block_n, 1, 4], threads_per_warp=[1, 32, 1],
+                            warps_per_cta=[1, warps, 1], order=[2, 1, 0])
+
+
 @gluon.jit
 def _tile_words(w_words, w_bytes, row_w, row_b, k0, N_BLOCKS: gl.constexpr, NB: gl.constexpr, SPLIT_AT: gl.constexpr,
                 L: gl.constexpr):
@@ -126,8 +134,7 @@ def _gemv_words_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn, K: gl.constexpr, BLO
     _launch_next(PDL)
     NB: gl.constexpr = BLOCK_K // 32
     N_BLOCKS: gl.constexpr = K // 32
-    L: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_N, 1, 4], threads_per_warp=[1, 32, 1],
-                                       warps_per_cta=[1, WARPS, 1], order=[2, 1, 0])
+    L: gl.constexpr = _word_layout(BLOCK_N, WARPS)
     L_nb: gl.constexpr = gl.SliceLayout(2, L)
     o_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_nb))
     row = gl.minimum(o_n, N - 1).to(gl.int64)  # rows past N read the last row; their sums are not stored
@@ -197,8 +204,7 @@ def _moe_gate_up_words_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi
     _wait_previous(PDL)
     NB: gl.constexpr = BLOCK_K // 32
     N_BLOCKS: gl.constexpr = K // 32
-    L: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_N, 1, 4], threads_per_warp=[1, 32, 1],
-                                       warps_per_cta=[1, WARPS, 1], order=[2, 1, 0])
+    L: gl.constexpr = _word_layout(BLOCK_N, WARPS)
     L_nb: gl.constexpr = gl.SliceLayout(2, L)
     p = gl.program_id(0)
     pid_n = gl.program_id(1)
