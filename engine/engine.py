@@ -412,27 +412,29 @@ class Engine:
                     state = self.model.new_state(len(ids) + max_new_tokens)
                 last_logits = self.model.forward(prompt, state, logits="last").logits[-1]
         token = sample(last_logits, params, gen)
-        new = [int(token)]  # the one host synchronisation point per token
+        new = [int(token)]  # the first token: read at once (time to first token)
         t1 = time.perf_counter()
         stream = _TextStream(self.tokenizer, on_token)
         stream.push(new[-1])
         reason = self._stop_reason(new, stream.text, eos, stop)
         last = t1
-        while reason is None and len(new) < max_new_tokens:
+        # Each step is launched before the token of the step before is read back: the device never
+        # waits on the host's reading, streaming and stop checks. A generation that stops at an
+        # end-of-sequence token or a stop string has launched one step more, whose token is dropped.
+        reader = _TokenReader(self.device)
+        pending = None  # the slot of a token launched and not yet read
+        while reason is None and len(new) + (pending is not None) < max_new_tokens:
             if decoder is not None:
                 logits = decoder.step(token.reshape(1))[-1]
             else:
                 logits = self.model.forward(token.reshape(1), state, logits="last").logits[-1]
             token = sample(logits, params, gen)
-            new.append(int(token))
-            now = time.perf_counter()
-            if now - last > self.stall_timeout_s:
-                raise GenerationStalled(
-                    f"generation made no progress for {now - last:.0f} s "
-                    f"(limit {self.stall_timeout_s:.0f} s) at token {len(new)}")
-            last = now
-            stream.push(new[-1])
-            reason = self._stop_reason(new, stream.text, eos, stop)
+            slot = reader.put(token)
+            if pending is not None:
+                reason, last = self._take(reader.get(pending), new, stream, eos, stop, last)
+            pending = slot
+        if reason is None and pending is not None:
+            reason, last = self._take(reader.get(pending), new, stream, eos, stop, last)
         t2 = time.perf_counter()
 
         text = self.tokenizer.decode(new)
@@ -446,6 +448,19 @@ class Engine:
         if self.hybrid is not None:
             timings.extra.update(self.hybrid.stats_snapshot().as_dict())
         return Generation(ids=new, text=text, timings=timings, stop_reason=reason or "length")
+
+    def _take(self, token: int, new: list[int], stream: "_TextStream", eos: set[int], stop: list[str],
+              last: float) -> tuple[str | None, float]:
+        """Append a token read back from the device, stream it and check for a stop: (the stop reason or
+        None, the time of this progress). A generation that made no progress for ``stall_timeout_s``
+        raises ``GenerationStalled``."""
+        new.append(token)
+        now = time.perf_counter()
+        if now - last > self.stall_timeout_s:
+            raise GenerationStalled(f"generation made no progress for {now - last:.0f} s "
+                                    f"(limit {self.stall_timeout_s:.0f} s) at token {len(new)}")
+        stream.push(token)
+        return self._stop_reason(new, stream.text, eos, stop), now
 
     def decode_graph_blocker(self) -> str | None:
         """Why plain decoding runs eagerly, or None when it uses the static decode step
@@ -594,6 +609,30 @@ class _TextStream:
             self.text += piece
         if self.on_token is not None:
             self.on_token(token, piece)
+
+
+class _TokenReader:
+    """Sampled token ids copied to the host without waiting: ``put`` queues the copy of a device token into
+    one of two pinned buffers (on CUDA) and returns its slot, ``get`` waits for that copy alone and reads
+    it. Two slots: a decode loop reads each token after it has queued the next step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.bufs = [torch.empty((), dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.next = 0
+
+    def put(self, token: torch.Tensor) -> int:
+        slot, self.next = self.next, 1 - self.next
+        self.bufs[slot].copy_(token.reshape(()), non_blocking=self.cuda)
+        if self.cuda:
+            self.events[slot].record()
+        return slot
+
+    def get(self, slot: int) -> int:
+        if self.cuda:
+            self.events[slot].synchronize()
+        return int(self.bufs[slot])
 
 
 def _cut_at_stop(text: str, stop: list[str]) -> str:

@@ -82,6 +82,30 @@ def test_stop_string_cuts_text(eng):
     assert free.text.startswith(g.text)
 
 
+def test_stop_at_end_of_sequence_drops_the_step_launched_ahead(eng, monkeypatch):
+    """Decoding launches each step before it reads the token of the step before: a generation that stops
+    at an end-of-sequence token returns the tokens up to it, as many as were streamed, and no more,
+    although one step more ran."""
+    ids = eng.tokenizer.encode("import os\n")
+    free = eng.generate(ids, 12, ignore_eos=True).ids
+    at = 5
+    monkeypatch.setattr(type(eng.tokenizer), "eos_ids", property(lambda self: [free[at]]))
+    first = free.index(free[at])
+    streamed = []
+    g = eng.generate(ids, 12, on_token=lambda tok, piece: streamed.append(tok))
+    assert g.stop_reason == "eos" and g.ids == free[:first + 1] == streamed
+
+
+def test_token_reader_returns_each_slot_it_was_given():
+    from engine.engine import _TokenReader
+
+    reader = _TokenReader(torch.device("cpu"))
+    a = reader.put(torch.tensor(7))
+    b = reader.put(torch.tensor([9]))
+    assert a != b and reader.get(a) == 7 and reader.get(b) == 9
+    assert reader.put(torch.tensor(3)) == a and reader.get(a) == 3
+
+
 def test_timings_are_measured(eng):
     g = eng.generate(eng.tokenizer.encode("timing"), 8, ignore_eos=True)
     t = g.timings
