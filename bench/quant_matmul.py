@@ -183,8 +183,15 @@ FIELDS = ("gemv_block_n", "gemv_block_k", "gemv_num_warps", "gemv_split_k", "gem
           "gemv_pair_split", "gemv_words")
 
 
-def words_grid(k: int) -> list[dict]:
-    """The word GEMV's candidates for a launch over ``k`` columns: K tiles that divide K."""
+def words_grid(k: int, kind: str = "gemv") -> list[dict]:
+    """The word kernels' candidates for a launch over ``k`` columns: K tiles that divide K (the GEMV and the
+    experts' gate/up), or output rows a program that fill the lane groups (the experts' down, K in one
+    tile: 32 // (k // 32) lanes groups a warp)."""
+    if kind == "moe_down":
+        nb = k // 32
+        groups = 32 // nb if k % 32 == 0 and 2 <= nb <= 32 and nb & (nb - 1) == 0 else 0
+        return [dict(gemv_words=1, gemv_block_n=r, gemv_num_warps=w)
+                for r in (2, 4, 8, 16) for w in (1, 2, 4) if groups and r % (groups * w) == 0]
     return [dict(gemv_words=1, gemv_block_n=bn, gemv_block_k=bk, gemv_num_warps=w)
             for bn in (4, 8, 16, 32) for bk, w in WORDS_TILES if k % bk == 0]
 
@@ -279,12 +286,12 @@ def sweep(args, rng) -> None:
                     except Exception as exc:  # noqa: BLE001 - as above
                         if not tiles.get("gemv_words"):
                             raise
-                        print(f"    {label} {tiles}: the word gate/up launch failed ({exc!r:.300}); skipped",
+                        print(f"    {label} {tiles}: the word launch failed ({exc!r:.300}); skipped",
                               flush=True)
                         return float("inf")
                 err = rel_err(out, ref)
                 if not err < 2e-2 and tiles.get("gemv_words"):  # a candidate kernel: reported, never picked
-                    print(f"    {label} {tiles}: the word GEMV differs from the reference by {err:.2e}; skipped",
+                    print(f"    {label} {tiles}: the word kernel differs from the reference by {err:.2e}; skipped",
                           flush=True)
                     return float("inf")
                 if not err < 2e-2:
@@ -305,10 +312,10 @@ def sweep(args, rng) -> None:
                 to the launch's K), then warps and no-split variants of its best; the row kernels' grid,
                 then (GEMV) K-split variants of its best (each as ``--grid`` says): (ms, tiles)."""
                 results = [(time_of({}), {}), (time_of(current(kind_, n_, k_)), current(kind_, n_, k_))]
-                words_on = args.grid in ("words", "all") and kind_ in ("gemv", "moe_gate_up") and qtype == Q.Q4_0
+                words_on = args.grid in ("words", "all") and qtype == Q.Q4_0
                 blocks_on = args.grid in ("blocks", "both", "all")
                 for on, grid, variants in ((blocks_on, tile_grid(k_, kind_), TILE_VARIANTS),
-                                           (words_on, words_grid(k_), []),
+                                           (words_on, words_grid(k_, kind_), []),
                                            (args.grid in ("rows", "both", "all"), ROWS_GRID[kind_],
                                             ROWS_VARIANTS if kind_ == "gemv" else [])):
                     if not on:

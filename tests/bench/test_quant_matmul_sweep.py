@@ -54,4 +54,11 @@ def test_the_word_gemv_is_swept_where_it_reads_the_weights(quant_matmul):
             rows = SimpleNamespace(stride=lambda _: k // 32 * 18)  # a split-layout row's bytes
             fake = SimpleNamespace(qtype=Q.Q4_0, layout="split", raw=rows, k=k)
             assert c.gemv_words == 1 and words.fits(fake, c.gemv_block_k, c.gemv_num_warps), tiles
+    for tiles in qm.words_grid(512, "moe_down"):  # the experts' down: K in one tile, rows filling lane groups
+        c = QuantKernelConfig(**tiles)
+        rows = SimpleNamespace(stride=lambda _: 512 // 32 * 18)
+        fake = SimpleNamespace(qtype=Q.Q4_0, layout="split", raw=rows, k=512)
+        assert c.gemv_words == 1 and words.down_fits(fake, c.gemv_block_n, c.gemv_num_warps), tiles
+    assert {t["gemv_block_n"] for t in qm.words_grid(512, "moe_down")} == {2, 4, 8, 16}
+    assert qm.words_grid(96, "moe_down") == []
     assert "gemv_words" in qm.FIELDS

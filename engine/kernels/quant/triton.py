@@ -68,7 +68,8 @@ class QuantKernelConfig:
     CUDA, with ``gemv_block_n`` rows and ``gemv_block_k`` columns a program and ``gemv_num_warps`` warps
     (the K tile holding at least 32 blocks a warp; other tiles keep the block kernel); in the experts'
     gate/up launch (kind ``moe_gate_up``) it takes the word layout for every pair of a decode or verify
-    block.
+    block, and in the down launch (kind ``moe_down``) a program per token and ``gemv_block_n`` output rows,
+    K (the experts' ffn) in one tile.
 
     ``gemv_pair_split`` 1 gives the experts' down launch a program per pair (the shared expert one
     more) and row block rather than per token and row block: each stores its pair's weighted rows
@@ -934,6 +935,13 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
             SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, BLOCK_H=triton.next_power_of_2(gate.k),
             num_warps=c_up.gemv_num_warps, **launch(x.device, T, "experts"))
     bn, bk = c_down.gemv_block_n, c_down.gemv_block_k
+    if c_down.gemv_words and x.is_cuda:
+        from engine.kernels.quant import words
+
+        if words.down_fits(down, bn, c_down.gemv_num_warps):
+            words.moe_down_words(act, down, ids, w, out, n_routed, top_k,
+                                 (s_down, sgate) if shared is not None else None, bn, c_down.gemv_num_warps)
+            return out
     if c_down.gemv_rows_warps >= triton.next_power_of_2(top_k) and rows.rows_fit(down.qtype, down.layout):
         rows.moe_down_rows(act, down, ids, w, out, n_routed, (s_down, sgate) if shared is not None else None,
                            c_down.gemv_rows_warps, c_down.gemv_rows_unroll)

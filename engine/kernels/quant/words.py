@@ -279,3 +279,92 @@ def moe_gate_up_words(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, ids
         BLOCK_K=block_k, SPLIT_AT=gate.split_at, HAS_SHARED=s_gu is not None,
         BLOCK_H=triton.next_power_of_2(gate.k), WARPS=warps, PDL=pdl["PDL"], num_warps=warps,
         launch_pdl=pdl["launch_pdl"])
+
+
+@gluon.constexpr_function
+def _down_layout(rows_per_lane, lanes_k, warps):
+    """[rows, blocks, words] for a short K (the experts' down launch, K = ffn): the ``lanes_k`` lanes of a
+    group hold one block's four words each for ``rows_per_lane`` rows, 32 // ``lanes_k`` groups of a warp and
+    the ``warps`` warps lie along the rows."""
+    return gl.BlockedLayout(size_per_thread=[rows_per_lane, 1, 4], threads_per_warp=[32 // lanes_k, lanes_k, 1],
+                            warps_per_cta=[warps, 1, 1], order=[2, 1, 0])
+
+
+@gluon.jit
+def _down_pair(acc, scale, act_row, base, r_b, N_BLOCKS: gl.constexpr, SPLIT_AT: gl.constexpr, L: gl.constexpr):
+    """``acc + scale * (W act_row)`` for the rows at byte offsets ``r_b`` of the matrix at ``base``, K in one
+    tile, one fused multiply-add a row (as the block kernels' pair sum)."""
+    L_nb: gl.constexpr = gl.SliceLayout(2, L)
+    w, d = _tile_words(base.to(gl.pointer_type(gl.int32)), base, r_b // 4, r_b, 0, N_BLOCKS, N_BLOCKS, SPLIT_AT, L)
+    y = gl.sum(_tile_dot(gl.zeros(d.shape, gl.float32, layout=L_nb), w, d, act_row, 0, N_BLOCKS, N_BLOCKS, L),
+               axis=1)
+    return gl.fma(y, gl.full(y.shape, 0.0, gl.float32, layout=gl.SliceLayout(1, L_nb)) + scale, acc)
+
+
+@gluon.jit
+def _moe_down_words_kernel(act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, sd_ptr, sgate_ptr, H, N_ROUTED,
+                           stride_ap, stride_de, stride_dn, stride_ot, stride_sd, FFN: gl.constexpr,
+                           TOP_K: gl.constexpr, ROWS: gl.constexpr, LANES_K: gl.constexpr, SPLIT_AT: gl.constexpr,
+                           HAS_SHARED: gl.constexpr, WARPS: gl.constexpr, PDL: gl.constexpr):
+    """Token ``t``, rows ``ROWS * (32 // LANES_K) * WARPS`` of the output: the routing-weighted sum over its
+    ``TOP_K`` pairs of ``down[e] act[p]``, added in pair order in float32, then with ``HAS_SHARED`` its
+    shared expert's ``sd act[N_ROUTED + t]`` times ``sgate[t]``: ``_moe_down_kernel``'s sum, each pair's
+    rows read in the word layout with K (the experts' ffn) in one tile, ``LANES_K`` = its blocks."""
+    _launch_next(PDL)
+    _wait_previous(PDL)  # the experts come from the router's launch, act from the gate/up launch
+    N_BLOCKS: gl.constexpr = FFN // 32
+    L: gl.constexpr = _down_layout(ROWS, LANES_K, WARPS)
+    BLOCK_N: gl.constexpr = ROWS * (32 // LANES_K) * WARPS
+    t = gl.program_id(0)
+    o_n = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    row = gl.minimum(o_n, H - 1).to(gl.int64)  # rows past H read the last row; their sums are not stored
+    acc = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    for j in gl.static_range(TOP_K):
+        p = t * TOP_K + j
+        e = gl.load(ids_ptr + p)
+        if e >= 0:  # a pair routed nowhere adds nothing
+            acc = _down_pair(acc, gl.load(w_ptr + p).to(gl.float32), act_ptr + p * stride_ap,
+                             d_ptr + e.to(gl.int64) * stride_de, row * stride_dn, N_BLOCKS, SPLIT_AT, L)
+    if HAS_SHARED:
+        acc = _down_pair(acc, gl.load(sgate_ptr + t), act_ptr + (N_ROUTED + t) * stride_ap, sd_ptr,
+                         row * stride_sd, N_BLOCKS, SPLIT_AT, L)
+    gl.store(out_ptr + t * stride_ot + o_n, acc.to(out_ptr.dtype.element_ty), mask=o_n < H)
+
+
+def down_fits(down: QuantExperts, rows: int, warps: int) -> bool:
+    """Whether ``moe_down_words`` reads these down experts with ``rows`` output rows a program over ``warps``
+    warps: Q4_0 in the split layout, rows and experts 16-byte aligned, K (ffn) 2 to 32 blocks, a power of
+    two, and the rows a whole number of lane groups."""
+    nb = down.k // 32
+    groups = 32 // nb if down.k % 32 == 0 and 2 <= nb <= 32 and nb & (nb - 1) == 0 else 0
+    return (down.qtype == Q.Q4_0 and down.layout == "split" and down.raw.stride(0) % 16 == 0
+            and down.raw.stride(1) % 16 == 0 and groups > 0 and rows % (groups * warps) == 0)
+
+
+def moe_down_words(act: torch.Tensor, down: QuantExperts, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                   n_routed: int, top_k: int, shared: tuple[QuantMatrix, torch.Tensor] | None, rows: int,
+                   warps: int) -> None:
+    """The experts' down launch of ``engine.kernels.quant.triton.quantized_moe_triton`` with the word layout,
+    a program per token and ``rows`` output rows: ``out[t]`` = the routing-weighted sum of its pairs'
+    ``down[e] act[p]`` (plus ``sgate[t] * s_down act[shared pair]`` with ``shared`` = (s_down, sgate)).
+    ``down_fits`` must hold."""
+    if rows < 1 or rows & (rows - 1) or warps < 1 or warps & (warps - 1):
+        raise ValueError(f"moe_down_words' rows and warps must be powers of two, got {rows} and {warps}")
+    if not down_fits(down, rows, warps):
+        raise ValueError(f"moe_down_words reads Q4_0 down experts in the split layout, rows and experts 16-byte "
+                         f"aligned, K a power of two of 2 to 32 blocks, rows a whole number of lane groups: got "
+                         f"{down.qtype.name} in {down.layout}, K {down.k}, {rows} rows over {warps} warps")
+    s_down, sgate = shared if shared is not None else (None, w)  # unread without one
+    if s_down is not None and (s_down.qtype != Q.Q4_0 or s_down.layout != "split" or s_down.raw.stride(0) % 16
+                               or s_down.split_at != down.split_at):
+        raise ValueError(f"the shared expert's down ({s_down.qtype.name}, {s_down.layout}) is not read as the "
+                         f"routed experts are")
+    lanes_k = down.k // 32
+    T = out.shape[0]
+    pdl = launch(act.device, T, "experts")
+    _moe_down_words_kernel[(T, triton.cdiv(down.n, rows))](
+        act, down.raw, ids, w, out, s_down.raw if s_down is not None else down.raw, sgate, down.n, n_routed,
+        act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0),
+        s_down.raw.stride(0) if s_down is not None else 0, FFN=down.k, TOP_K=top_k,
+        ROWS=rows // ((32 // lanes_k) * warps), LANES_K=lanes_k, SPLIT_AT=down.split_at, HAS_SHARED=s_down is not None,
+        WARPS=warps, PDL=pdl["PDL"], num_warps=warps, launch_pdl=pdl["launch_pdl"])

@@ -650,6 +650,55 @@ def test_word_gate_up_refuses_what_it_cannot_read():
     assert rel_err(tq.quantized_moe_triton(x, *stack, ids, w, config, shared=shared), ref) < 1e-5
 
 
+def test_word_down_refuses_what_it_cannot_read():
+    """The experts' word down launch checks before it launches: Q4_0 in the split layout, K (ffn) a power of
+    two of 2 to 32 blocks, rows a whole number of lane groups, powers of two; on the CPU
+    ``quantized_moe_triton`` keeps the block kernel."""
+    words = pytest.importorskip("engine.kernels.quant.words")
+    stack, shared, x, ids, w, ref = _moe_with_shared_case(Q.Q4_0, "split", 2, 5, 3, 96, 512, seed=6)
+    down = stack[2]  # [5, 96, 512]: 16 blocks, lane groups of 16, 2 a warp
+    assert down.k == 512 and words.down_fits(down, 2, 1) and words.down_fits(down, 8, 4)
+    assert not words.down_fits(down, 4, 4) and not words.down_fits(down.with_layout("ggml"), 2, 1)
+    act, out = torch.empty(8, 512), torch.empty(2, 96)
+    with pytest.raises(ValueError, match="whole number of lane groups"):
+        words.moe_down_words(act, down, ids, w, out, 6, 3, None, 2, 2)
+    with pytest.raises(ValueError, match="powers of two"):
+        words.moe_down_words(act, down, ids, w, out, 6, 3, None, 6, 1)
+    short = _moe_with_shared_case(Q.Q4_0, "split", 2, 5, 3, 96, 96, seed=6)[0][2]  # 3 blocks
+    assert not words.down_fits(short, 2, 1)
+    config = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=512)
+    down_cfg = tq.QuantKernelConfig(gemv_words=1, gemv_block_n=2, gemv_num_warps=1)
+    assert rel_err(tq.quantized_moe_triton(x, *stack, ids, w, config, down_cfg, shared=shared), ref) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("rows,warps", [(2, 1), (8, 2), (16, 4)])
+def test_cuda_word_down_real_shapes(T, rows, warps, monkeypatch):
+    """The experts' down launch in the word layout at the 35B expert shapes (down [2048, 512], 8 of 16 experts,
+    a pair routed nowhere, the shared expert): the reference's result for float32 and bf16 x, the block
+    kernel's within float32 rounding, the same bits on every call, the word launch really taken."""
+    from engine.kernels.quant import words
+
+    stack, shared, x, ids, w, ref = _moe_with_shared_case(Q.Q4_0, "split", T, 16, 8, 2048, 512, seed=T,
+                                                          device="cuda")
+    up = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=512)
+    config = tq.QuantKernelConfig(gemv_words=1, gemv_block_n=rows, gemv_num_warps=warps)
+    calls = []
+    real = words.moe_down_words
+    monkeypatch.setattr(words, "moe_down_words", lambda *a: calls.append(1) or real(*a))
+    out = tq.quantized_moe_triton(x, *stack, ids, w, up, config, shared=shared)
+    assert calls == [1] and rel_err(out, ref) < 1e-4
+    assert torch.equal(tq.quantized_moe_triton(x, *stack, ids, w, up, config, shared=shared), out)
+    blocks = tq.quantized_moe_triton(x, *stack, ids, w, up, tq.QuantKernelConfig(gemv_block_n=4, gemv_block_k=512),
+                                     shared=shared)
+    assert rel_err(out, blocks) < 1e-5
+    assert rel_err(tq.quantized_moe_triton(x.bfloat16(), *stack, ids, w, up, config, shared=shared), ref) < 2e-2
+    assert rel_err(tq.quantized_moe_triton(x, *stack, ids, w, up, config),
+                   tq.quantized_moe_triton(x, *stack, ids, w, up, tq.QuantKernelConfig())) < 1e-5
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 5])

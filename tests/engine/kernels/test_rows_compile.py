@@ -241,3 +241,19 @@ def test_word_gate_up_compiles_as_two_word_gemvs(tmp_path):
     lines = sass.split("\n")
     wait = next(i for i, line in enumerate(lines) if "ACQBULK" in line)
     assert not [i for i, line in enumerate(lines) if i < wait and re.search(r"\sLDG\.E", line)]
+
+
+def test_word_down_compiles_with_vector_loads(tmp_path):
+    """The experts' down launch in the word layout at the 35B expert shapes (K 512: lane groups of 16 blocks,
+    2 rows a lane, 8 pairs and the shared expert, PDL): every block's codes one 16-byte load (two rows of 9
+    pairs: 18), no int-to-float conversion and no spills, and the router's ids waited for before any load."""
+    types = {"act_ptr": "*bf16", "d_ptr": "*u8", "ids_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16",
+             "sd_ptr": "*u8", "sgate_ptr": "*fp32"}
+    consts = {"FFN": 512, "TOP_K": 8, "ROWS": 2, "LANES_K": 16, "SPLIT_AT": 256, "HAS_SHARED": True, "WARPS": 1,
+              "PDL": True}
+    sass = _sass("_moe_down_words_kernel", types, consts, 1, tmp_path, module="engine.kernels.quant.words")
+    ops = _instructions(sass)
+    assert ops.count("LDG.E.128") == 18 and not [op for op in ops if op.startswith(("I2F", "LDL", "STL"))]
+    lines = sass.split("\n")
+    wait = next(i for i, line in enumerate(lines) if "ACQBULK" in line)
+    assert not [i for i, line in enumerate(lines) if i < wait and re.search(r"\sLDG\.E", line)]
