@@ -674,58 +674,37 @@ def test_word_down_refuses_what_it_cannot_read():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 5])
-@pytest.mark.parametrize("rows,warps", [(2, 1), (8, 2), (16, 4)])
-def test_cuda_word_down_real_shapes(T, rows, warps, monkeypatch):
-    """The experts' down launch in the word layout at the 35B expert shapes (down [2048, 512], 8 of 16 experts,
-    a pair routed nowhere, the shared expert): the reference's result for float32 and bf16 x, the block
-    kernel's within float32 rounding, the same bits on every call, the word launch really taken."""
+@pytest.mark.parametrize("launch,tiles", [
+    ("gate_up", dict(gemv_block_n=8, gemv_block_k=2048, gemv_num_warps=2)),
+    ("gate_up", dict(gemv_block_n=4, gemv_block_k=1024, gemv_num_warps=1)),
+    ("gate_up", dict(gemv_block_n=16, gemv_block_k=2048, gemv_num_warps=2)),
+    ("down", dict(gemv_block_n=2, gemv_num_warps=1)), ("down", dict(gemv_block_n=8, gemv_num_warps=2)),
+    ("down", dict(gemv_block_n=16, gemv_num_warps=4))])
+def test_cuda_word_expert_launches_real_shapes(T, launch, tiles, monkeypatch):
+    """The experts' gate/up or down launch in the word layout (``engine.kernels.quant.words``) at the 35B
+    expert shapes (hidden 2048, ffn 512, 8 of 16 experts, a pair routed nowhere, the shared expert riding
+    along), Q4_0 in the split layout, the other launch the block kernel's: the reference's result for
+    float32 and bf16 x, the block kernels' within float32 rounding, with and without the shared expert,
+    the same bits on every call, and the word launch really taken."""
     from engine.kernels.quant import words
 
     stack, shared, x, ids, w, ref = _moe_with_shared_case(Q.Q4_0, "split", T, 16, 8, 2048, 512, seed=T,
                                                           device="cuda")
-    up = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=512)
-    config = tq.QuantKernelConfig(gemv_words=1, gemv_block_n=rows, gemv_num_warps=warps)
+    plain_up = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=512)
+    plain_down = tq.QuantKernelConfig(gemv_block_n=16, gemv_block_k=512, gemv_split_k=1, gemv_pair_split=1)
+    word = tq.QuantKernelConfig(gemv_words=1, **tiles)
+    up, down = (word, plain_down) if launch == "gate_up" else (plain_up, word)
+    name = "moe_gate_up_words" if launch == "gate_up" else "moe_down_words"
     calls = []
-    real = words.moe_down_words
-    monkeypatch.setattr(words, "moe_down_words", lambda *a: calls.append(1) or real(*a))
-    out = tq.quantized_moe_triton(x, *stack, ids, w, up, config, shared=shared)
+    real = getattr(words, name)
+    monkeypatch.setattr(words, name, lambda *a: calls.append(1) or real(*a))
+    out = tq.quantized_moe_triton(x, *stack, ids, w, up, down, shared=shared)
     assert calls == [1] and rel_err(out, ref) < 1e-4
-    assert torch.equal(tq.quantized_moe_triton(x, *stack, ids, w, up, config, shared=shared), out)
-    blocks = tq.quantized_moe_triton(x, *stack, ids, w, up, tq.QuantKernelConfig(gemv_block_n=4, gemv_block_k=512),
-                                     shared=shared)
-    assert rel_err(out, blocks) < 1e-5
-    assert rel_err(tq.quantized_moe_triton(x.bfloat16(), *stack, ids, w, up, config, shared=shared), ref) < 2e-2
-    assert rel_err(tq.quantized_moe_triton(x, *stack, ids, w, up, config),
-                   tq.quantized_moe_triton(x, *stack, ids, w, up, tq.QuantKernelConfig())) < 1e-5
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("T", [1, 5])
-@pytest.mark.parametrize("block_n,block_k,warps", [(8, 2048, 2), (4, 1024, 1), (16, 2048, 2)])
-def test_cuda_word_gate_up_real_shapes(T, block_n, block_k, warps, monkeypatch):
-    """The experts' gate/up launch in the word layout (``engine.kernels.quant.words``) at the 35B expert
-    shapes (hidden 2048, ffn 512, 8 of 16 experts, a pair routed nowhere, the shared expert riding along),
-    Q4_0 in the split layout: the reference's result for float32 and bf16 x, the block kernel's within
-    float32 rounding, the same bits on every call, and the word launch really taken."""
-    from engine.kernels.quant import words
-
-    stack, shared, x, ids, w, ref = _moe_with_shared_case(Q.Q4_0, "split", T, 16, 8, 2048, 512, seed=T,
-                                                          device="cuda")
-    down = tq.QuantKernelConfig(gemv_block_n=16, gemv_block_k=512, gemv_split_k=1, gemv_pair_split=1)
-    config = tq.QuantKernelConfig(gemv_words=1, gemv_block_n=block_n, gemv_block_k=block_k, gemv_num_warps=warps)
-    calls = []
-    real = words.moe_gate_up_words
-    monkeypatch.setattr(words, "moe_gate_up_words", lambda *a: calls.append(1) or real(*a))
-    out = tq.quantized_moe_triton(x, *stack, ids, w, config, down, shared=shared)
-    assert calls == [1] and rel_err(out, ref) < 1e-4
-    assert torch.equal(tq.quantized_moe_triton(x, *stack, ids, w, config, down, shared=shared), out)
-    blocks = tq.quantized_moe_triton(x, *stack, ids, w, tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=512),
-                                     down, shared=shared)
-    assert rel_err(out, blocks) < 1e-5
-    assert rel_err(tq.quantized_moe_triton(x.bfloat16(), *stack, ids, w, config, down, shared=shared), ref) < 2e-2
-    no_shared = tq.quantized_moe_triton(x, *stack, ids, w, config, down)
-    assert rel_err(no_shared, tq.quantized_moe_triton(x, *stack, ids, w, tq.QuantKernelConfig(), down)) < 1e-5
+    assert torch.equal(tq.quantized_moe_triton(x, *stack, ids, w, up, down, shared=shared), out)
+    assert rel_err(out, tq.quantized_moe_triton(x, *stack, ids, w, plain_up, plain_down, shared=shared)) < 1e-5
+    assert rel_err(tq.quantized_moe_triton(x.bfloat16(), *stack, ids, w, up, down, shared=shared), ref) < 2e-2
+    assert rel_err(tq.quantized_moe_triton(x, *stack, ids, w, up, down),
+                   tq.quantized_moe_triton(x, *stack, ids, w, plain_up, plain_down)) < 1e-5
 
 
 @pytest.mark.parametrize("layout", ["ggml", "split"])
