@@ -13,9 +13,13 @@ Where the cold experts are computed is ``cold_device``:
            once per call (the cold tier cannot start without it).
   ``gpu``  the GPU, reading the pinned master copies over the bus (the host memory is mapped
            into the device's address space; no expert of the cold tier takes device memory).
-           Calls of up to ``n_expert / top_k`` tokens read the routed cold experts in place:
-           each routed pair reads its expert once, so this costs no more bus traffic than
-           copying every cold expert. Longer calls (prefill) copy the layer's cold experts in
+           Calls of up to ``n_expert / top_k`` tokens read each routed pair's cold expert once:
+           no more bus traffic than copying every cold expert. Up to ``STREAM_EXPERTS`` pairs
+           (decode), one launch first copies those experts whole into a device buffer
+           (``engine.kernels.gather``: long contiguous reads, which the bus carries about four
+           times faster than the expert kernels' scattered ones) and the expert launches read it
+           there; more pairs are read in place (``LUCE_TUNE_COLD_GATHER=0``: always in place).
+           Longer calls (prefill) copy the layer's cold experts in
            runs of ``STREAM_EXPERTS`` into a device buffer and compute each run there. Nothing
            waits for the host, so with the Triton kernels a step with cold experts is captured
            in a CUDA graph like an all-hot one.
@@ -57,6 +61,10 @@ COLD_FORMATS = ("dense", "quantized")
 HOT_FORMATS = ("dense", "quantized")
 COLD_DEVICES = ("cpu", "gpu")
 STREAM_EXPERTS = 32  # cold experts copied to the device at once for a long call with cold_device="gpu"
+COLD_GATHER_ENV = "LUCE_TUNE_COLD_GATHER"  # 0: decode-sized calls read the cold experts in place
+# None: decode-sized calls gather the cold experts on CUDA (unless LUCE_TUNE_COLD_GATHER=0); True: off CUDA
+# too (tests, with TRITON_INTERPRET=1); False: never.
+COLD_GATHER: bool | None = None
 _UPLOAD_EXPERTS = 16  # experts dequantized per step when filling device slots from raw blocks
 
 
@@ -351,6 +359,7 @@ class HybridExperts:
                     raise ConfigError(f"cold_device='gpu': {self.device} cannot read the experts' host copies in "
                                       f"place ({exc}); use cold_device='cpu'") from exc
             self._stream_buffers_by_layout: dict[Any, tuple[torch.Tensor, ...]] = {}
+            self._pair_rows: dict[tuple[int, int], torch.Tensor] = {}
             self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
             self._pairs = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
         self.placement_version = 0  # bumped by every set_budget: device slots may have been reallocated
@@ -533,6 +542,10 @@ class HybridExperts:
         cold_ids = layer.cold_of[ids]  # [T, k], -1 where the expert is hot
         host, T, k = layer.host, *ids.shape
         if T * k <= layer.n_expert:
+            gathered = self._gathered(layer, cold_ids)
+            if gathered is not None:
+                return host.moe(x, gathered, torch.where(cold_ids >= 0, self._pair_index(T, k), -1), w, self.impl,
+                                self.kernel_config)
             return host.moe(x, layer.mapped, cold_ids, w, self.impl, self.kernel_config)
         buffers = self._stream_buffers(layer)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -543,6 +556,33 @@ class HybridExperts:
             out += host.moe(x, host.as_experts(tuple(b[:n] for b in buffers)), run_ids, w, self.impl,
                             self.kernel_config).float()
         return out
+
+    def _gathered(self, layer: _LayerTiers, cold_ids: torch.Tensor) -> tuple[Any, ...] | None:
+        """The routed cold experts copied into the stream buffers, pair ``p``'s expert at row ``p``, as the
+        expert launches take them; None where this does not apply (more pairs than the buffers hold, the
+        Triton kernels off, the device slots in another form than the host copies, or
+        ``LUCE_TUNE_COLD_GATHER=0``): the caller then reads the experts in place."""
+        on = (cold_ids.is_cuda and os.environ.get(COLD_GATHER_ENV, "1") != "0") if COLD_GATHER is None else COLD_GATHER
+        if not on or cold_ids.numel() > STREAM_EXPERTS or self.impl != "triton":
+            return None
+        buffers = self._stream_buffers(layer)
+        sources = tuple(m.raw if isinstance(m, QuantExperts) else m for m in layer.mapped)
+        if any(s.dtype != b.dtype or s.shape[1:] != b.shape[1:] for s, b in zip(sources, buffers)):
+            return None
+        from engine.kernels.gather import gather_experts
+
+        flat = cold_ids.reshape(-1)
+        for src, buf in zip(sources, buffers):
+            gather_experts(src, buf, flat)
+        return layer.host.as_experts(tuple(b[:flat.numel()] for b in buffers))
+
+    def _pair_index(self, T: int, k: int) -> torch.Tensor:
+        """[T, k]: each pair's row in the gathered buffers (a constant of the shape, made once)."""
+        key = (T, k)
+        if key not in self._pair_rows:
+            with torch.inference_mode(False):
+                self._pair_rows[key] = torch.arange(T * k, device=self.device).view(T, k)
+        return self._pair_rows[key]
 
     def _stream_buffers(self, layer: _LayerTiers) -> tuple[torch.Tensor, ...]:
         """Device buffers for ``STREAM_EXPERTS`` experts of ``layer``'s layout, shared by the layers."""

@@ -239,6 +239,43 @@ def test_split_row_layout_gives_the_same_logits(q4_file, cold_device, impl):
         assert rel_err(a, b) < 1e-6
 
 
+@pytest.mark.parametrize("fmt", ["dense", "blocks"])
+def test_decode_gathers_the_routed_cold_experts_first(q4_file, fmt, monkeypatch):
+    """Decode-sized calls copy each routed pair's cold expert into the stream buffers in one launch
+    (``engine.kernels.gather``) and the expert launches read it there: the same logits as reading the
+    experts in place, the gather taken at every single-token call (2 pairs) and not for the prompt (22
+    pairs: runs of experts); dense experts, and Q4_0 blocks on both tiers."""
+    pytest.importorskip("triton")
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(4))
+    runs, gathered = [], []
+    real = hybrid_module.HybridExperts._gathered
+
+    def spy(self, layer, cold_ids):
+        out = real(self, layer, cold_ids)
+        gathered.append((cold_ids.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(hybrid_module.HybridExperts, "_gathered", spy)
+    for gather in (False, True):
+        monkeypatch.setattr(hybrid_module, "COLD_GATHER", gather)
+        gathered.clear()
+        if fmt == "dense":
+            model, hybrid = attach(q4_file, fmt, 0.5, "gpu", impl="triton")
+        else:
+            model = load(q4_file)
+            with GGUFFile(q4_file) as f:
+                budget = 0.5 * sum(r.data.nbytes for layer in raw_experts(f, model.cfg) for r in layer) / MB
+            hybrid = attach_hybrid(model, budget, None, threads=2, cold_format="quantized", hot_format="quantized",
+                                   gguf_file=GGUFFile(q4_file), cold_dtype=torch.float32, cold_device="gpu",
+                                   impl="triton", split=True)
+        runs.append(run(model, ids, decode=3))
+        assert hybrid.stats_snapshot().cold_hits > 0
+        hybrid.close()
+    assert {t for t, taken in gathered if taken} == {1} and not [t for t, taken in gathered if t == 1 and not taken]
+    for a, b in zip(*runs):
+        assert rel_err(a, b) < 1e-6
+
+
 def test_host_memory_the_device_cannot_read_is_one_clear_error(q4_file, monkeypatch):
     def refuse(t, device):
         raise RuntimeError("pointer is not registered with the device")

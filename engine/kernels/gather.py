@@ -1,0 +1,55 @@
+"""Routed experts copied from host memory into a device buffer in one Triton launch.
+
+The cold tier of ``engine.hybrid`` with ``cold_device="gpu"`` keeps its experts in pinned host memory
+mapped into the device's address space. The expert launches reading them in place fetch a few dozen
+bytes per row from scattered rows, and the bus carried about 13 GB/s that way on the H200, against
+50 GB/s for a kernel reading mapped memory in long contiguous runs (docs/benchmarks.md, 2026-12-01).
+An expert's matrix is one contiguous slab, so this kernel copies each routed pair's slab into its own
+row of a device buffer in chunks of contiguous 32-bit words, and the expert launches then read device
+memory. Pairs routed nowhere (id -1) copy nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.fused import check_device
+
+BLOCK = 4096  # words a program copies: 16 KiB, four 16-byte vectors a thread at 8 warps
+
+
+@triton.jit
+def _gather_kernel(src_ptr, dst_ptr, ids_ptr, SLAB: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.program_id(0)
+    e = tl.load(ids_ptr + p)
+    if e >= 0:
+        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = o < SLAB
+        v = tl.load(src_ptr + e.to(tl.int64) * SLAB + o, mask=m)
+        tl.store(dst_ptr + p.to(tl.int64) * SLAB + o, v, mask=m)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [E, ...] as [E, slab] of 32-bit words where its slabs hold whole words, else of bytes."""
+    flat = t.reshape(t.shape[0], -1).view(torch.uint8)
+    return flat.view(torch.int32) if flat.shape[1] % 4 == 0 else flat
+
+
+def gather_experts(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
+    """``dst[p] = src[ids[p]]`` for every ``p`` with ``ids[p] >= 0`` (``dst[p]`` untouched otherwise): src
+    [E, ...] (a mapped view of host memory, or any device tensor), dst [P', ...] of its dtype and expert
+    shape with P' >= len(ids), both contiguous; ids [P] int on dst's device."""
+    check_device(dst, "gather_experts")
+    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:] or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"gather_experts copies experts of one dtype and shape between contiguous stacks, got "
+                         f"{src.dtype} {tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
+    if ids.dim() != 1 or ids.shape[0] > dst.shape[0] or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be an int vector of at most {dst.shape[0]} pairs, got {ids.dtype} "
+                         f"{tuple(ids.shape)}")
+    if ids.numel() == 0:
+        return
+    s, d = _words(src), _words(dst)
+    slab = s.shape[1]
+    _gather_kernel[(ids.shape[0], triton.cdiv(slab, BLOCK))](s, d, ids, SLAB=slab, BLOCK=BLOCK, num_warps=8)
