@@ -107,10 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, gbs in rows.items():
         print(f"  {name:>17}: {gbs:8.1f} GB/s")
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "gib": args.gib,
-                                         "gb_s": rows, "experts_us": {"host": ms_host * 1e3, "gathered": ms_gather * 1e3,
-                                                                     "device": ms_dev * 1e3},
-                                         "token_bytes": token_bytes}, indent=1))
+        experts_us = {"host": ms_host * 1e3, "gathered": ms_gather * 1e3, "device": ms_dev * 1e3}
+        args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "gib": args.gib, "gb_s": rows,
+                                         "experts_us": experts_us, "token_bytes": token_bytes}, indent=1))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ cuBLAS picks its float32 kernel for such calls by heuristics that go badly for s
 H200, verifying blocks of 17 tokens with the shipped float32 target spent 48% of its device time in
 one cuBLAS kernel at 29 us a call, for matrices of 256 columns that take a few microseconds to read
 (docs/benchmarks.md, 2026-12-02). Here one program computes a tile of BLOCK_M rows by BLOCK_N
-outputs over the whole of K, products and sums in float32 (``input_precision="ieee"``: no TF32; K is compiled in, a model has few), so
-the result is that of a float32 matmul up to the order of its sums. The torch definition is
-``F.linear``.
+outputs over the whole of K (compiled in: a model has few), products and sums in float32
+(``input_precision="ieee"``: no TF32), so the result is that of a float32 matmul up to the order of
+its sums. The torch definition is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, K: tl.cons
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``skinny_linear`` takes ``x @ w.T``: float32 rows of x (1 to ``MAX_M`` of them, the last
-    dimension contiguous) against a float32 [N, K] weight with contiguous rows, outside autograd."""
+def applies(x: torch.Tensor, w: torch.Tensor, min_rows: int = 1) -> bool:
+    """Whether ``skinny_linear`` takes ``x @ w.T``: float32 rows of x (``min_rows`` to ``MAX_M`` of them, the
+    last dimension contiguous) against a float32 [N, K] weight with contiguous rows, outside autograd."""
     rows = x.numel() // max(x.shape[-1], 1)
     return (x.dtype == torch.float32 and w.dtype == torch.float32 and w.dim() == 2 and x.shape[-1] == w.shape[1]
-            and 1 <= rows <= MAX_M and w.shape[1] <= MAX_K and x.stride(-1) == 1 and w.stride(1) == 1
+            and max(min_rows, 1) <= rows <= MAX_M and w.shape[1] <= MAX_K and x.stride(-1) == 1 and w.stride(1) == 1
             and x.device == w.device
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 

@@ -25,11 +25,11 @@ SKINNY = "few-row float32 projection"
 
 def _skinny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     on = (x.is_cuda and fused.allowed(SKINNY)) if FUSED_SKINNY is None else FUSED_SKINNY
-    if not on:
+    if not on or x.dtype != torch.float32:  # bf16 models never take it: no import, no checks
         return None
     from engine.kernels import skinny
 
-    if x.numel() < skinny.MIN_M * x.shape[-1] or not skinny.applies(x, w):
+    if not skinny.applies(x, w, min_rows=skinny.MIN_M):
         return None
     return fused.attempt(SKINNY, FUSED_SKINNY, lambda: skinny.skinny_linear(x, w))
 

@@ -38,9 +38,11 @@ def test_routed_slabs_copied_whole_and_unrouted_rows_untouched(dtype, shape):
 def test_refuses_mismatched_stacks_and_ids():
     src = torch.zeros(4, 3, 8, dtype=torch.uint8, device=DEVICE)
     with pytest.raises(ValueError, match="one dtype and shape"):
-        gather.gather_experts(src, torch.zeros(4, 3, 9, dtype=torch.uint8, device=DEVICE), torch.zeros(1, dtype=torch.long))
+        gather.gather_experts(src, torch.zeros(4, 3, 9, dtype=torch.uint8, device=DEVICE),
+                              torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="one dtype and shape"):
-        gather.gather_experts(src, torch.zeros(4, 3, 8, dtype=torch.int8, device=DEVICE), torch.zeros(1, dtype=torch.long))
+        gather.gather_experts(src, torch.zeros(4, 3, 8, dtype=torch.int8, device=DEVICE),
+                              torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="at most 2 pairs"):
         gather.gather_experts(src, torch.zeros(2, 3, 8, dtype=torch.uint8, device=DEVICE),
                               torch.zeros(3, dtype=torch.long, device=DEVICE))
