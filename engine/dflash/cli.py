@@ -17,6 +17,19 @@ def register(app: typer.Typer) -> None:
     app.command("train-draft")(train_draft)
 
 
+def parse_layer_ids(text: str, n_target_layers: int) -> tuple[int, ...]:
+    """``"1,4,7"`` -> (1, 4, 7): distinct target layer ids, each below the target's depth."""
+    try:
+        ids = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--layer-ids must be comma-separated integers, got {text!r}") from None
+    bad = [i for i in ids if not 0 <= i < n_target_layers]
+    if bad or len(set(ids)) != len(ids):
+        raise ConfigError(f"--layer-ids {text!r}: need distinct ids in 0..{n_target_layers - 1} "
+                          f"(the target has {n_target_layers} layers)")
+    return ids
+
+
 def parse_duration(text: str) -> float:
     """``90m``, ``2h``, ``3600s`` or a bare number of minutes -> seconds."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
@@ -41,6 +54,8 @@ def train_draft(
     lr: float = typer.Option(6e-4, "--lr"),
     layers: int = typer.Option(5, "--layers", help="draft layers"),
     features: int = typer.Option(5, "--features", help="target layers whose outputs feed the draft"),
+    layer_ids: Optional[str] = typer.Option(None, "--layer-ids", help="those target layers by id, comma-separated "
+                                            "(for example 1,4,7; overrides --features' evenly spaced choice)"),
     block_size: int = typer.Option(16, "--block-size", help="tokens per drafted block (the largest spec_len)"),
     gamma: Optional[float] = typer.Option(None, "--gamma", help="loss decay over block slots (7 at 16, 4 at 8)"),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id"),
@@ -88,7 +103,8 @@ def train_draft(
         raise ConfigError(str(exc)) from None
     err = Console(stderr=True)
     eng = Engine.from_gguf(target, device=device, dtype=dtype)
-    cfg = new_draft_config(eng.model.cfg, n_layers=layers, n_features=features, block_size=block_size,
+    ids = parse_layer_ids(layer_ids, eng.model.cfg.n_layers) if layer_ids is not None else None
+    cfg = new_draft_config(eng.model.cfg, n_layers=layers, n_features=features, block_size=block_size, layer_ids=ids,
                            mask_token_id=mask_token_id)
     err.print(f"[dim]{target.name}: {eng.model.cfg.n_layers} layers, hidden {eng.model.cfg.hidden}, on {eng.device}; "
               f"draft {cfg.n_layers} layers reading target layers {list(cfg.target_layer_ids)}, "

@@ -8,7 +8,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from engine.dflash.cli import parse_duration, register
+from engine.dflash.cli import parse_duration, parse_layer_ids, register
 from engine.dflash.gguf_io import load_draft
 from engine.dflash import train as train_module
 from engine.dflash.block_loss import default_gamma
@@ -44,6 +44,14 @@ def test_gamma_and_shape_defaults():
     assert cfg.target_layer_ids == (1, 10, 19, 28, 37) and cfg.mask_token_id == 248070 and cfg.block_size == 16
     with pytest.raises(ConfigError, match="draft shape: draft block_size must be at least 2"):
         new_draft_config(preset_config("tiny", vocab=100), block_size=1)
+
+
+def test_layer_ids_are_parsed_and_checked_against_the_target_depth():
+    assert parse_layer_ids("1,4,7", 8) == (1, 4, 7)
+    assert parse_layer_ids("7, 0", 8) == (7, 0)
+    for bad, why in (("1,8", "0..7"), ("1,1", "distinct"), ("-1,2", "0..7"), ("1;4", "comma-separated integers")):
+        with pytest.raises(ConfigError, match=why):
+            parse_layer_ids(bad, 8)
 
 
 def test_corpus_reading_and_split(tmp_path, corpus):
@@ -181,6 +189,14 @@ def test_cli_trains_a_draft(target_path, corpus, tmp_path):
         "--eval-prompts", "1", "--eval-new-tokens", "4", "--weights", "f32", "--device", "cpu", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert out.exists() and out.with_suffix(".acceptance.json").exists()
+    picked = tmp_path / "ids.gguf"
+    result = CliRunner().invoke(app, [
+        "train-draft", "--target", str(target_path), "--corpus", str(corpus), "--out", str(picked), "--steps", "1",
+        "--seq-len", "32", "--anchors", "4", "--layers", "1", "--layer-ids", "1,0", "--block-size", "4",
+        "--eval-prompts", "1", "--eval-new-tokens", "4", "--weights", "f32", "--device", "cpu", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert load_draft(picked).cfg.target_layer_ids == (1, 0)
+    assert "reading target layers [1, 0]" in " ".join(result.output.split())
     result = CliRunner().invoke(app, [
         "train-draft", "--target", str(target_path), "--corpus", str(corpus), "--out", str(out), "--steps", "2",
         "--distill", "3", "--distill-prompt", "8", "--distill-new", "8", "--distill-batch", "2", "--anchors", "4",
