@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 import warnings
@@ -33,6 +34,19 @@ MAX_DECODE_GRAPHS = 3  # captured decode steps kept per engine (each owns a stat
 # captured padded prefills kept per engine: one per padded length (they share one memory pool and one state,
 # so each adds only its graph and its input and logits buffers)
 MAX_PREFILL_GRAPHS = 11
+# tokens per chunk of an eager prefill (Engine.prefill_chunk): the benchmarks' 8K prompt stays one forward;
+# LUCE_TUNE_PREFILL_CHUNK sets another size, 0 prefills every prompt in one forward
+PREFILL_CHUNK = 8192
+
+
+def prefill_chunk_setting() -> int | None:
+    """``PREFILL_CHUNK``, or what ``LUCE_TUNE_PREFILL_CHUNK`` says (0: None, one forward)."""
+    text = os.environ.get("LUCE_TUNE_PREFILL_CHUNK")
+    if text is None:
+        return PREFILL_CHUNK
+    if not text.strip().isdigit():
+        raise ConfigError(f"LUCE_TUNE_PREFILL_CHUNK must be a whole number of tokens (0: no chunks), got {text!r}")
+    return int(text) or None
 
 
 def graph_capacity(tokens: int) -> int:
@@ -132,6 +146,11 @@ class Engine:
         # capture costs 0.4-1.8 s on the 35B file, while a captured 512-token prefill saves about 75 ms, so
         # a one-shot run (``luce-tune generate``) is better off never capturing; 0 captures on first use
         self.prefill_capture_after = 1
+        # Eager prefills of longer prompts run in chunks of this many tokens, each continuing the state (the
+        # attention's lower-right causal mask, engine.model.attention): their activations stay those of one
+        # chunk whatever the prompt's length (a 16K-token prompt in one forward took 2.9 GB of the H200's
+        # memory beyond the cache at the 35B shapes); None: one forward
+        self.prefill_chunk: int | None = prefill_chunk_setting()
         self._prefill_seen: dict[int, int] = {}  # padded length -> eager prefills counted towards its capture
         self._prefills: dict[int, "PrefillGraph"] = {}  # padded length -> captured prefill, least recent first
         self._prefill_pool = None
@@ -410,7 +429,7 @@ class Engine:
                     state.reset()
                 else:
                     state = self.model.new_state(len(ids) + max_new_tokens)
-                last_logits = self.model.forward(prompt, state, logits="last").logits[-1]
+                last_logits = self._prefill_chunked(prompt, state, extra)
         token = sample(last_logits, params, gen)
         new = [int(token)]  # the first token: read at once (time to first token)
         t1 = time.perf_counter()
@@ -448,6 +467,19 @@ class Engine:
         if self.hybrid is not None:
             timings.extra.update(self.hybrid.stats_snapshot().as_dict())
         return Generation(ids=new, text=text, timings=timings, stop_reason=reason or "length")
+
+    def _prefill_chunked(self, prompt: torch.Tensor, state: "ModelState", extra: dict[str, Any]) -> torch.Tensor:
+        """The last prompt token's logits after prefilling ``prompt`` into ``state`` eagerly, in chunks of
+        ``prefill_chunk`` tokens (one forward when it is None or the prompt fits one chunk)."""
+        chunk = prompt.shape[0] if self.prefill_chunk is None else self.prefill_chunk
+        if chunk < 1:
+            raise ConfigError(f"prefill_chunk must be at least 1 token, got {chunk}")
+        starts = range(0, prompt.shape[0], chunk)
+        for start in starts[:-1]:
+            self.model.forward(prompt[start:start + chunk], state, logits="none")
+        if len(starts) > 1:
+            extra["prefill_chunks"] = len(starts)
+        return self.model.forward(prompt[starts[-1]:], state, logits="last").logits[-1]
 
     def _take(self, token: int, new: list[int], stream: "_TextStream", eos: set[int], stop: list[str],
               last: float) -> tuple[str | None, float]:

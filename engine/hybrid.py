@@ -49,6 +49,7 @@ from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_expe
 from engine.kernels.quant.reference import (SPLIT_QTYPES, QuantExperts, QuantMatrix, join_rows, row_bytes,
                                             split_layout_on, split_rows)
 from engine.kernels.quant.reference import resolve_impl as resolve_quant_impl
+from engine.model.host_memory import mapped_view
 from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fits, gpu_expert_capacity_mb,
                               plan_placement, state_bytes)
 
@@ -675,34 +676,6 @@ def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
     out.copy_(t)
     return out
-
-
-def mapped_view(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t``, in host memory, as a tensor of ``device`` that the device reads over the bus.
-
-    On CUDA ``t`` must be pinned: pinned memory is mapped into the device's address space at the
-    same address, and the view is made through ``__cuda_array_interface__`` (it keeps ``t`` alive).
-    On a CPU device the view is ``t`` itself."""
-    if device.type != "cuda":
-        return t
-    if not t.is_pinned():
-        raise ValueError("only pinned host memory can be read by the device in place")
-    if not t.is_contiguous():
-        raise ValueError("a mapped view needs a contiguous tensor")
-    flat = torch.as_tensor(_HostArray(t), device=device)  # uint8 [nbytes], no copy
-    view = flat.view(t.dtype).view(t.shape)
-    if view.data_ptr() != t.data_ptr():
-        raise RuntimeError("the mapped view does not alias the host memory")
-    return view
-
-
-class _HostArray:
-    """The bytes of a pinned host tensor, offered to torch as device memory (CUDA array interface)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.tensor = t  # kept alive by the view
-        self.__cuda_array_interface__ = {"shape": (t.numel() * t.element_size(),), "typestr": "|u1",
-                                         "data": (t.data_ptr(), False), "version": 3}
 
 
 def _host_blocks(raw: "RawExpertMatrix", pin: bool, layout: str = "ggml") -> torch.Tensor:

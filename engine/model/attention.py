@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.kernels import fused
 from engine.model.config import ModelConfig
@@ -17,6 +18,12 @@ from engine.model.linear import linear
 # cuDNN's attention builds a new execution plan for every key length it meets: ~17 ms of host
 # time per call in decode, where the key length grows by one each step (profiled on the H200)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+# A block of at least this many tokens that continues a cache (a long prompt prefilled in chunks)
+# attends through the backends' causal mask aligned to the last key ("lower right") rather than a
+# [T, past + T] mask built here; shorter blocks (decode steps, DFlash verify blocks) keep the mask.
+CONTINUED_CAUSAL_MIN_TOKENS = 64
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -127,6 +134,8 @@ def attention_forward(w: AttentionWeights, x: torch.Tensor, positions: torch.Ten
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], is_causal=True,
                                              enable_gqa=cfg.n_head != cfg.n_head_kv)
         out = out[0].transpose(0, 1).reshape(T, cfg.n_head * cfg.head_dim)
+    elif T >= CONTINUED_CAUSAL_MIN_TOKENS:
+        out = continued_causal_attention(q, keys, values)
     else:
         # query i sits at cache index past + i and sees keys 0 ..= past + i
         idx = torch.arange(past + T, device=x.device)
@@ -151,6 +160,19 @@ def attention_rows(w: AttentionWeights, x: torch.Tensor, rows: int, cfg: ModelCo
     out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True,
                                          enable_gqa=cfg.n_head != cfg.n_head_kv)
     return linear(_gated(out.transpose(1, 2).reshape(T, cfg.n_head * cfg.head_dim), gate), w.o)
+
+
+def continued_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """q [T, n_head, D], the last T of keys, values [n_kv_head, K, D] -> [T, n_head * D]: query i sees keys
+    0 ..= K - T + i. The KV heads are repeated for their query heads (the backends' lower-right mask wants
+    equal head counts): 2 * n_head * K * D values for the call, against the T * K mask it replaces."""
+    T, n_head, D = q.shape
+    n_kv, K, _ = keys.shape
+    if n_head != n_kv:
+        keys = keys.repeat_interleave(n_head // n_kv, dim=0)  # query head h reads KV head h // group
+        values = values.repeat_interleave(n_head // n_kv, dim=0)
+    out = sdpa(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=causal_lower_right(T, K))
+    return out[0].transpose(0, 1).reshape(T, n_head * D)
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ bfloat16 would lose most of ``w``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
@@ -18,7 +19,21 @@ import torch
 
 from engine.gguf import names
 from engine.model.config import ModelConfig
+from engine.model.host_memory import mapped_view
 from engine.model.value_heads import is_value_head_tensor, reorder_value_heads, to_grouped
+
+
+# The token embedding is read a few rows at a time (a token's row per step, a prompt's rows per prefill),
+# never as a matrix unless the output head shares it. On CUDA it then stays in pinned host memory and the
+# device reads the rows it needs over the bus, as llama.cpp keeps its input embeddings in host memory:
+# its bytes (1,017 MB in bf16 at the Qwen3.6-35B-A3B shapes) are left to experts. A tied embedding stays
+# on the device; LUCE_TUNE_EMBED_HOST=0 keeps every embedding there.
+EMBED_IN_HOST = os.environ.get("LUCE_TUNE_EMBED_HOST", "1") != "0"
+
+
+def embedding_in_host(device: torch.device | str, tied: bool) -> bool:
+    """Whether ``load_weights`` keeps the token embedding in pinned host memory for ``device``."""
+    return EMBED_IN_HOST and torch.device(device).type == "cuda" and not tied
 
 
 class TensorSource(Protocol):
@@ -167,6 +182,7 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
     ``expert_device`` puts the routed experts elsewhere than ``device``: ``"cpu"`` for a hybrid
     placement that will keep most of them in host memory (so they never pass through the GPU),
     ``"meta"`` when they are not read at all (a placement that builds them from the file).
+    On CUDA an untied token embedding is kept in pinned host memory, read in place (``EMBED_IN_HOST``).
     """
     fused = has_fused_experts(source)
     expected = names.expected_tensors(cfg, fused_experts=fused)
@@ -236,7 +252,11 @@ def load_weights(source: TensorSource, cfg: ModelConfig, *, device: torch.device
         layers.append(LayerWeights(attn_norm=vector(p + "attn_norm.weight"),
                                    post_norm=vector(p + "post_attention_norm.weight"), mixer=mixer, moe=moe))
 
-    embed = matrix("token_embd.weight")
+    if embedding_in_host(device, tied):
+        embed = mapped_view(source.load("token_embd.weight", dtype=dtype, device="cpu").pin_memory(),
+                            torch.device(device))
+    else:
+        embed = matrix("token_embd.weight")
     return ModelWeights(embed=embed, output_norm=vector("output_norm.weight"),
                         output=embed if tied else projection("output.weight"), layers=tuple(layers))
 

@@ -55,6 +55,50 @@ def test_greedy_margins_are_top2_gaps_in_ulps(tiny, dtype):
         e.greedy_margins(ids, [])
 
 
+def test_a_long_prompt_prefills_in_chunks_with_the_same_output(eng, monkeypatch):
+    """Chunks of 70 tokens over a 200-token prompt (the last one short, the ones after the first continuing
+    the cache through the lower-right mask): the same greedy tokens and last-prompt logits as one forward."""
+    from engine.model import attention
+
+    ids = [int(t) for t in torch.randint(0, eng.config.vocab, (200,), generator=torch.Generator().manual_seed(7))]
+    eng.prefill_chunk = None
+    whole = eng.generate(ids, 6, ignore_eos=True)
+    assert "prefill_chunks" not in whole.timings.extra
+    lower_right = []
+    real = attention.continued_causal_attention
+    monkeypatch.setattr(attention, "continued_causal_attention", lambda *a: lower_right.append(1) or real(*a))
+    try:
+        eng.prefill_chunk = 70
+        chunked = eng.generate(ids, 6, ignore_eos=True)
+        assert chunked.ids == whole.ids and chunked.timings.extra["prefill_chunks"] == 3
+        # chunk 2 (70 tokens) in every attention layer; chunk 3 (60) is under the threshold and builds its mask
+        assert attention.CONTINUED_CAUSAL_MIN_TOKENS == 64 and len(lower_right) == len(eng.config.attention_layers)
+        state = eng.model.new_state(200)
+        last = eng._prefill_chunked(torch.tensor(ids), state, {})
+        torch.testing.assert_close(last, eng.logits(ids)[-1], rtol=0, atol=1e-4)
+        assert state.next_position == 200
+        eng.prefill_chunk = 0
+        with pytest.raises(ConfigError, match="prefill_chunk must be at least 1"):
+            eng.generate(ids, 2)
+    finally:
+        eng.prefill_chunk = 8192
+
+
+def test_the_prefill_chunk_setting_reads_its_variable(monkeypatch):
+    from engine.engine import PREFILL_CHUNK, prefill_chunk_setting
+
+    monkeypatch.delenv("LUCE_TUNE_PREFILL_CHUNK", raising=False)
+    assert prefill_chunk_setting() == PREFILL_CHUNK == 8192
+    monkeypatch.setenv("LUCE_TUNE_PREFILL_CHUNK", "4096")
+    assert prefill_chunk_setting() == 4096
+    monkeypatch.setenv("LUCE_TUNE_PREFILL_CHUNK", "0")
+    assert prefill_chunk_setting() is None
+    for bad in ("-5", "4k", ""):
+        monkeypatch.setenv("LUCE_TUNE_PREFILL_CHUNK", bad)
+        with pytest.raises(ConfigError, match="LUCE_TUNE_PREFILL_CHUNK must be a whole number"):
+            prefill_chunk_setting()
+
+
 def test_seeded_sampling_is_reproducible(eng):
     ids = eng.tokenizer.encode("hello")
     a = eng.generate(ids, 10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)

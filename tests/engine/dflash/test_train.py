@@ -183,17 +183,18 @@ def test_cli_trains_a_draft(target_path, corpus, tmp_path):
     register(app)
     app.command("noop")(lambda: None)  # a second command keeps train-draft a named subcommand
     out = tmp_path / "cli.gguf"
-    result = CliRunner().invoke(app, [
-        "train-draft", "--target", str(target_path), "--corpus", str(corpus), "--out", str(out), "--steps", "2",
-        "--seq-len", "32", "--anchors", "4", "--layers", "1", "--features", "2", "--block-size", "4",
-        "--eval-prompts", "1", "--eval-new-tokens", "4", "--weights", "f32", "--device", "cpu", "--no-progress"])
+
+    def corpus_rows(path, *choice):  # a short run on corpus windows, the draft's feature layers by ``choice``
+        return CliRunner().invoke(app, [
+            "train-draft", "--target", str(target_path), "--corpus", str(corpus), "--out", str(path), "--steps", "2",
+            "--seq-len", "32", "--anchors", "4", "--layers", "1", *choice, "--block-size", "4",
+            "--eval-prompts", "1", "--eval-new-tokens", "4", "--weights", "f32", "--device", "cpu", "--no-progress"])
+
+    result = corpus_rows(out, "--features", "2")
     assert result.exit_code == 0, result.output
     assert out.exists() and out.with_suffix(".acceptance.json").exists()
     picked = tmp_path / "ids.gguf"
-    result = CliRunner().invoke(app, [
-        "train-draft", "--target", str(target_path), "--corpus", str(corpus), "--out", str(picked), "--steps", "1",
-        "--seq-len", "32", "--anchors", "4", "--layers", "1", "--layer-ids", "1,0", "--block-size", "4",
-        "--eval-prompts", "1", "--eval-new-tokens", "4", "--weights", "f32", "--device", "cpu", "--no-progress"])
+    result = corpus_rows(picked, "--layer-ids", "1,0")
     assert result.exit_code == 0, result.output
     assert load_draft(picked).cfg.target_layer_ids == (1, 0)
     assert "reading target layers [1, 0]" in " ".join(result.output.split())

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from engine.model.attention import apply_rope, attention_forward, attention_static, rope_cos_sin
+from engine.model import attention as attention_module
+from engine.model.attention import (apply_rope, attention_forward, attention_static, continued_causal_attention,
+                                  grouped_attention, rope_cos_sin)
 from engine.model.config import ModelConfig
 from engine.model.state import KVCache
 from engine.model.weights import AttentionWeights
@@ -86,6 +88,35 @@ def test_cached_attention_matches_dense_reference_in_pieces():
     assert cache.length == 12
 
 
+@pytest.mark.parametrize("n_head, n_kv, T, K", [(4, 2, 5, 9), (3, 3, 7, 7), (8, 2, 13, 40), (6, 1, 1, 17)])
+def test_lower_right_causal_attention_matches_the_built_mask(n_head, n_kv, T, K):
+    """Queries at the last T of K cache slots: the backends' lower-right mask against the [T, K] mask."""
+    gen = torch.Generator().manual_seed(T * K)
+    q = torch.randn(T, n_head, 16, generator=gen, dtype=torch.float64)
+    keys, values = (torch.randn(n_kv, K, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    visible = torch.arange(K)[None, :] <= (K - T + torch.arange(T))[:, None]
+    ref = grouped_attention(q, keys, values, visible)
+    torch.testing.assert_close(continued_causal_attention(q, keys, values), ref, rtol=0, atol=1e-12)
+    wrong = torch.arange(K)[None, :] <= torch.arange(T)[:, None]  # the top-left alignment
+    if K > T:
+        assert not torch.allclose(grouped_attention(q, keys, values, wrong), ref)
+
+
+def test_a_long_block_continuing_the_cache_takes_the_lower_right_mask(monkeypatch):
+    cfg, w, x = _attention_setup(seed=3)
+    pos = torch.arange(12)
+    ref = _reference(cfg, w, x, pos)
+    calls = []
+    real = attention_module.continued_causal_attention
+    monkeypatch.setattr(attention_module, "continued_causal_attention",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(attention_module, "CONTINUED_CAUSAL_MIN_TOKENS", 4)
+    cache = KVCache.empty(cfg.n_head_kv, 12, cfg.head_dim, device="cpu", dtype=torch.float32)
+    pieces = [attention_forward(w, x[a:b], pos[a:b], cache, cfg) for a, b in ((0, 5), (5, 8), (8, 12))]
+    torch.testing.assert_close(torch.cat(pieces), ref, rtol=0, atol=1e-5)
+    assert calls == [4]  # the first piece starts the cache, the second is under the threshold
+
+
 def test_cropped_cache_recomputes_the_same_tokens():
     cfg, w, x = _attention_setup(seed=1)
     pos = torch.arange(12)
@@ -116,3 +147,28 @@ def test_static_attention_writes_at_device_indices_and_masks_the_rest(T):
     torch.testing.assert_close(static.k[:, :6 + T], eager.k[:, :6 + T], rtol=0, atol=0)
     torch.testing.assert_close(static.v[:, :6 + T], eager.v[:, :6 + T], rtol=0, atol=0)
     assert static.length == 6 and bool((static.k[:, 6 + T:] == 1e3).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_lower_right_causal_attention_at_the_35b_head_shapes():
+    """bf16, 16 query heads on 2 KV heads of 256: within bf16 rounding of the built mask's result, and the
+    call's peak memory under the built mask's."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    T, K = 1000, 3000
+    q = torch.randn(T, 16, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    keys, values = (torch.randn(2, K, 256, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    visible = torch.arange(K, device="cuda")[None, :] <= (K - T + torch.arange(T, device="cuda"))[:, None]
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base
+
+    ref, ref_bytes = peak(lambda: grouped_attention(q, keys, values, visible))
+    out, out_bytes = peak(lambda: continued_causal_attention(q, keys, values))
+    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2e-2
+    assert out_bytes < ref_bytes

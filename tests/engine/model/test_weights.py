@@ -156,3 +156,48 @@ def test_cuda_keeps_q4_0_projections_in_the_split_layout(tmp_path):
     a = gpu.forward(ids.cuda(), gpu.new_state(5)).logits.cpu()
     b = cpu.forward(ids, cpu.new_state(5)).logits
     assert ((a - b).abs().max() / b.abs().max()).item() < 1e-4
+
+
+def test_the_token_embedding_goes_to_host_memory_only_for_an_untied_cuda_load(monkeypatch, gguf_path):
+    from engine.model import weights
+
+    monkeypatch.setattr(weights, "EMBED_IN_HOST", True)
+    assert weights.embedding_in_host("cuda", tied=False) and weights.embedding_in_host(torch.device("cuda:0"), False)
+    assert not weights.embedding_in_host("cuda", tied=True)  # the output head reads all of it every step
+    assert not weights.embedding_in_host("cpu", tied=False)
+    monkeypatch.setattr(weights, "EMBED_IN_HOST", False)
+    assert not weights.embedding_in_host("cuda", tied=False)
+    model = load(gguf_path)  # on the CPU the embedding is a plain tensor, whatever the switch says
+    assert model.weights.embed.device.type == "cpu" and not model.weights.embed.is_pinned()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_reads_the_token_embedding_from_host_memory(monkeypatch, gguf_path):
+    """The embedding's rows read over the bus give the logits of a device copy bit for bit, eagerly and
+    in a captured decode step, and its bytes leave the device's allocations."""
+    from engine.model import weights
+    from engine.model.decode_graph import DecodeGraph
+
+    def loaded(in_host):
+        monkeypatch.setattr(weights, "EMBED_IN_HOST", in_host)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        model = load(gguf_path, device="cuda", dtype=torch.float32)
+        return model, torch.cuda.memory_allocated() - before
+
+    host, host_bytes = loaded(True)
+    device, device_bytes = loaded(False)
+    embed = host.weights.embed
+    assert embed.is_cuda and torch.equal(embed, device.weights.embed)
+    assert device_bytes - host_bytes >= embed.numel() * embed.element_size()
+    ids = torch.arange(24, device="cuda") * 7 % host.cfg.vocab
+    outs = []
+    for model in (host, device):
+        state = model.new_state(32)
+        prefill = model.forward(ids[:20], state, logits="all").logits
+        step = DecodeGraph(model, state, graph=True)
+        outs.append([prefill] + [step.step(ids[i:i + 1]).clone() for i in range(20, 24)])
+        assert step.captured
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
