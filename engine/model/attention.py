@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from engine.kernels import fused
 from engine.model.config import ModelConfig
@@ -166,6 +165,10 @@ def continued_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torc
     """q [T, n_head, D], the last T of keys, values [n_kv_head, K, D] -> [T, n_head * D]: query i sees keys
     0 ..= K - T + i. The KV heads are repeated for their query heads (the backends' lower-right mask wants
     equal head counts): 2 * n_head * K * D values for the call, against the T * K mask it replaces."""
+    # imported here: torch.nn.attention.bias imports Triton, which must not load before the tests set
+    # TRITON_INTERPRET for the kernels they run under the interpreter
+    from torch.nn.attention.bias import causal_lower_right
+
     T, n_head, D = q.shape
     n_kv, K, _ = keys.shape
     if n_head != n_kv:
