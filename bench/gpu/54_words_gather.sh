@@ -4,7 +4,7 @@
 # experts' tiles swept with the word candidates (table to $OUT), the captured 35B step profiled with the new
 # table; the cold tier's gather (engine/kernels/gather.py): its CUDA tests and the bus rates
 # (bench/host_reads.py); the engine's graph tests (plain decoding one step ahead of the host).
-# 55_half_cold_vs.sh follows on the warm machine.
+# 18_vs_llamacpp.sh (WAIT_S=10) follows on the warm machine.
 source "$(dirname "$0")/env.sh"
 [ -f .snap/llama-src.tar.xz ] && bash "$(dirname "$0")/17_llamacpp_build.sh"
 start_q35
