@@ -1,13 +1,15 @@
 """Load time, prefill tok/s at given prompt lengths, decode tok/s and peak memory of one model.
 
     python bench/engine_bench.py --model M.gguf [--prompt-lens 512,4096] [--decode 64]
-        [--repeats 3] [--weights dense|quantized] [--experts dense|quantized] [--no-graph] [--prefill-graph on|off|both]
+        [--repeats 3] [--weights dense|quantized] [--experts dense|quantized] [--no-graph | --graph-only]
+        [--prefill-graph on|off|both]
         [--json out.json]
 
 Prompts are random token ids (the figures are about speed, not text). Each figure is the
 median of ``--repeats`` runs after one warm-up run, with min and max beside it. Decoding is
 measured eagerly and, where the engine can capture it, replayed from a CUDA graph (the
-capture happens in the graph path's warm-up run); ``--no-graph`` measures eager only.
+capture happens in the graph path's warm-up run); ``--no-graph`` measures eager only, ``--graph-only``
+the graph only (an eager decode of the 35B shapes takes seconds a run).
 Prompts prefill as the engine does by default (through the captured padded prefill where decoding is
 captured, ``--prefill-graph on``); ``off`` prefills eagerly; ``both`` measures each prompt length both
 ways, in alternating runs, under ``prefill`` (eager) and ``prefill_graph``.
@@ -42,7 +44,9 @@ def main() -> None:
                     help="cold experts on the CPU held dense or as GGUF blocks")
     ap.add_argument("--experts", default="dense", choices=("dense", "quantized"),
                     help="quantized: every routed expert on the device in its GGUF blocks (the appliance's form)")
-    ap.add_argument("--no-graph", action="store_true", help="measure eager decoding only")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--no-graph", action="store_true", help="measure eager decoding only")
+    only.add_argument("--graph-only", action="store_true", help="measure decoding from the CUDA graph only")
     ap.add_argument("--prefill-graph", default="on", choices=("off", "on", "both"),
                     help="on (the engine's default): prefill through the captured padded prefill "
                          "(engine.model.prefill_graph) where it applies; off: eagerly; both: each length "
@@ -110,8 +114,10 @@ def main() -> None:
     blocker = eng.decode_graph_blocker()
     if blocker is not None:
         print(f"decode graph: not used ({blocker})", flush=True)
+    if args.graph_only and blocker is not None:
+        raise SystemExit(f"--graph-only: the decode graph cannot be used here ({blocker})")
     for graph in (False, True):
-        if graph and (args.no_graph or blocker is not None):
+        if graph and (args.no_graph or blocker is not None) or not graph and args.graph_only:
             continue
         eng.cuda_graph = graph
         warm = eng.generate(ids, args.decode, ignore_eos=True).timings

@@ -5,6 +5,7 @@
         [--no-graph] [--trace out.json] [--rows 30] [--depth N] [--attention-chunks 64,128,256]
         [--pdl-variants on,off,no-experts,no-experts+router] [--no-profile]
         [--kernel-variants "router-warps=4+tiles=old.json,router-warps=1,norm-warps=1,gdn-norm=apart"]
+        [--timeline] [--ops] [--no-eager]
 
 Prints the wall time per step (median of ``--steps`` after a warm-up) of the eager step
 (``Qwen35MoE.forward``) and of the static step replayed from a CUDA graph (``DecodeGraph``,
@@ -24,7 +25,11 @@ norm (``gdn-norm=apart``: its own launch; ``inside``: in the delta rule's,
 ``engine.model.gated_deltanet.NORM_IN_RULE``) and of the residual add + norm before the experts
 (``norm-route=inside``: in the router's launch, ``engine.model.moe.NORM_IN_ROUTER``), settings
 joined by ``+``, so that a change is timed against the tree before it in one process.
-``--no-profile`` stops after the medians.
+``--no-profile`` stops after the medians. ``--timeline`` reads the captured step's kernels from a trace of
+its replays, in the order they ran on the device: per kernel name its launches, time and the idle time before
+it, and every launch that is not one of ours (torch's own kernels inside the graph) with the one before it.
+``--ops`` lists the torch operators the static step runs (run once eagerly, views left out), by count.
+``--no-eager`` leaves the eager step out (at the 35B shapes its first steps compile for a minute or more).
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true", help="only the step medians")
     ap.add_argument("--kernel-variants", default="", help="NAME-warps=N, tiles=PATH, gdn-norm=inside|apart and "
                     "norm-route=inside|apart joined by +, comma-separated")
+    ap.add_argument("--timeline", action="store_true", help="the captured step's kernels in device order")
+    ap.add_argument("--ops", action="store_true", help="the torch operators of the static step, by count")
+    ap.add_argument("--no-eager", action="store_true", help="time and profile the captured step only")
     ap.add_argument("--attention-chunks", default="",
                     help="comma-separated keys per program of the decode attention, each timed in its own capture")
     args = ap.parse_args()
@@ -107,7 +115,9 @@ def main() -> None:
         print(f"static step: {step.path}, built in {time.perf_counter() - t0:.2f} s", flush=True)
         return step.path, lambda tok: step.step(tok)[-1].argmax().reshape(1)
 
-    paths = {"eager": eager()}
+    if args.no_eager and args.no_graph:
+        raise SystemExit("--no-eager and --no-graph leave nothing to time")
+    paths = {} if args.no_eager else {"eager": eager()}
     first = torch.zeros(1, dtype=torch.long, device=device)
     blocker = "--no-graph" if args.no_graph else eng.decode_graph_blocker()
     if blocker is None:
@@ -128,6 +138,10 @@ def main() -> None:
         print(f"decode graph: not used ({blocker})", flush=True)
     for name, step in paths.items():
         print(f"decode step, {name}: {timed(step, first, args.steps)}", flush=True)
+    if args.ops:
+        static_ops(model, capacity, prompt)
+    if args.timeline and "cuda_graph" in paths:
+        timeline(paths["cuda_graph"], first, args.steps, args.rows)
     if args.no_profile:
         return
     for name, step in paths.items():
@@ -204,6 +218,99 @@ def kernel_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.T
         finally:
             warps.WARPS.update(saved[0])
             tuned.TABLE, gated_deltanet.NORM_IN_RULE, moe.NORM_IN_ROUTER = saved[1:]
+
+
+# torch operators that launch nothing: left out of --ops
+VIEW_OPS = frozenset({"view", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "select", "slice", "transpose", "t",
+                      "permute", "expand", "as_strided", "split", "split_with_sizes", "alias", "detach", "_unsafe_view",
+                      "unbind", "empty", "empty_like", "empty_strided", "narrow", "diagonal", "lift_fresh"})
+
+
+def static_ops(model, capacity: int, prompt: torch.Tensor) -> None:
+    """The torch operators one static step runs (eagerly, on a state of its own), views left out: each
+    one that is not a Triton kernel of ours is a launch of torch's inside the captured graph."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in VIEW_OPS:
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    state = model.new_state(capacity)
+    model.forward(prompt, state, logits="none")
+    step = DecodeGraph(model, state, graph=False)
+    step.step(torch.zeros(1, dtype=torch.long, device=model.device))  # compiled and warm
+    log = Log()
+    with log, torch.inference_mode():
+        step._run()
+    counts: dict[str, int] = {}
+    for op in log.ops:
+        counts[op] = counts.get(op, 0) + 1
+    print(f"\nstatic step: {len(log.ops)} torch operators (views left out)")
+    for op, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        print(f"  {n:5d}  {op}")
+    print("  in order: " + " ".join(log.ops[:120]))
+
+
+def timeline(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int, rows: int) -> None:
+    """The captured step's kernels in device order, from a trace of ``steps`` replays (the last one
+    read): per kernel name its launches, summed time and the idle time before its launches; then each
+    launch not of ours (a name without a leading underscore: torch's kernels) and the kernel before it."""
+    import json
+    import tempfile
+
+    for _ in range(3):
+        token = step(token)
+    int(token)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            token = step(token)
+            int(token)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    graphs = sorted(e["ts"] for e in events if e.get("name") == "cudaGraphLaunch")
+    if not kernels or not graphs:
+        print("timeline: no kernels or graph launches in the trace")
+        return
+    last = [k for k in kernels if k["ts"] >= graphs[-1]]
+    ours = [k for k in last if k["name"].startswith("_")]
+    if not ours:
+        print("timeline: none of our kernels after the last graph launch")
+        return
+    end_of_ours = max(k["ts"] + k["dur"] for k in ours)
+    last = [k for k in last if k["ts"] < end_of_ours]  # the replay, not the argmax after it
+    span = last[-1]["ts"] + last[-1]["dur"] - last[0]["ts"]
+    per: dict[str, list[float]] = {}
+    busy_to = last[0]["ts"]
+    idle_total = 0.0
+    foreign = []
+    for i, k in enumerate(last):
+        idle = max(0.0, k["ts"] - busy_to)
+        idle_total += idle
+        busy_to = max(busy_to, k["ts"] + k["dur"])
+        row = per.setdefault(k["name"][:48], [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += k["dur"]
+        row[2] += idle
+        if not k["name"].startswith("_"):
+            foreign.append((k["name"][:70], last[i - 1]["name"][:40] if i else "-", k["dur"]))
+    print(f"\ncaptured step on the device: {len(last)} kernels over {span:.1f} us, idle between them "
+          f"{idle_total:.1f} us")
+    print(f"  {'kernel':48s} {'n':>4s} {'us':>8s} {'idle us':>8s}")
+    for name, (n, dur, idle) in sorted(per.items(), key=lambda kv: -kv[1][1])[:rows]:
+        print(f"  {name:48s} {n:4d} {dur:8.1f} {idle:8.1f}")
+    print(f"  torch's kernels inside the step: {len(foreign)}")
+    for name, before, dur in foreign[:rows]:
+        print(f"    {dur:6.1f} us  {name}  (after {before})")
 
 
 def timed(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int) -> str:

@@ -25,8 +25,9 @@ Where the cold experts are computed is ``cold_device``:
            in a CUDA graph like an all-hot one.
 
 A layer whose experts are all hot runs without host syncs, and a placement that never waits
-for the host (every expert hot, or ``cold_device="gpu"``) is ``graph_safe``: the hit counters
-are device tensors, so they also count inside a replayed CUDA graph. On a CPU-only machine
+for the host (every expert hot, or ``cold_device="gpu"``) is ``graph_safe``: the hot-hit counters
+are device tensors, so they also count inside a replayed CUDA graph, and the pair counts (a call's
+count is its shape's) are kept on the host and added again at each replay (``host_counts``). On a CPU-only machine
 both tiers live in host memory (hot experts are then held twice) and the same code paths run.
 """
 
@@ -362,7 +363,12 @@ class HybridExperts:
             self._stream_buffers_by_layout: dict[Any, tuple[torch.Tensor, ...]] = {}
             self._pair_rows: dict[tuple[int, int], torch.Tensor] = {}
             self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
+            # pairs taken off by ``discount`` (device scalars); the pairs counted are ``_host_pairs``
             self._pairs = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
+        # Routed pairs per layer, counted on the host: a call's count is its shape's, so a captured step
+        # adds what one run counted at each replay (``host_counts``, ``add_host_counts``) rather than
+        # launching an add per layer inside the graph.
+        self._host_pairs = [0] * len(self._layers)
         self.placement_version = 0  # bumped by every set_budget: device slots may have been reallocated
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
         self.placement: Placement
@@ -500,7 +506,7 @@ class HybridExperts:
         gate, up, down = layer.slot_experts
         if x.shape[0] > QuantKernelConfig().gemv_max_m or not shared_fits(gate, down, shared.gate_up, shared.down):
             return None
-        self._pairs[layer_idx].add_(topk_ids.numel())
+        self._host_pairs[layer_idx] += topk_ids.numel()
         return quantized_moe_triton(x, gate, up, down, topk_ids, topk_w,
                                     shared=(shared.gate_up, shared.down, shared.gate_inp))
 
@@ -508,7 +514,7 @@ class HybridExperts:
                  topk_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] int64, topk_w [T, k] float32 -> [T, H] in x's dtype."""
         layer = self._layers[layer_idx]
-        self._pairs[layer_idx].add_(topk_ids.numel())
+        self._host_pairs[layer_idx] += topk_ids.numel()
         if layer.n_hot == layer.n_expert:  # slot e holds expert e; every pair is a hot hit (stats_snapshot)
             return layer.hot_moe(x, topk_ids, topk_w, self.impl, self.kernel_config)
         slots = layer.slot_of[topk_ids]  # [T, k], -1 where the expert is cold
@@ -609,8 +615,9 @@ class HybridExperts:
         """Counters since the last reset (reads the device counters: one host synchronisation)."""
         placement = self.placement
         all_hot = torch.tensor([layer.n_hot == layer.n_expert for layer in self._layers], device=self.device)
-        hot = torch.where(all_hot, self._pairs, self._hot_hits)  # all-hot layers count pairs only
-        hot_hits, pairs = torch.stack([hot.sum(), self._pairs.sum()]).tolist()
+        pairs_of = self._pairs + torch.tensor(self._host_pairs, dtype=torch.int64, device=self.device)
+        hot = torch.where(all_hot, pairs_of, self._hot_hits)  # all-hot layers count pairs only
+        hot_hits, pairs = torch.stack([hot.sum(), pairs_of.sum()]).tolist()
         return HybridStats(
             budget_mb=placement.budget_mb, hot_experts=placement.hot_count, cold_experts=placement.cold_count,
             hot_hits=hot_hits, cold_hits=pairs - hot_hits,
@@ -620,6 +627,18 @@ class HybridExperts:
     def reset_counters(self) -> None:
         self._hot_hits.zero_()
         self._pairs.zero_()
+        self._host_pairs = [0] * len(self._layers)
+
+    def host_counts(self) -> list[int]:
+        """The pairs counted on the host so far, per layer (a copy)."""
+        return list(self._host_pairs)
+
+    def add_host_counts(self, delta: Sequence[int]) -> None:
+        """Add ``delta`` (per layer) to the host's pair counts: a captured step's replay, whose Python
+        does not run, adds what one run of it counted."""
+        if len(delta) != len(self._host_pairs):
+            raise ValueError(f"{len(delta)} counts for {len(self._host_pairs)} layers")
+        self._host_pairs = [a + b for a, b in zip(self._host_pairs, delta)]
 
     def close(self) -> None:
         """Stop the CPU threads and close the GGUF file, if any (the executor cannot run afterwards)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -37,9 +39,17 @@ def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[
 
     Text-only MRoPE gives all three sections the same position, so it reduces to this.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float32) / rope_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float32)[:, None] * _inv_freq(rope_dim, theta, positions.device)[None, :]
     return angles.cos(), angles.sin()
+
+
+@functools.lru_cache(maxsize=16)
+def _inv_freq(rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE's frequencies [rope_dim // 2] float32, computed once per device (a captured decode step
+    then launches only the angles' product, cosine and sine). An ordinary tensor, not an inference
+    one, so that training passes may use it too."""
+    with torch.inference_mode(False):
+        return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=device, dtype=torch.float32) / rope_dim))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -127,8 +127,9 @@ class DecodeGraph:
                                 for i in state.recurrent}
                 self._start = torch.stack([state.recurrent[i] for i in self.records])
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._replay_counts: list[int] | None = None  # the executor's host counts one replay adds
         if graph is not False and self.blocker is None:
-            self.graph = self._capture()
+            self.graph, self._replay_counts = self._capture()
         self._rollbacks: dict[int, torch.cuda.CUDAGraph] = {}  # keep -> the captured state restore
         self._rollback_eager = False  # set when a restore could not be captured: every restore then runs eagerly
 
@@ -168,6 +169,8 @@ class DecodeGraph:
         self.cache_len.fill_(length)
         if self.graph is not None:
             self.graph.replay()
+            if self._replay_counts is not None:
+                self.executor.add_host_counts(self._replay_counts)
         else:
             self._run()
         for c in state.kv.values():
@@ -275,7 +278,7 @@ class DecodeGraph:
             self.hidden[i].copy_(out)
 
     @torch.inference_mode()
-    def _capture(self) -> torch.cuda.CUDAGraph:
+    def _capture(self) -> tuple[torch.cuda.CUDAGraph, list[int] | None]:
         state, T = self.state, self.tokens
         saved_kv = {i: (c.k[:, :T].clone(), c.v[:, :T].clone()) for i, c in state.kv.items()}
         saved = [(t, t.clone()) for t in (*state.conv.values(), *state.recurrent.values())]
@@ -283,7 +286,7 @@ class DecodeGraph:
         self.positions.copy_(self._offsets)
         self.cache_len.zero_()
         try:
-            return capture_graph(self._run, self.model.device)
+            return capture_counted(self._run, self.model.device, self.executor)
         finally:  # the state as it was, whether the capture worked or raised
             for i, (k, v) in saved_kv.items():
                 state.kv[i].k[:, :T] = k
@@ -306,6 +309,27 @@ def capture_graph(run: Callable[[], None], device: torch.device, pool=None) -> t
     with torch.cuda.graph(graph, pool=pool):
         run()
     return graph
+
+
+def capture_counted(run: Callable[[], None], device: torch.device, executor, pool=None
+                    ) -> tuple[torch.cuda.CUDAGraph, list[int] | None]:
+    """``capture_graph`` for a step whose expert executor keeps counts on the host (``host_counts``,
+    as ``HybridExperts`` counts its pairs): also returns what one run counted, for each replay to add
+    (``add_host_counts``), or None where the executor keeps none. The capture's own run is taken
+    back off (its Python ran, its kernels did not); the warm-up runs count."""
+    counts = getattr(executor, "host_counts", None)
+    if counts is None:
+        return capture_graph(run, device, pool), None
+    per_run: list[int] = []
+
+    def counted() -> None:
+        before = counts()
+        run()
+        per_run[:] = [a - b for a, b in zip(counts(), before)]
+
+    graph = capture_graph(counted, device, pool)
+    executor.add_host_counts([-d for d in per_run])
+    return graph, per_run if any(per_run) else None
 
 
 def placement_version(executor: ExpertExecutor) -> int:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.attention import attention_forward, rope_cos_sin
-from engine.model.decode_graph import capture_graph, graph_blocker, placement_version
+from engine.model.decode_graph import capture_counted, graph_blocker, placement_version
 from engine.model.gated_deltanet import PadMask, gdn_forward
 from engine.model.linear import linear
 from engine.model.moe import FusedExpertExecutor, TorchExpertExecutor
@@ -114,9 +114,10 @@ class PrefillGraph:
         self._executor = padded_executor(model)
         blocker = graph_blocker(model)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._replay_counts: list[int] | None = None  # the executor's host counts one replay adds
         if graph is not False and blocker is None:
             with torch.inference_mode():
-                self.graph = capture_graph(self._run, dev, pool)
+                self.graph, self._replay_counts = capture_counted(self._run, dev, model.executor, pool)
 
     @property
     def captured(self) -> bool:
@@ -140,6 +141,8 @@ class PrefillGraph:
         self.pad.set(T)
         if self.graph is not None:
             self.graph.replay()
+            if self._replay_counts is not None:
+                self.model.executor.add_host_counts(self._replay_counts)
         else:
             self._run()
         state = self.state

@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
 
 from engine.errors import ConfigError  # noqa: E402
+from engine.gguf.make_model import make_model  # noqa: E402
 from engine.gguf.reader import GGUFFile  # noqa: E402
 from engine.model.decode_graph import MAX_TOKENS, DecodeGraph, graph_blocker  # noqa: E402
 from engine.model.gated_deltanet import decode_delta_rule, delta_rule_recurrent, l2norm  # noqa: E402
@@ -38,6 +39,13 @@ SHIPPED = Path(__file__).resolve().parents[3] / "models" / "luce-target.gguf"
 LOGITS_TOL = 1e-4
 STATE_TOL = 1e-5
 BF16_LOGITS_TOL = 3e-2
+
+
+@pytest.fixture(scope="module")
+def made_path(tmp_path_factory):
+    """A tiny random qwen35moe file of the engine's own writer, for the CUDA tests: the machine with the
+    GPU need not have transformers, which ``gguf_path`` (the conversion of a transformers model) needs."""
+    return make_model(tmp_path_factory.mktemp("decode_graph") / "tiny.gguf", "tiny", seed=3, n_layers=8)
 
 
 def load(path, device="cpu", dtype=None):
@@ -285,8 +293,8 @@ def test_graph_blocker_names_what_needs_the_host(gguf_path):
 
 
 def test_all_hot_hybrid_counts_every_pair_of_the_static_step(gguf_path):
-    """The hit counters are device tensors updated by the step's own ops (a captured graph
-    replays them; nothing is counted in Python), and a new placement invalidates the step."""
+    """Every pair of every step is a hot hit (pairs counted on the host, hot hits on the device),
+    and a new placement invalidates the step."""
     from engine.hybrid import attach_hybrid
     from engine.placement import MB
 
@@ -445,8 +453,8 @@ def test_cuda_graph_replay_in_bf16_stays_as_close_to_float32_as_eager(T):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_replays_a_verify_block_with_captured_layers(gguf_path):
-    model = load(gguf_path, "cuda", torch.float32)
+def test_cuda_graph_replays_a_verify_block_with_captured_layers(made_path):
+    model = load(made_path, "cuda", torch.float32)
     ids = tokens(model.cfg.vocab, 11, seed=10).cuda()
     eager, static = model.new_state(16), model.new_state(16)
     model.forward(ids[:5], eager, logits="none")
@@ -462,12 +470,12 @@ def test_cuda_graph_replays_a_verify_block_with_captured_layers(gguf_path):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("up_front", [False, True])
-def test_cuda_graph_rollbacks_replay_their_captured_restore(gguf_path, up_front):
+def test_cuda_graph_rollbacks_replay_their_captured_restore(made_path, up_front):
     """Verify blocks of 5 replayed from the graph, each rolled back through the restore captured
     for its ``keep`` (captured at its first use and replayed at the next, or all of them up front
     by ``capture_rollbacks``, which leaves the state as it was): after every block the state
     equals an eager forward over the kept tokens, and the same ``keep`` reuses its graph."""
-    model = load(gguf_path, "cuda", torch.float32)
+    model = load(made_path, "cuda", torch.float32)
     T = 5
     keeps = (2, 4, 2, 1, 4)
     ids = tokens(model.cfg.vocab, 6 + T * len(keeps), seed=12).cuda()
@@ -487,3 +495,41 @@ def test_cuda_graph_rollbacks_replay_their_captured_restore(gguf_path, up_front)
         assert_same_state(eager, static, tol=1e-4)
         pos += keep
     assert sorted(step._rollbacks) == ([1, 2, 3, 4] if up_front else [1, 2, 4])
+
+
+def test_a_captured_step_adds_one_runs_host_counts_at_each_replay(gguf_path, monkeypatch):
+    """``capture_counted`` with a stand-in for the capture (two warm-up runs and the captured one,
+    as ``capture_graph``; its replays run nothing): the capture's own run is taken back off the
+    executor's host counts, the warm-up runs stay, and each ``step`` on the graph adds one run's
+    pairs, so the counters read as if every replay had run in Python."""
+    from engine.hybrid import attach_hybrid
+    from engine.model import decode_graph
+    from engine.placement import MB
+
+    pytest.importorskip("triton")
+    model = load(gguf_path)
+    full_mb = sum(t.numel() * t.element_size() for layer in model.weights.layers
+                  for t in (layer.moe.experts.gate, layer.moe.experts.up, layer.moe.experts.down)) / MB
+    hybrid = attach_hybrid(model, full_mb * 1.01, threads=1, impl="triton")
+
+    def stand_in(run, device, pool=None):
+        for _ in range(decode_graph.WARMUP_RUNS + 1):
+            run()
+        return SimpleNamespace(replay=lambda: None)
+
+    monkeypatch.setattr(decode_graph, "capture_graph", stand_in)
+    state = model.new_state(12)
+    model.forward(tokens(model.cfg.vocab, 3, seed=1), state, logits="none")
+    hybrid.reset_counters()
+    T, k, layers = 2, model.cfg.n_expert_used, model.cfg.n_layers
+    monkeypatch.setattr(decode_graph, "graph_blocker", lambda model, kernels="auto": None)
+    step = DecodeGraph(model, state, tokens=T, kernels="triton")
+    assert step.captured and step._replay_counts == [T * k] * layers
+    assert hybrid.host_counts() == [decode_graph.WARMUP_RUNS * T * k] * layers
+    hybrid.reset_counters()
+    for _ in range(3):
+        step.step(torch.tensor([1, 2]))
+    assert hybrid.stats_snapshot().hot_hits == 3 * T * k * layers
+    with pytest.raises(ValueError, match="counts for"):
+        hybrid.add_host_counts([1])
+    hybrid.close()
