@@ -4,7 +4,7 @@
 # DISTILL_N rows, DRAFT_MINUTES of training) in the background; beside them the captured steps' CUDA
 # tests with the expert pairs counted on the host (the decode graph, the engine's graph decoding with a
 # hybrid placement, the padded prefill graph, cold experts on the device); then waits for the draft
-# (WAIT_S) and copies it, its log and its held-out report to $OUT. 58_timeline_vs.sh follows.
+# (WAIT_S) and copies it, its log and its held-out report to $OUT. 18_vs_llamacpp.sh follows (WAIT_S=30).
 source "$(dirname "$0")/env.sh"
 bash "$(dirname "$0")/17_llamacpp_build.sh"
 start_q35
