@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=16, help="prompt tokens in the cache before the timed steps")
     ap.add_argument("--pdl-variants", default="", help="on, off, no-FAMILY[+FAMILY...], comma-separated")
     ap.add_argument("--no-profile", action="store_true", help="only the step medians")
-    ap.add_argument("--kernel-variants", default="", help="NAME-warps=N, tiles=PATH, gdn-norm=inside|apart and "
+    ap.add_argument("--kernel-variants", default="", help="prefetch=on|off, NAME-warps=N, tiles=PATH, "
+                    "gdn-norm=inside|apart and "
                     "norm-route=inside|apart joined by +, comma-separated")
     ap.add_argument("--timeline", action="store_true", help="the captured step's kernels in device order")
     ap.add_argument("--ops", action="store_true", help="the torch operators of the static step, by count")
@@ -190,12 +191,12 @@ def kernel_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.T
                     token: torch.Tensor, steps: int) -> None:
     """The captured step's median under each warps and tile-table setting of ``spec``; the settings are
     restored after each."""
-    from engine.kernels import warps
+    from engine.kernels import pdl, warps
     from engine.kernels.quant import tuned
     from engine.model import gated_deltanet, moe
 
     for variant in spec.split(","):
-        saved = dict(warps.WARPS), tuned.TABLE, gated_deltanet.NORM_IN_RULE, moe.NORM_IN_ROUTER
+        saved = dict(warps.WARPS), tuned.TABLE, gated_deltanet.NORM_IN_RULE, moe.NORM_IN_ROUTER, pdl.PREFETCH
         try:
             for setting in variant.split("+"):
                 key, _, value = setting.partition("=")
@@ -210,14 +211,16 @@ def kernel_variants(spec: str, static: Callable[[], tuple[str, Callable[[torch.T
                     gated_deltanet.NORM_IN_RULE = value == "inside"
                 elif key == "norm-route" and value in ("inside", "apart"):
                     moe.NORM_IN_ROUTER = value == "inside"
+                elif key == "prefetch" and value in ("on", "off"):
+                    pdl.PREFETCH = value == "on"
                 else:
                     raise SystemExit(f"--kernel-variants: {setting!r} is not NAME-warps=N, tiles=FILE, "
-                                     f"gdn-norm=inside|apart or norm-route=inside|apart")
+                                     f"gdn-norm=inside|apart, norm-route=inside|apart or prefetch=on|off")
             _, step = static()
             print(f"kernels {variant}: {timed(step, token, steps)}", flush=True)
         finally:
             warps.WARPS.update(saved[0])
-            tuned.TABLE, gated_deltanet.NORM_IN_RULE, moe.NORM_IN_ROUTER = saved[1:]
+            tuned.TABLE, gated_deltanet.NORM_IN_RULE, moe.NORM_IN_ROUTER, pdl.PREFETCH = saved[1:]
 
 
 # torch operators that launch nothing: left out of --ops

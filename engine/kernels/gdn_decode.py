@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import check_device, scratch
-from engine.kernels.pdl import begin, launch
+from engine.kernels.pdl import begin, launch, launch_next, prefetch, wait_previous
 from engine.kernels.warps import warps
 
 MAX_HEAD_DIM = 128  # a [128, BLOCK_V] float32 slice of the state still fits in registers
@@ -50,9 +50,12 @@ def _delta_rule_decode_kernel(
     stride_sh, stride_sk, stride_sv, stride_ot, stride_oh, stride_zh, stride_zk, stride_zv,
     gate_ptr, nw_ptr, y_ptr, count_ptr, eps, stride_gate_t, stride_gate_h, stride_yt, stride_yh,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    begin(PDL)
+    if PREFETCH:  # the state first, while the kernel before still runs (``engine.kernels.pdl``)
+        launch_next(PDL)
+    else:
+        begin(PDL)
     i_h = tl.program_id(0)
     i_v = tl.program_id(1)
     o_k = tl.arange(0, BLOCK_K)
@@ -63,6 +66,8 @@ def _delta_rule_decode_kernel(
 
     p_s = s_ptr + i_h * stride_sh + o_k[:, None] * stride_sk + o_v[None, :] * stride_sv
     b_s = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32)  # [BK, BV]
+    if PREFETCH:
+        wait_previous(PDL)
     for t in range(T):
         b_q = tl.load(q_ptr + t * stride_qt + i_h * stride_qh + o_k, mask=m_k, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k_ptr + t * stride_kt + i_h * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
@@ -182,7 +187,7 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         s_out.stride(0), s_out.stride(1), s_out.stride(2),
         gate, weight, y, counters, float(eps), gate.stride(0), gate.stride(1), y.stride(0), y.stride(1),
         T=T, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, NORM=norm is not None,
-        BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_DV=triton.next_power_of_2(dv), PREFETCH=prefetch(),
         num_warps=warps("delta_rule") if num_warps is None else num_warps, **launch(q.device, T, "gdn"))
     return (y if norm is not None else o), s_out
 

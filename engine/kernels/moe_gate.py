@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import check_device, scratch
-from engine.kernels.pdl import begin, launch
+from engine.kernels.pdl import begin, launch, launch_next, prefetch, wait_previous
 from engine.kernels.warps import warps
 
 WHAT = "the Triton MoE gate kernels"
@@ -58,18 +58,30 @@ def _top_k(logits, e, ids_ptr, w_ptr, K: tl.constexpr, BLOCK_E: tl.constexpr):
 @triton.jit
 def _route_kernel(x_ptr, r_ptr, l_ptr, count_ptr, ids_ptr, w_ptr, E, H: tl.constexpr, stride_x, stride_r,
                   stride_l, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ALL_E: tl.constexpr,
-                  res_ptr, nw_ptr, h_out_ptr, x_out_ptr, stride_res, eps, ADD_NORM: tl.constexpr, PDL: tl.constexpr):
+                  res_ptr, nw_ptr, h_out_ptr, x_out_ptr, stride_res, eps, ADD_NORM: tl.constexpr, PDL: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     """With ``ADD_NORM`` the router's input is ``rms_norm(x + res) * nw`` (``x`` the residual stream,
     ``res`` the mixer's output), formed by every program from the two rows (L2 hits) as the residual
     add + norm kernel forms it: the sum rounded to x's dtype, float32 inside, the norm rounded to it
-    too. The first expert block's programs store the sum and the norm for the experts' launches."""
-    begin(PDL)
+    too. The first expert block's programs store the sum and the norm for the experts' launches.
+    ``PREFETCH`` with the row in one tile: the program's router rows are loaded before the wait for
+    the kernel before (``engine.kernels.pdl``)."""
+    ONE_TILE: tl.constexpr = H <= BLOCK_H
+    if PREFETCH:
+        launch_next(PDL)
+    else:
+        begin(PDL)
     pid_e = tl.program_id(0)
     t = tl.program_id(1)
     o_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     m_e = o_e < E
     p_r = r_ptr + o_e.to(tl.int64)[:, None] * stride_r  # [BE, 1]
     p_x = x_ptr + t * stride_x
+    if PREFETCH:
+        if ONE_TILE:
+            o_w = tl.arange(0, BLOCK_H)
+            r_first = tl.load(p_r + o_w[None, :], mask=m_e[:, None] & (o_w < H)[None, :], other=0.0)
+        wait_previous(PDL)
     if ADD_NORM:  # the row's mean square, in tiles (the same in every program of the token)
         sq = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -91,7 +103,10 @@ def _route_kernel(x_ptr, r_ptr, l_ptr, count_ptr, ids_ptr, w_ptr, E, H: tl.const
             x = y.to(tl.float32)
         else:
             x = tl.load(p_x + o_h, mask=m_h, other=0.0).to(tl.float32)
-        r = tl.load(p_r + o_h[None, :], mask=m_e[:, None] & m_h[None, :], other=0.0)
+        if PREFETCH and ONE_TILE:
+            r = r_first  # the loop's one tile
+        else:
+            r = tl.load(p_r + o_h[None, :], mask=m_e[:, None] & m_h[None, :], other=0.0)
         acc += r * x[None, :]
     p_l = l_ptr + t * stride_l
     tl.store(p_l + o_e, tl.sum(acc, axis=1), mask=m_e)
@@ -205,7 +220,7 @@ def _route(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int | None,
             x, router, scratch, counters, ids, weights, E, H, x.stride(0), router.stride(0), scratch.stride(0),
             K=k, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(H), TILE // block_e),
             ALL_E=triton.next_power_of_2(E), res_ptr=res, nw_ptr=norm_weight, h_out_ptr=h_out, x_out_ptr=x_out,
-            stride_res=res.stride(0), eps=eps, ADD_NORM=add is not None,
+            stride_res=res.stride(0), eps=eps, ADD_NORM=add is not None, PREFETCH=prefetch(),
             num_warps=warps("router") if num_warps is None else num_warps, **launch(x.device, T, "router"))
     return (h_out, x_out, ids, weights) if add is not None else (ids, weights)
 

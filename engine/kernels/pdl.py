@@ -17,6 +17,15 @@ PDL is for the decode step and its verify blocks: launches over more than ``MAX_
 devices of compute capability 9.0 and above, never under the Triton interpreter.
 ``LUCE_TUNE_PDL_SKIP`` names kernel families (``FAMILIES``, comma-separated) launched without it,
 for measuring one family's share.
+
+Prefetching (``PREFETCH``, ``LUCE_TUNE_PDL_PREFETCH=0`` to turn it off): a few more kernels load before
+their wait what no kernel since the last non-PDL launch writes, so those loads overlap the kernel
+before. The router its weights; the delta rule its layer's recurrent state (only that layer's own
+delta rule writes it, one step earlier, and a step's graph, or torch's launches between eager steps,
+lie between); the experts' down launch its expert ids and weights, because its gate/up launch then
+waits before it lets the down launch start (``gate_up_waits_first``), so the router that wrote the ids
+has completed by then. Under the interpreter the wait does nothing and the prefetching code is run as
+any other, so the CPU tests check its sums.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 ENV = "LUCE_TUNE_PDL"
 SKIP_ENV = "LUCE_TUNE_PDL_SKIP"
 ENABLED: bool | None = None  # None: where the device supports it, unless LUCE_TUNE_PDL=0
+PREFETCH_ENV = "LUCE_TUNE_PDL_PREFETCH"
+PREFETCH: bool | None = None  # None: unless LUCE_TUNE_PDL_PREFETCH=0
 MAX_TOKENS = 16  # the decode step's launches (verify blocks included); prefill goes without
 FAMILIES = ("gemv", "experts", "router", "norm", "gdn", "attention")
 _capable: dict[torch.device, bool] = {}
@@ -60,6 +71,13 @@ def launch(device: torch.device, tokens: int = 1, family: str = "") -> dict[str,
     attribute must wait before touching its inputs)."""
     on = enabled(device, tokens, family)
     return {"PDL": on, "launch_pdl": on}
+
+
+def prefetch() -> bool:
+    """Whether the kernels that can load inputs before their wait do so (module docstring)."""
+    if PREFETCH is not None:
+        return PREFETCH
+    return os.environ.get(PREFETCH_ENV, "1") != "0"
 
 
 @triton.jit

@@ -37,7 +37,7 @@ from engine.kernels.quant.rows import store_shared_gate
 from engine.kernels.quant.reference import QuantExperts, QuantMatrix
 from engine.kernels.fused import scratch
 from engine.kernels.moe.triton import align_by_expert, pair_block, pair_route
-from engine.kernels.pdl import begin, launch, launch_next, wait_previous
+from engine.kernels.pdl import begin, launch, launch_next, prefetch, wait_previous
 from engine.kernels.quant.tuned import config_for
 from engine.kernels.tiles import check_tiles
 
@@ -631,14 +631,20 @@ def _moe_gate_up_kernel(
     TOP_K: tl.constexpr, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap, stride_sgu,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
     SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, WAIT_FIRST: tl.constexpr,
 ):
     """Pair ``p``, rows ``BLOCK_N`` of its expert's gate and up: ``act[p] = silu(gate x) * up x``
     in float32, stored in act's dtype (zero for id -1). Pairs below ``N_ROUTED`` are routed
     (token ``p // TOP_K``); with ``HAS_SHARED``, pair ``N_ROUTED + t`` is token t's shared
     expert, whose gate rows are the first ``FFN`` rows of ``sgu`` and its up rows the next, and
-    its first row block also stores ``sgate[t] = sigmoid(x[t] . gate_inp)`` for the down launch."""
-    begin(PDL)
+    its first row block also stores ``sgate[t] = sigmoid(x[t] . gate_inp)`` for the down launch.
+    ``WAIT_FIRST``: the wait for the kernel before comes before the down launch may start (which then
+    reads the ids before its own wait, ``engine.kernels.pdl``)."""
+    if WAIT_FIRST:
+        wait_previous(PDL)
+        launch_next(PDL)
+    else:
+        begin(PDL)
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     shared, live, e, tok = pair_route(ids_ptr, p, N_ROUTED, TOP_K)
@@ -697,7 +703,7 @@ def _moe_down_pairs_kernel(
     FFN: tl.constexpr, TOP_K: tl.constexpr, stride_ap, stride_de, stride_dn, stride_ot, stride_sd,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
     SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """``_moe_down_kernel``'s sum with a program per pair: program ``q`` is token ``q // PAIRS``'s
     pair ``j = q % PAIRS`` (``j`` < ``TOP_K`` routed, ``j == TOP_K`` its shared expert), rows
@@ -705,8 +711,15 @@ def _moe_down_pairs_kernel(
     token's pair that arrives last at the row block's counter adds them times their weights in
     pair order, by the fused multiply-adds of the per-token program's sum from zero (explicit in
     both: a compiler free to contract ``acc + w * y`` would make the two differ in the last bits),
-    stores the output, then zeroes the counter for the next call."""
-    begin(PDL)
+    stores the output, then zeroes the counter for the next call.
+
+    ``PREFETCH`` (whole blocks, K in one tile, after a gate/up launch with ``WAIT_FIRST``): the pair's
+    expert id and its weight codes are loaded before the wait for the gate/up launch, the activations
+    after it (``engine.kernels.pdl``); the same sum as ``_pair_dot``'s."""
+    if PREFETCH:
+        launch_next(PDL)
+    else:
+        begin(PDL)
     PAIRS: tl.constexpr = TOP_K + HAS_SHARED
     q = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -725,7 +738,19 @@ def _moe_down_pairs_kernel(
         live = live | shared
         p_row = tl.where(shared, sd_ptr + rows * stride_sd, p_row)
         p_act = tl.where(shared, act_ptr + (N_ROUTED + t) * stride_ap, p_act)
-    y = _pair_dot(p_row, p_act, FFN, live, H, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
+    if PREFETCH:
+        N_BLOCKS: tl.constexpr = FFN // 32
+        kb = tl.arange(0, BLOCK_K // 32)
+        m_b = (kb < N_BLOCKS) & live
+        kb = tl.minimum(kb, N_BLOCKS - 1)
+        lo, hi, d = _block_codes(p_row, kb, m_b, QTYPE, SPLIT_AT)
+        wait_previous(PDL)
+        x_lo, x_hi, x_sum = _block_x(p_act, kb, live)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+        acc_b += _block_dots(lo, hi, d, x_lo, x_hi, x_sum, QTYPE)
+        y = tl.sum(acc_b, axis=1)
+    else:
+        y = _pair_dot(p_row, p_act, FFN, live, H, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
     p_part = part_ptr + t * PAIRS * H + o_n
     tl.store(p_part + j * H, y, mask=m_n)
     tl.debug_barrier()  # every thread's rows stored, then one release (``_gemv_kernel``'s semaphore)
@@ -915,6 +940,9 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     # launch that follows it on the stream
     sgate = torch.empty(T, dtype=torch.float32, device=x.device) if shared is not None else w
     bn, bk = c_up.gemv_block_n, c_up.gemv_block_k
+    # the gate/up launch waits before the down launch may start, so the down launch can load its ids and
+    # weights before its own wait (``engine.kernels.pdl``); the row kernels' gate/up does not
+    wait_first = prefetch() and not (c_up.gemv_rows_warps >= 2 and rows.rows_fit(gate.qtype, gate.layout))
     words_up = False
     if c_up.gemv_words and x.is_cuda:
         from engine.kernels.quant import words
@@ -922,7 +950,8 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
         words_up = words.experts_fit(gate, up, bk, c_up.gemv_num_warps)
     if words_up:
         words.moe_gate_up_words(x, gate, up, ids, act, n_routed, top_k,
-                                (s_gu, gate_inp, sgate) if shared is not None else None, bn, bk, c_up.gemv_num_warps)
+                                (s_gu, gate_inp, sgate) if shared is not None else None, bn, bk, c_up.gemv_num_warps,
+                                wait_first=wait_first)
     elif c_up.gemv_rows_warps >= 2 and rows.rows_fit(gate.qtype, gate.layout):
         rows.moe_gate_up_rows(x, gate, up, ids, act, n_routed, top_k,
                               (s_gu, gate_inp, sgate) if shared is not None else None, c_up.gemv_rows_warps,
@@ -933,7 +962,7 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
             x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
             sgu_stride, QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
             SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, BLOCK_H=triton.next_power_of_2(gate.k),
-            num_warps=c_up.gemv_num_warps, **launch(x.device, T, "experts"))
+            WAIT_FIRST=wait_first, num_warps=c_up.gemv_num_warps, **launch(x.device, T, "experts"))
     bn, bk = c_down.gemv_block_n, c_down.gemv_block_k
     if c_down.gemv_words and x.is_cuda:
         from engine.kernels.quant import words
@@ -953,7 +982,8 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
             act, down.raw, ids, w, out, sd_raw, sgate, part, _split_counters(x.device), down.n, n_routed, down.k,
             top_k, act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), sd_stride,
             QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
-            SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, num_warps=c_down.gemv_num_warps,
+            SPLIT_AT=down.split_at, HAS_SHARED=shared is not None,
+            PREFETCH=wait_first and _blockwise(down.qtype, bk) and bk >= down.k, num_warps=c_down.gemv_num_warps,
             **launch(x.device, T, "experts"))
         return out
     _moe_down_kernel[(T, triton.cdiv(down.n, bn))](

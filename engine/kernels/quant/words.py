@@ -193,15 +193,20 @@ def _moe_gate_up_words_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi
                               stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap, stride_sgu,
                               K: gl.constexpr, TOP_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               SPLIT_AT: gl.constexpr, HAS_SHARED: gl.constexpr, BLOCK_H: gl.constexpr,
-                              WARPS: gl.constexpr, PDL: gl.constexpr):
+                              WARPS: gl.constexpr, PDL: gl.constexpr, WAIT_FIRST: gl.constexpr):
     """Pair ``p``, rows ``BLOCK_N`` of its expert's gate and up: ``act[p] = silu(gate x) * up x`` in float32,
     stored in act's dtype (zero for id -1), as ``engine.kernels.quant.triton._moe_gate_up_kernel`` computes
     it: pairs below ``N_ROUTED`` are routed (token ``p // TOP_K``); with ``HAS_SHARED`` pair ``N_ROUTED + t``
     is token t's shared expert (gate rows the first ``FFN`` of ``sgu``, up rows the next), whose first
     row block also stores ``sgate[t]``. Which expert a pair reads comes from the router's launch, so the
-    wait for the kernel before comes first."""
-    _launch_next(PDL)
-    _wait_previous(PDL)
+    wait for the kernel before comes first; with ``WAIT_FIRST`` it also comes before the down launch may
+    start, which may then read the ids before its own wait (``engine.kernels.pdl``)."""
+    if WAIT_FIRST:
+        _wait_previous(PDL)
+        _launch_next(PDL)
+    else:
+        _launch_next(PDL)
+        _wait_previous(PDL)
     NB: gl.constexpr = BLOCK_K // 32
     N_BLOCKS: gl.constexpr = K // 32
     L: gl.constexpr = _word_layout(BLOCK_N, WARPS)
@@ -253,12 +258,13 @@ def experts_fit(gate: QuantExperts, up: QuantExperts, block_k: int, warps: int) 
 
 def moe_gate_up_words(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, ids: torch.Tensor, act: torch.Tensor,
                       n_routed: int, top_k: int, shared: tuple[QuantMatrix, torch.Tensor, torch.Tensor] | None,
-                      block_n: int, block_k: int, warps: int) -> None:
+                      block_n: int, block_k: int, warps: int, wait_first: bool = False) -> None:
     """The experts' gate/up launch of ``engine.kernels.quant.triton.quantized_moe_triton`` with the word
     layout: ``act`` [pairs, ffn] gets ``silu(gate x) * up x`` per pair (routed pairs first, then each
     token's shared expert when ``shared`` = (gate and up merged [2 ffn, K], gate_inp [K] float32, sgate [T]
     float32, which the first row block of each shared pair fills)). ``experts_fit`` must hold; tiles are
-    powers of two."""
+    powers of two. ``wait_first``: the down launch that follows may start only once the kernel before this
+    one has completed (it then reads the ids before its own wait)."""
     for name, v in (("block_n", block_n), ("block_k", block_k), ("warps", warps)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"moe_gate_up_words' {name} must be a power of two, got {v}")
@@ -277,8 +283,8 @@ def moe_gate_up_words(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, ids
         n_routed, x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1),
         act.stride(0), s_gu.raw.stride(0) if s_gu is not None else 0, K=gate.k, TOP_K=top_k, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_AT=gate.split_at, HAS_SHARED=s_gu is not None,
-        BLOCK_H=triton.next_power_of_2(gate.k), WARPS=warps, PDL=pdl["PDL"], num_warps=warps,
-        launch_pdl=pdl["launch_pdl"])
+        BLOCK_H=triton.next_power_of_2(gate.k), WARPS=warps, PDL=pdl["PDL"], WAIT_FIRST=wait_first,
+        num_warps=warps, launch_pdl=pdl["launch_pdl"])
 
 
 @gluon.constexpr_function

@@ -87,7 +87,7 @@ def test_block_expert_kernel_compiles(tmp_path):
     types = {"x_ptr": "*fp32", "g_ptr": "*u8", "u_ptr": "*u8", "ids_ptr": "*i64", "act_ptr": "*fp32",
              "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32"}
     consts = {"K": 2048, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 4, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 1024,
-              "HAS_SHARED": True, "BLOCK_H": 2048}
+              "HAS_SHARED": True, "BLOCK_H": 2048, "WAIT_FIRST": True}
     sass = _sass("_moe_gate_up_kernel", types, consts, 4, tmp_path, module="engine.kernels.quant.triton")
     assert "LDG.E.64" in sass and "LDL" not in sass and "STL" not in sass
 
@@ -113,6 +113,11 @@ def test_gemv_loads_its_first_weight_tile_before_waiting_on_the_kernel_before(pd
     assert masked and min(masked) > wait
 
 
+DOWN_PAIRS_TYPES = {"act_ptr": "*bf16", "d_ptr": "*u8", "ids_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16",
+                    "sd_ptr": "*u8", "sgate_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"}
+DELTA_RULE_TYPES = {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32",
+                    "s_ptr": "*fp32", "o_ptr": "*fp32", "s_out_ptr": "*fp32", "scale": "fp32", "gate_ptr": "*bf16",
+                    "nw_ptr": "*fp32", "y_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32"}
 ROUTER_TYPES = {"x_ptr": "*bf16", "r_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i64",
                 "w_ptr": "*fp32", "res_ptr": "*bf16", "nw_ptr": "*fp32", "h_out_ptr": "*bf16", "x_out_ptr": "*bf16",
                 "eps": "fp32"}
@@ -128,19 +133,20 @@ ROUTER_TYPES = {"x_ptr": "*bf16", "r_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr
       "g_ptr": "*bf16"},
      {"N_CHUNKS": 64, "GROUP": 8, "D": 256, "BLOCK_T": 1, "CHUNK": 256, "BLOCK_C": 16, "GATED": True, "PDL": True}),
     ("engine.kernels.moe_gate", "_route_kernel", ROUTER_TYPES,
-     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": False, "PDL": True}),
+     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": False, "PDL": True,
+      "PREFETCH": False}),
     ("engine.kernels.moe_gate", "_route_kernel", ROUTER_TYPES,
-     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": True, "PDL": True}),
-    ("engine.kernels.quant.triton", "_moe_down_pairs_kernel",
-     {"act_ptr": "*bf16", "d_ptr": "*u8", "ids_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16", "sd_ptr": "*u8",
-      "sgate_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"},
+     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": True, "PDL": True,
+      "PREFETCH": False}),
+    ("engine.kernels.quant.triton", "_moe_down_pairs_kernel", DOWN_PAIRS_TYPES,
      {"FFN": 512, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 4, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 256,
-      "HAS_SHARED": True, "PDL": True}),
+      "HAS_SHARED": True, "PDL": True, "PREFETCH": False}),
     ("engine.kernels.gdn_decode", "_delta_rule_decode_kernel",
      {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "s_ptr": "*fp32",
       "o_ptr": "*fp32", "s_out_ptr": "*fp32", "scale": "fp32", "gate_ptr": "*bf16", "nw_ptr": "*fp32",
       "y_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32"},
-     {"T": 1, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": True, "BLOCK_DV": 128, "PDL": True}),
+     {"T": 1, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": True, "BLOCK_DV": 128, "PDL": True,
+      "PREFETCH": False}),
 ], ids=["cache_write", "gated_combine", "router", "router_add_norm", "down_per_pair", "delta_rule_gated_norm"])
 def test_attention_glue_kernels_compile(module, name, types, consts, tmp_path):
     """The attention layer's fused cache write and gated combine, the router (with the residual add +
@@ -161,7 +167,8 @@ def test_attention_glue_kernels_compile(module, name, types, consts, tmp_path):
      {"x_ptr": "*bf16", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32"},
      {"D": 256, "HALF": 32, "BLOCK_D": 256, "PDL": True}),
     ("engine.kernels.moe_gate", "_route_kernel", ROUTER_TYPES,
-     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": True, "PDL": True}),
+     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": True, "PDL": True,
+      "PREFETCH": True}),
 ], ids=["add_norm", "gated_norm", "norm_rope", "router_add_norm"])
 def test_small_kernels_build_at_one_warp(module, name, types, consts, tmp_path):
     """The norms, the norm + RoPE and the router with the add + norm at the 35B rows with one warp a
@@ -232,7 +239,8 @@ def test_word_gate_up_compiles_as_two_word_gemvs(tmp_path):
     types = {"x_ptr": "*bf16", "g_ptr": "*u8", "u_ptr": "*u8", "ids_ptr": "*i32", "act_ptr": "*bf16",
              "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32", "w_ptr": "*u8", "out_ptr": "*bf16"}
     tile = {"K": 2048, "BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_AT": 1024, "WARPS": 2, "PDL": True}
-    sass = _sass("_moe_gate_up_words_kernel", types, {**tile, "TOP_K": 8, "HAS_SHARED": True, "BLOCK_H": 2048}, 2,
+    sass = _sass("_moe_gate_up_words_kernel", types, {**tile, "TOP_K": 8, "HAS_SHARED": True, "BLOCK_H": 2048,
+                                                      "WAIT_FIRST": False}, 2,
                  tmp_path, module="engine.kernels.quant.words")
     gemv = _sass("_gemv_words_kernel", types, tile, 2, tmp_path, module="engine.kernels.quant.words")
     ops = _instructions(sass)
@@ -257,3 +265,48 @@ def test_word_down_compiles_with_vector_loads(tmp_path):
     lines = sass.split("\n")
     wait = next(i for i, line in enumerate(lines) if "ACQBULK" in line)
     assert not [i for i, line in enumerate(lines) if i < wait and re.search(r"\sLDG\.E", line)]
+
+
+def _before_wait(sass: str, pattern: str) -> tuple[int, int]:
+    """(loads matching ``pattern`` before the PDL wait, after it) in the machine code."""
+    lines = sass.split("\n")
+    wait = next(i for i, line in enumerate(lines) if "ACQBULK" in line)
+    hits = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+    return sum(i < wait for i in hits), sum(i > wait for i in hits)
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "plain"])
+@pytest.mark.parametrize("module, name, types, consts, least", [
+    ("engine.kernels.moe_gate", "_route_kernel", ROUTER_TYPES,
+     {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": True, "PDL": True}, 2),
+    ("engine.kernels.gdn_decode", "_delta_rule_decode_kernel", DELTA_RULE_TYPES,
+     {"T": 1, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": False, "BLOCK_DV": 128, "PDL": True}, 4),
+    ("engine.kernels.quant.triton", "_moe_down_pairs_kernel", DOWN_PAIRS_TYPES,
+     {"FFN": 512, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 16, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 256,
+      "HAS_SHARED": True, "PDL": True}, 2),
+], ids=["router", "delta_rule", "down_per_pair"])
+def test_prefetching_kernels_load_before_their_wait(module, name, types, consts, least, prefetch, tmp_path):
+    """With ``PREFETCH`` (``engine.kernels.pdl``) the router's weight rows, the delta rule's state and the
+    down launch's code bytes are loaded before the PDL wait, and still some loads after it (the inputs the
+    kernel before writes); without it nothing is loaded before the wait. At the 35B decode tiles, without
+    spills."""
+    sass = _sass(name, types, {**consts, "PREFETCH": prefetch}, 4, tmp_path, module=module)
+    before, after = _before_wait(sass, r"\sLDG\.E")
+    assert "LDL" not in sass and "STL" not in sass
+    assert after >= 1
+    assert before >= least if prefetch else before == 0, (before, after)
+
+
+@pytest.mark.parametrize("wait_first", [True, False], ids=["wait_first", "launch_first"])
+def test_word_gate_up_waits_before_the_down_launch_may_start(wait_first, tmp_path):
+    """``WAIT_FIRST``: the gate/up launch's wait (ACQBULK) comes before it lets the next kernel launch
+    (PREEXIT), so the down launch starts after the router has completed; otherwise the other way round."""
+    types = {"x_ptr": "*bf16", "g_ptr": "*u8", "u_ptr": "*u8", "ids_ptr": "*i32", "act_ptr": "*bf16",
+             "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32"}
+    consts = {"K": 2048, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_AT": 1024, "WARPS": 2, "PDL": True, "TOP_K": 8,
+              "HAS_SHARED": True, "BLOCK_H": 2048, "WAIT_FIRST": wait_first}
+    lines = _sass("_moe_gate_up_words_kernel", types, consts, 2, tmp_path, module="engine.kernels.quant.words")
+    lines = lines.split("\n")
+    (wait,) = [i for i, line in enumerate(lines) if "ACQBULK" in line]
+    (launch,) = [i for i, line in enumerate(lines) if re.search(r"\bPREEXIT\b", line)]
+    assert (wait < launch) == wait_first
