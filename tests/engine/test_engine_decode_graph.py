@@ -223,3 +223,28 @@ def test_cuda_graph_through_an_all_hot_hybrid_placement(tmp_path):
     assert "HybridExperts needs the host" in cold.timings.extra["decode_graph_blocker"]
     assert cold.ids == plain.ids[:8]
     eng.hybrid.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_tokens_are_the_same_with_the_loads_before_the_wait_and_without(monkeypatch, tmp_path):
+    """The captured step with the decode kernels loading before their PDL wait (the router's rows, the delta
+    rule's state, the down launch's ids and codes) decodes the tokens it decodes with them loading after it,
+    and with PDL off: a load that raced a write of the launch before would change them."""
+    from engine.kernels import pdl
+
+    path = make_model(tmp_path / "tiny.gguf", "tiny", seed=7, n_layers=8, quant="q4_0")
+    ids = None
+    runs = {}
+    for name, enabled, prefetch in (("prefetch", None, True), ("after the wait", None, False), ("no PDL", False, False)):
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        monkeypatch.setattr(pdl, "PREFETCH", prefetch)
+        eng = Engine.from_gguf(path, device="cuda", dtype="float32", weights="quantized", cold_format="quantized",
+                               hot_format="quantized", expert_budget_mb=0, cuda_graph=True)
+        placement = eng.set_expert_budget(0)
+        eng.set_expert_budget(placement.n_expert * sum(placement.expert_bytes) / 2**20)  # every expert hot
+        ids = ids or eng.tokenizer.encode("def merge(a, b):\n")
+        out = eng.generate(ids, 48, ignore_eos=True)
+        assert out.timings.extra["decode_path"] == "cuda_graph", out.timings.extra.get("decode_graph_blocker")
+        runs[name] = out.ids
+    assert runs["prefetch"] == runs["after the wait"] == runs["no PDL"]
