@@ -11,7 +11,7 @@ source "$(dirname "$0")/env.sh"
 start_q35
 t0=$(date +%s)
 timeout ${TESTS_S:-200} python3 -m pytest -m "gpu or not gpu" -o addopts="" -q --tb=short -p no:cacheprovider \
-  tests/engine/kernels/test_prefetch.py tests/engine/kernels/test_quant_matmul.py -k "per_pair or prefetch" \
+  tests/engine/kernels/test_prefetch.py tests/engine/kernels/test_quant_matmul.py -k "prefetch or shared_expert_rides" \
   > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
 tests_summary "$t0"
 [ -z "$maker" ] || wait $maker
