@@ -43,6 +43,9 @@ def generate(
     cold_device: str = typer.Option(
         "cpu", "--cold-device", help="what computes the cold experts: cpu (CPU threads) or gpu (the GPU reads "
         "their pinned host copies over the bus; no host sync, so the decode step is captured with them too)"),
+    cold_cpu_share: Optional[float] = typer.Option(
+        None, "--cold-cpu-share", help="with --cold-device gpu: share (0-1) of the cold experts computed by CPU "
+        "threads beside the bus in decode steps (Q4_0/Q8_0 experts; one thread per core but one)"),
     weights: str = typer.Option(
         "dense", "--weights", help="dense (dequantized at load) or quantized (projection matrices kept as GGUF "
         "blocks, dequantized in the matmul kernels)"),
@@ -85,9 +88,13 @@ def generate(
         raise ConfigError(f"--cold-device must be cpu or gpu, got {cold_device!r}")
     if cold_device != "cpu" and expert_budget is None:
         raise ConfigError("--cold-device needs --expert-budget (without it every expert stays on the device)")
+    if cold_cpu_share is not None and cold_device != "gpu":
+        raise ConfigError("--cold-cpu-share needs --cold-device gpu (with --cold-device cpu the threads compute "
+                          "every cold expert)")
     eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads,
                            expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format,
-                           weights=weights, cuda_graph=cuda_graph, hot_format=hot_format, cold_device=cold_device)
+                           weights=weights, cuda_graph=cuda_graph, hot_format=hot_format, cold_device=cold_device,
+                           cold_cpu_share=cold_cpu_share)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:

@@ -167,7 +167,8 @@ class Engine:
                   routing_stats: str | Path | None = None, drafter: str | Path | None = None,
                   pflash_threshold: int | None = None, draft: str | Path | None = None,
                   cold_format: str = "dense", weights: str = "dense", cuda_graph: bool = True,
-                  hot_format: str = "dense", cold_device: str = "cpu", **options: Any) -> "Engine":
+                  hot_format: str = "dense", cold_device: str = "cpu", cold_cpu_share: float | None = None,
+                  **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
@@ -177,7 +178,9 @@ class Engine:
         ``hot_format="quantized"`` (with it) the hot experts on the device too, run by the
         quantized-expert kernels, the budget then counting quantized bytes; ``cold_device="gpu"``
         has the GPU compute the cold experts, reading their pinned host copies over the bus
-        (``engine.hybrid``), so a step with cold experts needs no host and can be captured; ``drafter``
+        (``engine.hybrid``), so a step with cold experts needs no host and can be captured, and
+        ``cold_cpu_share`` (0 to 1, with it and a budget) hands that share of the cold experts to CPU threads
+        working beside the bus in decode-sized calls (``engine.kernels.host_experts``); ``drafter``
         loads a PFlash drafter sharing the target's vocabulary;
         ``draft`` attaches a DFlash draft, checked against the target before any tensor loads.
         ``weights="quantized"`` keeps the block-quantized projection matrices (attention, Gated
@@ -201,6 +204,10 @@ class Engine:
             raise ConfigError("hot_format='quantized' needs cold_format='quantized' (both tiers read the GGUF blocks)")
         if cold_device not in ("cpu", "gpu"):
             raise ConfigError(f"cold_device must be 'cpu' or 'gpu', got {cold_device!r}")
+        if cold_cpu_share is not None and not 0.0 <= cold_cpu_share <= 1.0:
+            raise ConfigError(f"cold_cpu_share must be between 0 and 1, got {cold_cpu_share}")
+        if cold_cpu_share and (cold_device != "gpu" or expert_budget_mb is None):
+            raise ConfigError("cold_cpu_share needs cold_device='gpu' and an expert budget")
         if threads is not None:
             if threads < 1:
                 raise ConfigError(f"threads must be at least 1, got {threads}")
@@ -246,6 +253,8 @@ class Engine:
             eng.draft = draft_file.load(device=dev, dtype=dt)
         if expert_budget_mb is not None:
             eng.set_expert_budget(expert_budget_mb)
+            if cold_cpu_share is not None:
+                eng.set_cold_cpu_share(cold_cpu_share)
         _sync(dev)
         eng.load_s = time.perf_counter() - t0
         return eng
@@ -305,6 +314,15 @@ class Engine:
                 raise
             return self.hybrid.placement
         return self.hybrid.set_budget(budget_mb)
+
+    def set_cold_cpu_share(self, share: float) -> None:
+        """Hand ``share`` (0 to 1) of the cold experts to CPU threads working beside the bus in decode-sized
+        calls (``HybridExperts.set_cpu_share``); needs a placement with ``cold_device="gpu"``."""
+        if self.hybrid is None:
+            raise ConfigError("a CPU share of the cold experts needs an expert budget (set_expert_budget first)")
+        self._graphs.clear()  # captured with the old split
+        self._prefills.clear()
+        self.hybrid.set_cpu_share(share)
 
     def _ids_tensor(self, ids: Sequence[int]) -> torch.Tensor:
         if len(ids) == 0:
@@ -487,6 +505,8 @@ class Engine:
         None, the time of this progress). A generation that made no progress for ``stall_timeout_s``
         raises ``GenerationStalled``."""
         new.append(token)
+        if self.hybrid is not None and self.hybrid.cpu_share:
+            self.hybrid.check_cpu_share()  # a host word: the threads' or the device's wait's failure
         now = time.perf_counter()
         if now - last > self.stall_timeout_s:
             raise GenerationStalled(f"generation made no progress for {now - last:.0f} s "

@@ -82,6 +82,7 @@ class HybridStats:
     expected_cold_hit_rate: float  # from the routing statistics
     expert_vram_mb: float  # device memory held by hot experts
     expert_host_mb: float = 0.0  # host memory held by the master copies of all experts
+    cold_cpu_share: float = 0.0  # share of the cold mass CPU threads compute beside the bus (cold_device="gpu")
 
     @property
     def cold_hit_rate(self) -> float:
@@ -248,6 +249,11 @@ class _LayerTiers:
         self.host_hot = torch.zeros(self.n_expert, dtype=torch.bool)
         self.slot_of = torch.full((self.n_expert,), -1, dtype=torch.int64, device=device)
         self.cold_of = torch.arange(self.n_expert, device=device)  # expert id where cold, -1 where hot
+        # with a CPU share (``HybridExperts.set_cpu_share``): the cold experts the bus still carries, and int8
+        # flags of those the CPU threads compute in decode-sized calls
+        self.bus_cold_of = torch.arange(self.n_expert, device=device)
+        self.mine = torch.zeros(self.n_expert, dtype=torch.int8, device=device)
+        self.n_mine = 0
         self.mapped: tuple[Any, ...] | None = None  # every expert in host memory, read by the device (cold_device="gpu")
         self.cold_runs = _cold_runs([False] * self.n_expert)  # (first expert, count) of runs of cold experts
 
@@ -287,6 +293,18 @@ class _LayerTiers:
         self.host_hot = slot_of >= 0
         self.cold_of.copy_(torch.where(self.host_hot, -1, torch.arange(self.n_expert)))
         self.cold_runs = _cold_runs(self.host_hot.tolist())
+        self.assign_cpu(())
+
+    def assign_cpu(self, experts: Sequence[int]) -> None:
+        """Make ``experts`` (cold ones) the layer's CPU set; the bus carries the other cold experts."""
+        mine = torch.zeros(self.n_expert, dtype=torch.int8)
+        if experts:
+            mine[torch.tensor(list(experts))] = 1
+        if bool((mine.bool() & self.host_hot).any()):
+            raise ValueError("only cold experts can be computed by the CPU threads")
+        self.mine.copy_(mine)
+        self.n_mine = int(mine.sum())
+        self.bus_cold_of.copy_(torch.where(self.host_hot | mine.bool(), -1, torch.arange(self.n_expert)))
 
     def hot_moe(self, x: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, impl: str,
                 config: "MoEKernelConfig | None") -> torch.Tensor:
@@ -326,16 +344,22 @@ class HybridExperts:
                  budget_mb: float, *, device: torch.device | str, stats: RoutingStats, min_hot: int,
                  reserve: GpuReserve | None = None, max_expert_mb: float | None = None,
                  threads: int | None = None, impl: str = "auto", kernel_config: "MoEKernelConfig | None" = None,
-                 gguf_file: "RawTensorSource | None" = None, cold_device: str = "cpu"):
+                 gguf_file: "RawTensorSource | None" = None, cold_device: str = "cpu",
+                 cpu_share: float | None = None):
         """``host_experts``: per layer (gate, up, down) in host memory (pinned for CUDA) or a
         ``QuantizedExperts``, placed for ``budget_mb``. ``max_expert_mb`` caps device memory for
         experts below what the live GPU allows; ``threads`` sizes the CPU pool; ``impl`` picks the
         device kernels; ``gguf_file`` is the file the quantized experts view, closed by ``close``;
-        ``cold_device`` computes the cold experts on CPU threads or on the device (module docstring)."""
+        ``cold_device`` computes the cold experts on CPU threads or on the device (module docstring);
+        ``cpu_share`` (with ``cold_device="gpu"``; default ``LUCE_TUNE_COLD_CPU_SHARE`` or 0) hands that share of
+        the cold experts' routed mass to CPU threads in decode-sized calls (``set_cpu_share``)."""
         if cold_device not in COLD_DEVICES:
             raise ConfigError(f"cold device must be one of {', '.join(COLD_DEVICES)}, got {cold_device!r}")
         self.cold_device = cold_device
         self.device = torch.device(device)
+        self.cpu_share = 0.0
+        self._host_share: Any = None  # engine.kernels.host_experts.HostShare, started by the first share > 0
+        self._threads_given = threads is not None
         if len(host_experts) != stats.n_layers:
             raise ValueError(f"{len(host_experts)} layers of experts but routing statistics for {stats.n_layers}")
         if threads is not None and threads < 1:
@@ -373,6 +397,10 @@ class HybridExperts:
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
         self.placement: Placement
         self.set_budget(budget_mb)
+        if cpu_share is None:
+            cpu_share = _env_share()
+        if cpu_share:
+            self.set_cpu_share(cpu_share)
 
     @classmethod
     def from_model(cls, model: Any, budget_mb: float, stats: RoutingStats | None = None, *,
@@ -456,8 +484,68 @@ class HybridExperts:
             torch.cuda.empty_cache()
         self.placement = placement
         self.placement_version += 1
+        if self.cpu_share:
+            self._assign_cpu_share()
         self.reset_counters()
         return placement
+
+    def set_cpu_share(self, share: float) -> None:
+        """Hand ``share`` (0 to 1) of each layer's cold routed mass to CPU threads in decode-sized calls
+        (``engine.kernels.host_experts``), the bus carrying the rest; 0 stops handing any. Needs
+        ``cold_device="gpu"`` and Q4_0 or Q8_0 cold experts held as host blocks. The threads start with
+        the first share above 0 (``threads`` of them, else one per core but one). Captured steps made
+        before a change no longer match the executor: the engine captures again."""
+        if not 0.0 <= share <= 1.0:
+            raise ConfigError(f"the cold experts' CPU share must be between 0 and 1, got {share}")
+        if share and self.cold_device != "gpu":
+            raise ConfigError("a CPU share of the cold experts needs cold_device='gpu' (with cold_device='cpu' "
+                              "CPU threads compute all of them already)")
+        if share and self._host_share is None:
+            self._host_share = self._start_host_share()
+        self.cpu_share = float(share)
+        self._assign_cpu_share()
+        self.placement_version += 1
+
+    def _start_host_share(self) -> Any:
+        from engine.kernels.host_experts import QTYPES, HostShare
+
+        mats = []
+        hidden = ffn = 0
+        for i, layer in enumerate(self._layers):
+            host = layer.host
+            if not isinstance(host, QuantizedExperts) or host.blocks is None:
+                raise ConfigError("a CPU share of the cold experts needs quantized experts held as host blocks "
+                                  "(cold_format='quantized' with cold_device='gpu')")
+            bad = [r.qtype.name for r in host.raw if r.qtype not in QTYPES]
+            if bad:
+                raise ConfigError(f"a CPU share of the cold experts computes Q4_0 and Q8_0 experts; layer {i} has "
+                                  f"{', '.join(bad)}")
+            mats.append([(b, r.qtype, r.rows, r.cols, lay) for b, r, lay in zip(host.blocks, host.raw, host.layouts)])
+            hidden, ffn = host.raw[0].cols, max(ffn, host.raw[0].rows)
+        threads = self.threads if self._threads_given else max(1, (os.cpu_count() or 2) - 1)
+        return HostShare(mats, hidden=hidden, ffn=ffn, threads=threads, device=self.device)
+
+    def _assign_cpu_share(self) -> None:
+        """Each layer's CPU set: its cold experts in falling routed counts, taken while the set's mass
+        stays within ``cpu_share`` of the layer's cold mass (uniform counts: that share of the experts)."""
+        counts = self.stats.counts
+        with torch.inference_mode(False):
+            for i, layer in enumerate(self._layers):
+                self._assign_layer(i, layer, counts)
+
+    def _assign_layer(self, i: int, layer: _LayerTiers, counts: torch.Tensor) -> None:
+        cold = [e for e in range(layer.n_expert) if not bool(layer.host_hot[e])]
+        if not self.cpu_share or not cold:
+            layer.assign_cpu(())
+            return
+        mass = counts[i, cold].double() + 1e-9
+        order = sorted(range(len(cold)), key=lambda j: -float(mass[j]))
+        total, taken, mine = float(mass.sum()), 0.0, []
+        for j in order:  # hottest first, each taken while the set stays within the share (to half an expert)
+            if taken + float(mass[j]) / 2 <= self.cpu_share * total:
+                mine.append(cold[j])
+                taken += float(mass[j])
+        layer.assign_cpu(sorted(mine))
 
     @property
     def graph_safe(self) -> bool:
@@ -520,9 +608,17 @@ class HybridExperts:
         slots = layer.slot_of[topk_ids]  # [T, k], -1 where the expert is cold
         self._hot_hits[layer_idx].add_((slots >= 0).sum())
         if self.cold_device == "gpu":
-            out = self._cold_on_device(layer, x, topk_ids, topk_w).float()
+            share = self._host_share if layer.n_mine and self._host_share is not None else None
+            if share is not None and not share.fits(*topk_ids.shape):
+                share = None
+            if share is not None:  # the threads start on their pairs while the device computes the others
+                share.publish(layer_idx, x, topk_ids, topk_w, layer.mine)
+            out = self._cold_on_device(layer, x, topk_ids, topk_w,
+                                       layer.bus_cold_of if share is not None else layer.cold_of).float()
             if layer.n_hot:
                 out += layer.hot_moe(x, slots, topk_w, self.impl, self.kernel_config).float()
+            if share is not None:
+                share.collect(out)
             return out.to(x.dtype)
 
         host = torch.device("cpu")
@@ -543,10 +639,11 @@ class HybridExperts:
             cold += hot
         return cold.to(x.dtype)
 
-    def _cold_on_device(self, layer: _LayerTiers, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The cold experts' output [T, H] computed by the device from host memory: read in place
-        for short calls, copied to the device in runs of experts for long ones."""
-        cold_ids = layer.cold_of[ids]  # [T, k], -1 where the expert is hot
+    def _cold_on_device(self, layer: _LayerTiers, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                        cold_of: torch.Tensor) -> torch.Tensor:
+        """The output [T, H] of the cold experts that ``cold_of`` maps (-1: not these) computed by the device
+        from host memory: read in place for short calls, copied to the device in runs of experts for long ones."""
+        cold_ids = cold_of[ids]  # [T, k], -1 where the expert is hot (or the CPU threads'
         host, T, k = layer.host, *ids.shape
         if T * k <= layer.n_expert:
             gathered = self._gathered(layer, cold_ids)
@@ -613,6 +710,7 @@ class HybridExperts:
 
     def stats_snapshot(self) -> HybridStats:
         """Counters since the last reset (reads the device counters: one host synchronisation)."""
+        self.check_cpu_share()
         placement = self.placement
         all_hot = torch.tensor([layer.n_hot == layer.n_expert for layer in self._layers], device=self.device)
         pairs_of = self._pairs + torch.tensor(self._host_pairs, dtype=torch.int64, device=self.device)
@@ -622,7 +720,7 @@ class HybridExperts:
             budget_mb=placement.budget_mb, hot_experts=placement.hot_count, cold_experts=placement.cold_count,
             hot_hits=hot_hits, cold_hits=pairs - hot_hits,
             expected_cold_hit_rate=placement.expected_cold_hit_rate, expert_vram_mb=self.expert_vram_bytes / MB,
-            expert_host_mb=self.expert_host_bytes / MB)
+            expert_host_mb=self.expert_host_bytes / MB, cold_cpu_share=self.cpu_share)
 
     def reset_counters(self) -> None:
         self._hot_hits.zero_()
@@ -640,11 +738,32 @@ class HybridExperts:
             raise ValueError(f"{len(delta)} counts for {len(self._host_pairs)} layers")
         self._host_pairs = [a + b for a, b in zip(self._host_pairs, delta)]
 
+    def check_cpu_share(self) -> None:
+        """Raise where the CPU share failed a call (reads host memory: no device synchronisation)."""
+        if self._host_share is not None:
+            self._host_share.check()
+
     def close(self) -> None:
         """Stop the CPU threads and close the GGUF file, if any (the executor cannot run afterwards)."""
         self._pool.shutdown(wait=True)
+        if self._host_share is not None:
+            self._host_share.close()
+            self._host_share = None
         if self._gguf_file is not None:
             self._gguf_file.close()
+
+
+COLD_CPU_SHARE_ENV = "LUCE_TUNE_COLD_CPU_SHARE"
+
+
+def _env_share() -> float:
+    text = os.environ.get(COLD_CPU_SHARE_ENV, "").strip()
+    if not text:
+        return 0.0
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{COLD_CPU_SHARE_ENV} must be a number between 0 and 1, got {text!r}") from None
 
 
 def _checked_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: float, min_hot: int,

@@ -87,9 +87,9 @@ def test_device_cold_tier_matches_the_cpu_threads(q4_file, fmt, fraction, monkey
     calls = []
     real = hybrid_module.HybridExperts._cold_on_device
 
-    def spy(self, layer, x, ids, w):
+    def spy(self, layer, x, ids, w, *rest):
         calls.append(x.shape[0])
-        return real(self, layer, x, ids, w)
+        return real(self, layer, x, ids, w, *rest)
 
     def no_threads(*_):
         raise AssertionError("the CPU threads computed cold experts")

@@ -1,0 +1,296 @@
+/* CPU threads computing a share of the cold experts while the GPU computes the rest.
+
+   The GPU publishes a layer's routing into a mailbox in pinned host memory (a sequence number, the
+   layer, the pairs' expert ids with -1 for pairs that are not this pool's, their weights and the
+   tokens' hidden rows in float32) and goes on with its own experts; these threads, spinning on the
+   sequence number, compute SwiGLU(x) for their pairs straight from the host copies of the GGUF blocks,
+   write the weighted sum per token into the reply, and set the reply's sequence number, on which
+   the GPU waits before adding the sum (engine/kernels/host_experts.py).
+
+   Two phases a job, split over the threads by rows: gate and up rows of every pair (h = silu(g) * u),
+   then the down rows of every token's output, summed over its pairs in pair order. The threads meet
+   between them on monotonic counters. Weights are dequantized in registers and multiplied with
+   float32 rows in float32 (no rounding of x), AVX2 + FMA where the compiler targets it.
+
+   Layout of the mailbox (int32 words): [0] sequence, [16] layer, [17] tokens, [18] pairs per token,
+   [32 ..) ids [max_pairs], then weights float32 [max_pairs], then x float32 [max_tokens * hidden].
+   The reply: [0] sequence, [1] status (0 ok; LT_ERR_* otherwise), [16 ..) y float32 [max_tokens * hidden]. */
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LT_AVX2 1
+#else
+#define LT_AVX2 0
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ volatile("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define QT_Q4_0 2
+#define QT_Q8_0 8
+#define LT_ERR_LAYER 1   /* a layer with no registered matrices */
+#define LT_ERR_SHAPE 2   /* tokens or pairs over the mailbox's room, or an expert id out of range */
+#define HEADER 32
+#define IDLE_NS 20000000LL  /* spinning this long with no job: sleep between checks */
+
+typedef struct {
+    const uint8_t *base;  /* [experts, rows, row_bytes] */
+    int64_t expert_bytes, row_bytes;
+    int rows, cols, qtype, split, experts;
+} matrix_t;
+
+typedef struct {
+    int nthreads, max_pairs, max_tokens, hidden, ffn, nlayers;
+    volatile int32_t *mailbox, *reply;
+    matrix_t *mats;  /* [nlayers * 3]: gate, up, down */
+    float *h;        /* [max_pairs * ffn] */
+    int32_t *pairs;  /* [max_pairs]: indices of this pool's pairs, rebuilt by every thread (same result) */
+    int64_t phase1, phase2, jobs;
+    int32_t start_seq;  /* the mailbox's number when the pool started: a thread scheduled late still sees the first job */
+    volatile int stop;
+    pthread_t *threads;
+} pool_t;
+
+typedef struct { pool_t *pool; int index; } worker_t;
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {  /* subnormal */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+#if LT_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+static inline __m256 bytes8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+#endif
+
+/* One row's dot product with float32 x [cols]. Q4_0: element j of a block is (low nibble of byte j) - 8,
+   element j + 16 (high nibble of byte j) - 8; Q8_0: signed bytes. ggml's order is (scale, codes) per
+   block; the split layout holds every block's codes, then every block's scale. */
+static float row_dot(const matrix_t *m, const uint8_t *row, const float *x) {
+    const int nb = m->cols / 32, code = m->qtype == QT_Q4_0 ? 16 : 32, size = code + 2;
+    const uint8_t *codes = m->split ? row : row + 2, *scales = m->split ? row + (int64_t)nb * code : row;
+    const int code_step = m->split ? code : size, scale_step = m->split ? 2 : size;
+#if LT_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *q = codes + (int64_t)b * code_step;
+        uint16_t hs; memcpy(&hs, scales + (int64_t)b * scale_step, 2);
+        const float *xb = x + 32 * b;
+        __m128i v0, v1;
+        if (m->qtype == QT_Q4_0) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+            v0 = _mm_sub_epi8(_mm_and_si128(raw, mask), eight);
+            v1 = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), eight);
+        } else {
+            v0 = _mm_loadu_si128((const __m128i *)q);
+            v1 = _mm_loadu_si128((const __m128i *)(q + 16));
+        }
+        __m256 s = _mm256_mul_ps(bytes8(v0), _mm256_loadu_ps(xb));
+        s = _mm256_fmadd_ps(bytes8(_mm_srli_si128(v0, 8)), _mm256_loadu_ps(xb + 8), s);
+        s = _mm256_fmadd_ps(bytes8(v1), _mm256_loadu_ps(xb + 16), s);
+        s = _mm256_fmadd_ps(bytes8(_mm_srli_si128(v1, 8)), _mm256_loadu_ps(xb + 24), s);
+        acc = _mm256_fmadd_ps(s, _mm256_set1_ps(half_to_float(hs)), acc);
+    }
+    return hsum(acc);
+#else
+    float acc = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *q = codes + (int64_t)b * code_step;
+        uint16_t hs; memcpy(&hs, scales + (int64_t)b * scale_step, 2);
+        const float *xb = x + 32 * b;
+        float s = 0.0f;
+        if (m->qtype == QT_Q4_0)
+            for (int j = 0; j < 16; j++)
+                s += (float)((q[j] & 0x0f) - 8) * xb[j] + (float)((q[j] >> 4) - 8) * xb[j + 16];
+        else
+            for (int j = 0; j < 32; j++) s += (float)(int8_t)q[j] * xb[j];
+        acc += s * half_to_float(hs);
+    }
+    return acc;
+#endif
+}
+
+static inline const uint8_t *row_of(const matrix_t *m, int expert, int r) {
+    return m->base + (int64_t)expert * m->expert_bytes + (int64_t)r * m->row_bytes;
+}
+
+static void spin_until(pool_t *p, volatile int64_t *counter, int64_t target) {
+    while (__atomic_load_n(counter, __ATOMIC_ACQUIRE) < target && !p->stop) CPU_RELAX();
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Checks the job's header; returns 0 or an LT_ERR_* code (the same for every thread). */
+static int job_status(pool_t *p, int layer, int tokens, int k) {
+    if (layer < 0 || layer >= p->nlayers) return LT_ERR_LAYER;
+    for (int i = 0; i < 3; i++) if (p->mats[3 * layer + i].base == NULL) return LT_ERR_LAYER;
+    if (tokens < 1 || k < 1 || tokens > p->max_tokens || tokens * k > p->max_pairs) return LT_ERR_SHAPE;
+    const volatile int32_t *ids = p->mailbox + HEADER;
+    for (int i = 0; i < tokens * k; i++)
+        if (ids[i] >= p->mats[3 * layer].experts) return LT_ERR_SHAPE;
+    return 0;
+}
+
+static void run_job(pool_t *p, int index, int64_t job, int32_t seq) {
+    const int layer = p->mailbox[16], tokens = p->mailbox[17], k = p->mailbox[18];
+    const int status = job_status(p, layer, tokens, k);
+    const int H = p->hidden;
+    const volatile int32_t *ids = p->mailbox + HEADER;
+    const float *w = (const float *)(p->mailbox + HEADER + p->max_pairs);
+    const float *x = (const float *)(p->mailbox + HEADER + 2 * p->max_pairs);
+    float *y = (float *)(p->reply + 16);
+    int np = 0, ffn = 0;
+    const matrix_t *gate = NULL, *up = NULL, *down = NULL;
+    if (status == 0) {
+        gate = &p->mats[3 * layer]; up = gate + 1; down = gate + 2;
+        ffn = gate->rows;
+        for (int i = 0; i < tokens * k; i++) if (ids[i] >= 0) np++;
+        /* phase 1: rows [np * ffn] of gate and up */
+        int64_t total = (int64_t)np * ffn, a = total * index / p->nthreads, b = total * (index + 1) / p->nthreads;
+        int32_t pairs[1024];
+        int n = 0;
+        for (int i = 0; i < tokens * k && n < 1024; i++) if (ids[i] >= 0) pairs[n++] = i;
+        for (int64_t t = a; t < b; t++) {
+            int q = (int)(t / ffn), r = (int)(t % ffn), pair = pairs[q], e = ids[pair];
+            const float *xt = x + (int64_t)(pair / k) * H;
+            float g = row_dot(gate, row_of(gate, e, r), xt), u = row_dot(up, row_of(up, e, r), xt);
+            p->h[(int64_t)pair * ffn + r] = g / (1.0f + expf(-g)) * u;
+        }
+    }
+    __atomic_fetch_add(&p->phase1, 1, __ATOMIC_ACQ_REL);
+    spin_until(p, &p->phase1, job * p->nthreads);
+    /* phase 2: output rows [tokens * H], each summed over its token's pairs in order */
+    if (status == 0) {
+        int64_t total = (int64_t)tokens * H, a = total * index / p->nthreads, b = total * (index + 1) / p->nthreads;
+        for (int64_t t = a; t < b; t++) {
+            int tok = (int)(t / H), r = (int)(t % H);
+            float s = 0.0f;
+            for (int j = 0; j < k; j++) {
+                int pair = tok * k + j, e = ids[pair];
+                if (e >= 0) s += w[pair] * row_dot(down, row_of(down, e, r), p->h + (int64_t)pair * ffn);
+            }
+            y[t] = s;
+        }
+    } else if (index == 0) {
+        p->reply[1] = status;
+    }
+    if (__atomic_add_fetch(&p->phase2, 1, __ATOMIC_ACQ_REL) == job * p->nthreads) {
+        __atomic_fetch_add(&p->jobs, 1, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->reply[0], seq, __ATOMIC_RELEASE);  /* the GPU's wait ends here */
+    }
+}
+
+static void *worker_main(void *arg) {
+    worker_t *wk = (worker_t *)arg;
+    pool_t *p = wk->pool;
+    int32_t last = p->start_seq;
+    int64_t job = 0, idle_since = now_ns();
+    unsigned spins = 0;
+    while (!p->stop) {
+        int32_t seq = __atomic_load_n(&p->mailbox[0], __ATOMIC_ACQUIRE);
+        if (seq == last) {
+            CPU_RELAX();
+            if (++spins % 4096 == 0 && now_ns() - idle_since > IDLE_NS) {
+                struct timespec t = {0, 50000};
+                nanosleep(&t, NULL);
+            }
+            continue;
+        }
+        last = seq;
+        run_job(p, wk->index, ++job, seq);
+        idle_since = now_ns();
+        spins = 0;
+    }
+    free(wk);
+    return NULL;
+}
+
+void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, int max_tokens, int hidden,
+               int ffn, int nlayers) {
+    if (nthreads < 1 || max_pairs < 1 || max_pairs > 1024 || max_tokens < 1 || hidden < 1 || ffn < 1 || nlayers < 1)
+        return NULL;
+    pool_t *p = (pool_t *)calloc(1, sizeof(pool_t));
+    if (!p) return NULL;
+    p->nthreads = nthreads; p->max_pairs = max_pairs; p->max_tokens = max_tokens;
+    p->hidden = hidden; p->ffn = ffn; p->nlayers = nlayers;
+    p->mailbox = mailbox; p->reply = reply;
+    p->start_seq = __atomic_load_n(&mailbox[0], __ATOMIC_ACQUIRE);
+    p->mats = (matrix_t *)calloc((size_t)nlayers * 3, sizeof(matrix_t));
+    p->h = (float *)calloc((size_t)max_pairs * ffn, sizeof(float));
+    p->threads = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
+    if (!p->mats || !p->h || !p->threads) goto fail;
+    for (int i = 0; i < nthreads; i++) {
+        worker_t *wk = (worker_t *)malloc(sizeof(worker_t));
+        if (!wk) { p->nthreads = i; goto fail; }
+        wk->pool = p; wk->index = i;
+        if (pthread_create(&p->threads[i], NULL, worker_main, wk) != 0) { free(wk); p->nthreads = i; goto fail; }
+    }
+    return p;
+fail:
+    p->stop = 1;
+    for (int i = 0; p->threads && i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+    free(p->mats); free(p->h); free(p->threads); free(p);
+    return NULL;
+}
+
+/* Registers one matrix (0 gate, 1 up, 2 down) of a layer; returns 0, or -1 for a bad argument. */
+int lt_matrix(void *pool, int layer, int which, const uint8_t *base, int experts, int rows, int cols,
+              int64_t row_bytes, int qtype, int split) {
+    pool_t *p = (pool_t *)pool;
+    if (!p || layer < 0 || layer >= p->nlayers || which < 0 || which > 2 || !base || experts < 1 || rows < 1
+        || cols % 32 != 0 || (qtype != QT_Q4_0 && qtype != QT_Q8_0)
+        || row_bytes != (int64_t)(cols / 32) * (qtype == QT_Q4_0 ? 18 : 34)
+        || (which < 2 && (rows > p->ffn || cols != p->hidden)) || (which == 2 && (rows != p->hidden || cols > p->ffn)))
+        return -1;
+    matrix_t *m = &p->mats[3 * layer + which];
+    m->base = base; m->experts = experts; m->rows = rows; m->cols = cols; m->row_bytes = row_bytes;
+    m->expert_bytes = row_bytes * rows; m->qtype = qtype; m->split = split;
+    return 0;
+}
+
+int64_t lt_jobs(void *pool) { return __atomic_load_n(&((pool_t *)pool)->jobs, __ATOMIC_ACQUIRE); }
+
+int lt_simd(void) { return LT_AVX2; }
+
+void lt_stop(void *pool) {
+    pool_t *p = (pool_t *)pool;
+    if (!p) return;
+    p->stop = 1;
+    for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+    free(p->mats); free(p->h); free(p->threads); free(p);
+}

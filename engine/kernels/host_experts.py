@@ -1,0 +1,243 @@
+"""A share of the cold experts computed by CPU threads while the GPU computes the rest.
+
+With ``cold_device="gpu"`` every cold expert crosses the bus each time it is routed, and the bus
+(about 55 GB/s on the H200's host) bounds a half-cold decode step. The host's own cores read the
+same pinned copies from memory without crossing it, so a share of the cold pairs can be computed
+there at the same time: ``HostShare`` runs a pool of native threads (``host_experts.c``, built with
+the machine's C compiler on first use and cached) that wait on a mailbox in pinned host memory.
+
+One decode-sized call of a layer, inside a captured CUDA graph like the rest of the step:
+  1. ``publish`` (one launch): the pairs whose expert is in this layer's CPU set, their weights and
+     the tokens' rows (float32) go into the mailbox, then a new sequence number, released at system
+     scope after a system fence;
+  2. the GPU computes the other cold pairs over the bus and the hot ones, while the threads compute
+     theirs from host memory and write each token's weighted sum into the reply, then its sequence
+     number;
+  3. ``collect`` (one launch) waits for that number with acquire loads at system scope (bounded: after
+     ``TIMEOUT_SPINS`` loads it marks the reply's status and goes on, so a missing pool cannot hang the
+     device) and adds the sum into the layer's float32 output.
+Off CUDA the same mailbox is written and read by torch on the host (the CPU tests' path).
+
+The threads multiply float32 rows with weights dequantized in registers (Q4_0 and Q8_0, ggml's block
+order or the split layout), summing each token's pairs in order: the result matches the device's
+kernels to float32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine.errors import ConfigError, EngineError
+from engine.model.host_memory import mapped_view
+
+SOURCE = Path(__file__).with_name("host_experts.c")
+CACHE_ENV = "LUCE_TUNE_CACHE"  # where the built library is kept (default ~/.cache/luce-tune)
+QTYPES = (Q.Q4_0, Q.Q8_0)
+HEADER = 32  # int32 words before the mailbox's ids (host_experts.c)
+REPLY_HEADER = 16
+MAX_PAIRS = 1024  # the native pool's limit
+TIMEOUT_SPINS = 1 << 24  # acquire loads over the bus (about 1 us each) before collect gives up
+WAIT_TIMEOUT_S = 30.0  # the host path's wait for a reply
+STATUS_TEXT = {1: "a layer with no matrices registered", 2: "more tokens or pairs than the mailbox holds",
+               -1: "the CPU threads did not answer within the device's wait"}
+
+
+class HostShareError(EngineError):
+    """The CPU share of the cold experts failed (no reply, or a job it could not run)."""
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def _cpu_key() -> str:
+    """What the built code depends on besides its source: the machine, the compiler's target, the CPU's flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.system()} {flags}"
+
+
+def library() -> ctypes.CDLL:
+    """The native pool, built on first use into the cache (a compiler is needed once per machine)."""
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + _cpu_key().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "luce-tune")
+    path = cache / f"host_experts-{key}.so"
+    if not path.exists():
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            raise ConfigError("the CPU share of the cold experts needs a C compiler (cc or gcc, or CC=...) "
+                              "to build engine/kernels/host_experts.c once; none was found")
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        cmd = [cc, "-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-o", tmp, str(SOURCE), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            raise ConfigError(f"building engine/kernels/host_experts.c failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+        os.replace(tmp, path)  # whole or absent: a concurrent build of the same key writes the same bytes
+    lib = ctypes.CDLL(str(path))
+    lib.lt_start.restype = ctypes.c_void_p
+    lib.lt_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5
+    lib.lt_matrix.restype = ctypes.c_int
+    lib.lt_matrix.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.lt_jobs.restype = ctypes.c_int64
+    lib.lt_jobs.argtypes = [ctypes.c_void_p]
+    lib.lt_simd.restype = ctypes.c_int
+    lib.lt_stop.argtypes = [ctypes.c_void_p]
+    _LIB = lib
+    return lib
+
+
+class HostShare:
+    """The native thread pool, its mailbox and reply in pinned host memory, and the device's two launches.
+
+    ``layers``: per layer (gate, up, down) as (blocks uint8 [E, rows, row_bytes] in host memory, qtype,
+    rows, cols, layout ``"ggml"`` or ``"split"``), or None for a layer the pool never computes. The
+    block tensors must outlive the pool (the threads read them in place)."""
+
+    def __init__(self, layers: Sequence[Sequence[tuple[torch.Tensor, Q, int, int, str]] | None], *,
+                 hidden: int, ffn: int, threads: int, device: torch.device | str, max_tokens: int = 16,
+                 max_pairs: int = 128):
+        self.device = torch.device(device)
+        if threads < 1:
+            raise ConfigError(f"the CPU share needs at least one thread, got {threads}")
+        if not 1 <= max_pairs <= MAX_PAIRS or max_tokens < 1:
+            raise ConfigError(f"max_pairs must be 1..{MAX_PAIRS} and max_tokens >= 1, got {max_pairs}, {max_tokens}")
+        self.hidden, self.ffn, self.threads = hidden, ffn, threads
+        self.max_tokens, self.max_pairs = max_tokens, max_pairs
+        pin = self.device.type == "cuda"
+        self.mailbox = torch.zeros(HEADER + 2 * max_pairs + max_tokens * hidden, dtype=torch.int32, pin_memory=pin)
+        self.reply = torch.zeros(REPLY_HEADER + max_tokens * hidden, dtype=torch.int32, pin_memory=pin)
+        self._blocks = []  # kept alive: the threads read them
+        lib = library()
+        self._lib = lib
+        self._pool = lib.lt_start(threads, self.mailbox.data_ptr(), self.reply.data_ptr(), max_pairs, max_tokens,
+                                  hidden, ffn, len(layers))
+        if not self._pool:
+            raise ConfigError(f"the CPU share's thread pool did not start ({threads} threads, hidden {hidden}, "
+                              f"ffn {ffn}, {max_pairs} pairs)")
+        try:
+            for i, mats in enumerate(layers):
+                if mats is None:
+                    continue
+                for which, (blocks, qtype, rows, cols, layout) in enumerate(mats):
+                    if qtype not in QTYPES:
+                        raise ConfigError(f"layer {i}: the CPU share computes Q4_0 and Q8_0 experts, not "
+                                          f"{Q(qtype).name}")
+                    if not blocks.is_contiguous() or blocks.device.type != "cpu" or blocks.dtype != torch.uint8:
+                        raise ConfigError(f"layer {i}: the CPU share reads contiguous uint8 host blocks")
+                    rc = lib.lt_matrix(self._pool, i, which, blocks.data_ptr(), blocks.shape[0], rows, cols,
+                                       blocks.shape[-1], int(qtype), int(layout == "split"))
+                    if rc != 0:
+                        raise ConfigError(f"layer {i}: matrix {('gate', 'up', 'down')[which]} of {rows} x {cols} "
+                                          f"({Q(qtype).name}, {blocks.shape[-1]} bytes a row) does not fit the "
+                                          f"CPU share (hidden {hidden}, ffn {ffn})")
+                    self._blocks.append(blocks)
+        except BaseException:
+            self.close()
+            raise
+        self._reply_np = self.reply.numpy()  # the status word read without torch's indexing
+        self.seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the last sequence number published
+        self._host_seq = 0
+        if pin:
+            self.mailbox_dev = mapped_view(self.mailbox, self.device)
+            self.reply_dev = mapped_view(self.reply, self.device)
+
+    @property
+    def simd(self) -> bool:
+        """Whether the threads' dot products use AVX2 + FMA (else the portable loop)."""
+        return bool(self._lib.lt_simd())
+
+    @property
+    def jobs(self) -> int:
+        """Layers' calls the threads have answered."""
+        return int(self._lib.lt_jobs(self._pool)) if self._pool else 0
+
+    def fits(self, tokens: int, k: int) -> bool:
+        return tokens <= self.max_tokens and tokens * k <= self.max_pairs
+
+    def publish(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, mine: torch.Tensor) -> None:
+        """Hand the pairs of ``ids`` [T, k] whose expert has ``mine[id]`` set (int8 [E]) to the threads:
+        x [T, H], w [T, k] float32. Returns at once; ``collect`` adds their sum."""
+        T, k = ids.shape
+        if not self.fits(T, k):
+            raise ValueError(f"{T} tokens of {k} pairs do not fit the mailbox ({self.max_tokens} tokens, "
+                             f"{self.max_pairs} pairs)")
+        if self.device.type == "cuda":
+            from engine.kernels.host_share_triton import publish
+
+            publish(self, layer, x, ids, w, mine)
+            return
+        P = T * k
+        mb = self.mailbox
+        mb[16], mb[17], mb[18] = layer, T, k
+        flat = ids.reshape(-1)
+        mb[HEADER:HEADER + P] = torch.where(mine[flat] != 0, flat, -1).to(torch.int32)
+        f32 = mb.view(torch.float32)
+        f32[HEADER + self.max_pairs:HEADER + self.max_pairs + P] = w.reshape(-1).float()
+        start = HEADER + 2 * self.max_pairs
+        f32[start:start + T * self.hidden] = x.reshape(-1).float()
+        self._host_seq = (self._host_seq + 1) & 0x7FFFFFFF
+        mb[0] = self._host_seq  # after the payload (x86 and arm64 keep a thread's stores in order for this)
+        self._pending = T
+
+    def collect(self, out: torch.Tensor) -> None:
+        """Add the threads' sum for the last ``publish`` into ``out`` [T, H] float32."""
+        if self.device.type == "cuda":
+            from engine.kernels.host_share_triton import collect
+
+            collect(self, out)
+            return
+        deadline = time.perf_counter() + WAIT_TIMEOUT_S
+        while int(self.reply[0]) != self._host_seq:
+            if time.perf_counter() > deadline:
+                raise HostShareError(f"the CPU share did not answer within {WAIT_TIMEOUT_S:.0f} s")
+            time.sleep(0)
+        self.check()
+        T = out.shape[0]
+        y = self.reply.view(torch.float32)[REPLY_HEADER:REPLY_HEADER + T * self.hidden]
+        out += y.view(T, self.hidden).to(out.device)
+
+    def check(self) -> None:
+        """Raise ``HostShareError`` if a job failed or the device's wait gave up (reads host memory: no sync)."""
+        status = int(self._reply_np[1])
+        if status:
+            raise HostShareError(f"the CPU share of the cold experts failed: "
+                                 f"{STATUS_TEXT.get(status, f'status {status}')}")
+
+    def close(self) -> None:
+        """Stop the threads (no call may be in flight: the device's work is synchronised first)."""
+        if getattr(self, "_pool", None):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._lib.lt_stop(self._pool)
+            self._pool = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

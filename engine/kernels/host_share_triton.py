@@ -1,0 +1,97 @@
+"""The device's two launches of ``engine.kernels.host_experts``: publish a layer's CPU pairs into the mailbox
+in mapped host memory, and wait for the threads' reply and add it. CUDA only (system-scope fences and
+acquire/release accesses in inline PTX); both are plain launches, so a CUDA graph captures them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import host_experts
+from engine.kernels.host_experts import HEADER, REPLY_HEADER
+
+if TYPE_CHECKING:
+    from engine.kernels.host_experts import HostShare
+
+BLOCK = 1024
+
+
+@triton.jit
+def _fence_sys(v):
+    return tl.inline_asm_elementwise("fence.sc.sys; mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_release_sys(ptr, v):
+    return tl.inline_asm_elementwise("st.release.sys.global.b32 [$1], $2; mov.b32 $0, $2;", "=r,l,r", [ptr, v],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _load_acquire_sys(ptr):
+    return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _publish_kernel(mb_i, mb_f, seq_ptr, x_ptr, ids_ptr, w_ptr, mine_ptr, layer, T, N,
+                    K: tl.constexpr, MAX_PAIRS: tl.constexpr, HEADER: tl.constexpr, BLOCK_P: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    s = tl.load(seq_ptr) + 1
+    s = tl.where(s < 0, 1, s)  # the host side's numbers stay positive
+    tl.store(mb_i + 16, layer)
+    tl.store(mb_i + 17, T)
+    tl.store(mb_i + 18, K)
+    p = tl.arange(0, BLOCK_P)
+    pm = p < T * K
+    e = tl.load(ids_ptr + p, mask=pm, other=0)
+    mine = tl.load(mine_ptr + e, mask=pm & (e >= 0), other=0)
+    tl.store(mb_i + HEADER + p, tl.where(mine != 0, e, -1).to(tl.int32), mask=pm)
+    tl.store(mb_f + HEADER + MAX_PAIRS + p, tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32), mask=pm)
+    for off in range(0, N, BLOCK):
+        o = off + tl.arange(0, BLOCK)
+        m = o < N
+        tl.store(mb_f + HEADER + 2 * MAX_PAIRS + o, tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float32), mask=m)
+    _fence_sys(s)  # every thread's payload visible to the host before any thread's sequence number
+    tl.debug_barrier()
+    tl.store(seq_ptr, s)
+    _store_release_sys(mb_i, s)
+
+
+@triton.jit
+def _collect_kernel(reply_i, reply_f, seq_ptr, out_ptr, N, SPINS: tl.constexpr, REPLY_HEADER: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    s = tl.load(seq_ptr)
+    d = _load_acquire_sys(reply_i)
+    i = 0
+    while (d != s) & (i < SPINS):
+        d = _load_acquire_sys(reply_i)
+        i += 1
+    if d != s:
+        tl.store(reply_i + 1, -1)  # the host's check raises; the output of this call is not the threads'
+    for off in range(0, N, BLOCK):
+        o = off + tl.arange(0, BLOCK)
+        m = o < N
+        y = tl.load(reply_f + REPLY_HEADER + o, mask=m, other=0.0, cache_modifier=".cv")
+        tl.store(out_ptr + o, tl.load(out_ptr + o, mask=m, other=0.0) + y, mask=m)
+
+
+def publish(share: "HostShare", layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+            mine: torch.Tensor) -> None:
+    T, k = ids.shape
+    x, ids, w = x.contiguous(), ids.contiguous(), w.contiguous()
+    _publish_kernel[(1,)](share.mailbox_dev, share.mailbox_dev.view(torch.float32), share.seq, x, ids, w, mine,
+                          layer, T, T * share.hidden, K=k, MAX_PAIRS=share.max_pairs, HEADER=HEADER,
+                          BLOCK_P=triton.next_power_of_2(max(T * k, 16)), BLOCK=BLOCK, num_warps=4)
+
+
+def collect(share: "HostShare", out: torch.Tensor) -> None:
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.shape[-1] != share.hidden:
+        raise ValueError(f"collect adds into a contiguous float32 [T, {share.hidden}] tensor, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    _collect_kernel[(1,)](share.reply_dev, share.reply_dev.view(torch.float32), share.seq, out, out.numel(),
+                          SPINS=host_experts.TIMEOUT_SPINS, REPLY_HEADER=REPLY_HEADER, BLOCK=BLOCK, num_warps=4)

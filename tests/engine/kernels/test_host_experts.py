@@ -1,0 +1,121 @@
+"""The CPU share of the cold experts (``engine.kernels.host_experts``): the native threads' SwiGLU sums
+against a float64 reference over dequantized blocks, at odd sizes, Q4_0 and Q8_0, ggml's block order and
+the split layout, 1 and 3 threads, successive jobs on several layers; a job the threads cannot run
+reported as an error; bad matrices refused before any thread sees them. The device's publish and
+collect launches are checked on CUDA (the hybrid executor's tests)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from engine.errors import ConfigError
+from engine.gguf import quants
+from engine.kernels.host_experts import HostShare, HostShareError
+from engine.kernels.quant.reference import split_rows
+
+SIZES = {Q.Q4_0: 18, Q.Q8_0: 34}
+
+
+def blocks(qtype, experts, rows, cols, seed):
+    """Random valid blocks uint8 [experts, rows, row_bytes] in ggml's order (fp16 scale, then codes)."""
+    rng = np.random.default_rng(seed)
+    nb, size = cols // 32, SIZES[qtype]
+    raw = rng.integers(0, 256, (experts, rows, nb, size), dtype=np.uint8)
+    scales = rng.uniform(0.002, 0.03, (experts, rows, nb)).astype(np.float16) * rng.choice([-1, 1], (experts, rows, nb))
+    raw[..., :2] = scales.astype(np.float16).view(np.uint8).reshape(experts, rows, nb, 2)
+    return torch.from_numpy(raw.reshape(experts, rows, nb * size).copy())
+
+
+def dense(b, qtype, rows, cols):
+    return quants.dequantize(b.reshape(-1, b.shape[-1]), qtype, (b.shape[0], rows, cols)).double()
+
+
+def reference(x, ids, w, mine, gate, up, down):
+    """float64 [T, H]: each token's pairs with ``mine`` set, weighted."""
+    T, k = ids.shape
+    out = torch.zeros(T, x.shape[1], dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            if e < 0 or not mine[e]:
+                continue
+            h = F.silu(gate[e] @ x[t].double()) * (up[e] @ x[t].double())
+            out[t] += float(w[t, j]) * (down[e] @ h)
+    return out
+
+
+def layer(qtype, layout, experts, hidden, ffn, seed):
+    mats, ref = [], []
+    for which, (rows, cols) in enumerate([(ffn, hidden), (ffn, hidden), (hidden, ffn)]):
+        b = blocks(qtype, experts, rows, cols, seed + which)
+        ref.append(dense(b, qtype, rows, cols))
+        if layout == "split":
+            b = split_rows(b.reshape(experts * rows, -1), qtype).reshape(experts, rows, -1).contiguous()
+        mats.append((b, qtype, rows, cols, layout))
+    return mats, ref
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("layout", ["ggml", "split"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threads_sum_their_pairs_as_the_reference(qtype, layout, threads):
+    hidden, ffn, experts, k = 96, 64, 7, 3
+    layers = [layer(qtype, layout, experts, hidden, ffn, seed=10 * i) for i in range(2)]
+    share = HostShare([m for m, _ in layers] + [None], hidden=hidden, ffn=ffn, threads=threads, device="cpu",
+                      max_tokens=5, max_pairs=16)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        for job, (li, T) in enumerate([(0, 1), (1, 3), (0, 5), (1, 2), (1, 1)]):
+            x = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
+            ids = torch.randint(0, experts, (T, k), generator=g)
+            ids[0, 1] = -1  # a hot pair: -1 in the cold tier's ids
+            w = torch.rand(T, k, generator=g)
+            mine = (torch.rand(experts, generator=g) < 0.6).to(torch.int8)
+            out = torch.full((T, hidden), 0.25)
+            share.publish(li, x, ids, w, mine)
+            share.collect(out)
+            want = reference(x.float(), ids, w, mine, *layers[li][1]) + 0.25
+            scale = want.abs().max().item() + 1e-6
+            assert (out.double() - want).abs().max().item() <= 2e-5 * scale, (job, li, T)
+        assert share.jobs == 5
+    finally:
+        share.close()
+
+
+def test_a_layer_with_no_matrices_is_reported():
+    hidden, ffn = 64, 32
+    mats, _ = layer(Q.Q4_0, "ggml", 4, hidden, ffn, seed=1)
+    share = HostShare([mats, None], hidden=hidden, ffn=ffn, threads=2, device="cpu", max_tokens=2, max_pairs=8)
+    try:
+        x, ids, w = torch.randn(1, hidden), torch.tensor([[0, 1]]), torch.ones(1, 2)
+        share.publish(1, x, ids, w, torch.ones(4, dtype=torch.int8))
+        with pytest.raises(HostShareError, match="no matrices registered"):
+            share.collect(torch.zeros(1, hidden))
+    finally:
+        share.close()
+
+
+def test_bad_matrices_are_refused_up_front():
+    hidden, ffn = 64, 32
+    mats, _ = layer(Q.Q4_0, "ggml", 4, hidden, ffn, seed=2)
+    with pytest.raises(ConfigError, match="Q4_0 and Q8_0"):
+        HostShare([[(mats[0][0], Q.Q4_K, ffn, hidden, "ggml")] + mats[1:]], hidden=hidden, ffn=ffn, threads=1,
+                  device="cpu")
+    with pytest.raises(ConfigError, match="does not fit"):  # the gate's rows wider than the pool's ffn
+        HostShare([mats], hidden=hidden, ffn=ffn // 2, threads=1, device="cpu")
+    with pytest.raises(ConfigError, match="at least one thread"):
+        HostShare([mats], hidden=hidden, ffn=ffn, threads=0, device="cpu")
+
+
+def test_more_tokens_than_the_mailbox_holds_are_refused():
+    hidden, ffn = 64, 32
+    mats, _ = layer(Q.Q8_0, "ggml", 4, hidden, ffn, seed=3)
+    share = HostShare([mats], hidden=hidden, ffn=ffn, threads=1, device="cpu", max_tokens=2, max_pairs=4)
+    try:
+        with pytest.raises(ValueError, match="do not fit"):
+            share.publish(0, torch.randn(3, hidden), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1),
+                          torch.ones(4, dtype=torch.int8))
+    finally:
+        share.close()

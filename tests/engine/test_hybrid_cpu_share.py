@@ -1,0 +1,175 @@
+"""A share of the cold experts computed by CPU threads beside the bus (``HybridExperts.set_cpu_share``,
+``engine.kernels.host_experts``), with ``cold_device="gpu"``.
+
+On the CPU the "device" is the CPU: the mailbox is written and read by torch, and the native threads
+compute their pairs from the same host blocks the device tier reads. The logits must follow the
+placement without a share (float32 throughout: other summation orders only); on CUDA the captured step
+with the device's publish and collect launches, and a pool that does not answer reported, not hung."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
+
+from engine.errors import ConfigError  # noqa: E402
+from engine.gguf.reader import GGUFFile  # noqa: E402
+from engine.hybrid import attach_hybrid  # noqa: E402
+from engine.kernels import host_experts  # noqa: E402
+from engine.kernels.host_experts import HostShareError  # noqa: E402
+from engine.model.decode_graph import DecodeGraph  # noqa: E402
+from engine.model.qwen35moe import Qwen35MoE  # noqa: E402
+from engine.model.weights import raw_experts  # noqa: E402
+from engine.placement import MB  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module", params=["q4_0", "q8_0"])
+def qfile(request, tmp_path_factory):
+    from engine.gguf.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("cpu_share") / f"tiny_{request.param}.gguf", "tiny", n_expert=16,
+                      quant=request.param, router_skew=1.0, seed=7)
+
+
+def load(path, device="cpu"):
+    with GGUFFile(path) as f:
+        return Qwen35MoE.from_gguf(f, device=device, dtype=torch.float32)
+
+
+def attach(path, share, device="cpu", fraction=0.5, cold_device="gpu", **options):
+    model = load(path, device)
+    with GGUFFile(path) as f:
+        budget = fraction * sum(r.data.nbytes for layer in raw_experts(f, model.cfg) for r in layer) / MB
+    hybrid = attach_hybrid(model, budget, None, threads=2, cold_format="quantized", hot_format="quantized",
+                           gguf_file=GGUFFile(path), cold_dtype=torch.float32, cold_device=cold_device,
+                           cpu_share=share, **options)
+    return model, hybrid
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def run(model, ids, decode=4):
+    state = model.new_state(len(ids) + decode)
+    prompt = model.forward(ids[:len(ids) - decode], state, logits="all").logits
+    steps = [model.forward(ids[i:i + 1], state, logits="last").logits for i in range(len(ids) - decode, len(ids))]
+    return prompt, torch.cat(steps)
+
+
+def test_the_threads_compute_their_share_and_the_logits_follow(qfile):
+    """A 7-token prompt (14 pairs, within the mailbox: the threads take part) and 4 single tokens."""
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(2))
+    model, bus = attach(qfile, 0.0)
+    ref = run(model, ids)
+    bus.close()
+    model, shared = attach(qfile, 0.5)
+    out = run(model, ids)
+    jobs = shared._host_share.jobs
+    snap = shared.stats_snapshot()
+    shared.close()
+    assert jobs >= 5 * model.cfg.n_layers  # every layer of every call had CPU experts to offer
+    assert snap.cold_cpu_share == 0.5 and snap.cold_hits > 0
+    for a, b in zip(out, ref):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_each_layer_hands_the_share_of_its_cold_experts_and_never_a_hot_one(qfile):
+    _, hybrid = attach(qfile, 0.5)
+    try:
+        for i, layer in enumerate(hybrid._layers):
+            mine = layer.mine.bool()
+            cold = ~layer.host_hot
+            assert not bool((mine & layer.host_hot).any())
+            mass = hybrid.stats.counts[i]
+            share = float(mass[mine].sum() / mass[cold].sum())
+            assert abs(share - 0.5) <= float(mass[cold].max() / mass[cold].sum())  # to one expert
+            assert torch.equal(layer.bus_cold_of >= 0, cold & ~mine)
+        hybrid.set_cpu_share(1.0)
+        assert all(torch.equal(layer.mine.bool(), ~layer.host_hot) for layer in hybrid._layers)
+        assert all(bool((layer.bus_cold_of < 0).all()) for layer in hybrid._layers)
+        hybrid.set_budget(hybrid.placement.budget_mb * 1.5)  # a new placement: the share is assigned again
+        assert all(torch.equal(layer.mine.bool(), ~layer.host_hot) for layer in hybrid._layers)
+        hybrid.set_cpu_share(0.0)
+        assert all(layer.n_mine == 0 for layer in hybrid._layers)
+    finally:
+        hybrid.close()
+
+
+def test_bad_shares_are_refused(qfile):
+    with pytest.raises(ConfigError, match="between 0 and 1"):
+        attach(qfile, 1.5)
+    with pytest.raises(ConfigError, match="needs cold_device='gpu'"):
+        attach(qfile, 0.5, cold_device="cpu")
+
+
+def test_a_failed_job_is_raised_by_the_next_check(qfile):
+    model, hybrid = attach(qfile, 0.5)
+    try:
+        hybrid._host_share.reply[1] = 2  # what a thread writes for a job it cannot run
+        with pytest.raises(HostShareError, match="more tokens or pairs"):
+            hybrid.stats_snapshot()
+    finally:
+        hybrid.close()
+
+
+def test_engine_and_cli_take_the_share(qfile, capsys):
+    from engine.engine import Engine
+    from tuner.cli import main
+
+    with pytest.raises(ConfigError, match="cold_cpu_share needs cold_device='gpu'"):
+        Engine.from_gguf(qfile, device="cpu", expert_budget_mb=0, cold_cpu_share=0.5)
+    prompt = [3, 17, 5, 99, 42, 7]
+    options = dict(device="cpu", expert_budget_mb=0, cold_device="gpu", cold_format="quantized", hot_format="quantized")
+    plain = Engine.from_gguf(qfile, **options)
+    shared = Engine.from_gguf(qfile, cold_cpu_share=0.5, **options)
+    a, b = shared.generate(prompt, 6), plain.generate(prompt, 6)
+    assert a.ids == b.ids and a.timings.extra["cold_cpu_share"] == 0.5
+    plain.hybrid.close()
+    shared.hybrid.close()
+    status = main(["generate", "--model", str(qfile), "--prompt", "hi", "--device", "cpu", "--cold-cpu-share", "0.5"])
+    assert status == 2 and "--cold-cpu-share needs --cold-device gpu" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_captured_step_with_the_threads_follows_the_device_model(qfile):
+    """Half the experts cold, half of those computed by the threads: the step is captured with the publish
+    and collect launches, and its logits follow the all-on-device model's, teacher-forced."""
+    plain = load(qfile, "cuda")
+    model, hybrid = attach(qfile, 0.5, device="cuda")
+    assert hybrid.graph_safe and sum(layer.n_mine for layer in hybrid._layers) > 0
+    ids = torch.randint(0, 256, (7 + 12,), generator=torch.Generator().manual_seed(6)).cuda()
+    eager, static = plain.new_state(24), model.new_state(24)
+    plain.forward(ids[:7], eager, logits="none")
+    model.forward(ids[:7], static, logits="none")
+    step = DecodeGraph(model, static, graph=True)
+    assert step.captured
+    before = hybrid._host_share.jobs
+    for t in range(7, 19):
+        ref = plain.forward(ids[t:t + 1], eager, logits="last").logits
+        assert rel_err(step.step(ids[t:t + 1]), ref) < 1e-3, f"token {t}"
+    torch.cuda.synchronize()
+    assert hybrid._host_share.jobs - before >= 12 * model.cfg.n_layers
+    hybrid.check_cpu_share()
+    hybrid.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_wait_for_stopped_threads_ends_and_is_reported(qfile, monkeypatch):
+    monkeypatch.setattr(host_experts, "TIMEOUT_SPINS", 1 << 12)
+    model, hybrid = attach(qfile, 1.0, device="cuda")
+    share = hybrid._host_share
+    share._lib.lt_stop(share._pool)  # the threads are gone: no reply will come
+    share._pool = None
+    state = model.new_state(4)
+    model.forward(torch.tensor([5], device="cuda"), state, logits="last")
+    torch.cuda.synchronize()  # returns: the device's wait is bounded
+    with pytest.raises(HostShareError, match="did not answer"):
+        hybrid.check_cpu_share()
+    hybrid.close()
