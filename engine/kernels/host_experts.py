@@ -44,6 +44,7 @@ from engine.model.host_memory import mapped_view
 
 SOURCE = Path(__file__).with_name("host_experts.c")
 CACHE_ENV = "LUCE_TUNE_CACHE"  # where the built library is kept (default ~/.cache/luce-tune)
+CFLAGS_ENV = "LUCE_TUNE_HOST_EXPERTS_CFLAGS"  # extra compiler flags (e.g. -DLT_PF=0), part of the cache key
 QTYPES = (Q.Q4_0, Q.Q8_0)
 HEADER = 32  # int32 words before the mailbox's ids (host_experts.c)
 REPLY_HEADER = 16
@@ -58,7 +59,7 @@ class HostShareError(EngineError):
     """The CPU share of the cold experts failed (no reply, or a job it could not run)."""
 
 
-_LIB: ctypes.CDLL | None = None
+_LIBS: dict[tuple[str, ...], ctypes.CDLL] = {}
 
 
 def _cpu_key() -> str:
@@ -74,13 +75,14 @@ def _cpu_key() -> str:
     return f"{platform.machine()} {platform.system()} {flags}"
 
 
-def library() -> ctypes.CDLL:
-    """The native pool, built on first use into the cache (a compiler is needed once per machine)."""
-    global _LIB
-    if _LIB is not None:
-        return _LIB
+def library(cflags: Sequence[str] | None = None) -> ctypes.CDLL:
+    """The native pool, built on first use into the cache (a compiler is needed once per machine);
+    ``cflags`` (default: ``LUCE_TUNE_HOST_EXPERTS_CFLAGS``) are added to the compiler's."""
+    extra = list(os.environ.get(CFLAGS_ENV, "").split() if cflags is None else cflags)
+    if tuple(extra) in _LIBS:
+        return _LIBS[tuple(extra)]
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + _cpu_key().encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + _cpu_key().encode() + " ".join(extra).encode()).hexdigest()[:16]
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "luce-tune")
     path = cache / f"host_experts-{key}.so"
     if not path.exists():
@@ -91,7 +93,7 @@ def library() -> ctypes.CDLL:
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        cmd = [cc, "-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [cc, "-O3", "-march=native", "-shared", "-fPIC", "-pthread", *extra, "-o", tmp, str(SOURCE), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)
@@ -107,7 +109,7 @@ def library() -> ctypes.CDLL:
     lib.lt_jobs.argtypes = [ctypes.c_void_p]
     lib.lt_simd.restype = ctypes.c_int
     lib.lt_stop.argtypes = [ctypes.c_void_p]
-    _LIB = lib
+    _LIBS[tuple(extra)] = lib
     return lib
 
 
@@ -120,7 +122,7 @@ class HostShare:
 
     def __init__(self, layers: Sequence[Sequence[tuple[torch.Tensor, Q, int, int, str]] | None], *,
                  hidden: int, ffn: int, threads: int, device: torch.device | str, max_tokens: int = 16,
-                 max_pairs: int = 128):
+                 max_pairs: int = 128, cflags: Sequence[str] | None = None):
         self.device = torch.device(device)
         if threads < 1:
             raise ConfigError(f"the CPU share needs at least one thread, got {threads}")
@@ -132,7 +134,7 @@ class HostShare:
         self.mailbox = torch.zeros(HEADER + 2 * max_pairs + max_tokens * hidden, dtype=torch.int32, pin_memory=pin)
         self.reply = torch.zeros(REPLY_HEADER + max_tokens * hidden, dtype=torch.int32, pin_memory=pin)
         self._blocks = []  # kept alive: the threads read them
-        lib = library()
+        lib = library(cflags)
         self._lib = lib
         self._pool = lib.lt_start(threads, self.mailbox.data_ptr(), self.reply.data_ptr(), max_pairs, max_tokens,
                                   hidden, ffn, len(layers))
@@ -167,9 +169,10 @@ class HostShare:
             self.reply_dev = mapped_view(self.reply, self.device)
 
     @property
-    def simd(self) -> bool:
-        """Whether the threads' dot products use AVX2 + FMA (else the portable loop)."""
-        return bool(self._lib.lt_simd())
+    def simd(self) -> int:
+        """The vector width of the threads' dot products in bits: 512 (AVX-512), 256 (AVX2 + FMA), 0 (the
+        portable loop)."""
+        return int(self._lib.lt_simd())
 
     @property
     def jobs(self) -> int:

@@ -1,0 +1,71 @@
+"""The CPU share's native pool alone (no GPU): jobs of one token's pairs at the 35B expert shapes (Q4_0,
+gate/up [512, 2048], down [2048, 512], split layout), the mailbox written and read from Python as on a
+CPU device, per thread count; GB/s of expert blocks read per job.
+
+    python bench/host_share_pool.py [--threads 1,8,15] [--pairs 2,4,8] [--jobs 200] [--pinned]
+
+Each job picks new random experts among 128 per layer over 40 layers (5.1 GB of blocks, far over the
+caches), as decode does. Median of ``--jobs`` jobs after 20 warm-up jobs; the Python side's write and
+wait (a few microseconds) are inside the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.kernels.host_experts import HostShare  # noqa: E402
+
+H, FFN, E, LAYERS, K = 2048, 512, 128, 40, 8
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", default="1,8,15")
+    ap.add_argument("--pairs", default="2,4,8")
+    ap.add_argument("--jobs", type=int, default=200)
+    ap.add_argument("--pinned", action="store_true", help="pinned host memory, as the cold tier holds it (needs CUDA)")
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    rb_in, rb_down = H // 32 * 18, FFN // 32 * 18
+
+    def stack(rows, rb):
+        t = torch.empty((E, rows, rb), dtype=torch.uint8, pin_memory=args.pinned)
+        t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+        t.view(E, rows, -1)[..., -(rb // 9):].copy_(torch.full((1,), 0.01, dtype=torch.float16).view(torch.uint8).repeat(rb // 9 // 2))
+        return t
+
+    layers = [[(stack(FFN, rb_in), Q.Q4_0, FFN, H, "split"), (stack(FFN, rb_in), Q.Q4_0, FFN, H, "split"),
+               (stack(H, rb_down), Q.Q4_0, H, FFN, "split")] for _ in range(LAYERS)]
+    per_pair = 2 * FFN * rb_in + H * rb_down
+    print(f"{LAYERS} layers x {E} experts, {per_pair / 1e6:.2f} MB a pair, {LAYERS * E * per_pair / 1e9:.1f} GB", flush=True)
+    x = torch.randn(1, H)
+    for threads in (int(t) for t in args.threads.split(",")):
+        share = HostShare(layers, hidden=H, ffn=FFN, threads=threads, device="cpu", max_tokens=1, max_pairs=K)
+        out = torch.zeros(1, H)
+        for pairs in (int(p) for p in args.pairs.split(",")):
+            times = []
+            for j in range(20 + args.jobs):
+                ids = torch.full((1, K), -1, dtype=torch.long)
+                ids[0, :pairs] = torch.randperm(E, generator=g)[:pairs]
+                mine = torch.ones(E, dtype=torch.int8)
+                t = time.perf_counter()
+                share.publish(j % LAYERS, x, ids, torch.ones(1, K), mine)
+                share.collect(out)
+                times.append(time.perf_counter() - t)
+            med = statistics.median(times[20:])
+            print(f"threads {threads:2d} (simd {share.simd}), {pairs} pairs: {med * 1e6:8.1f} us a job, "
+                  f"{pairs * per_pair / med / 1e9:6.1f} GB/s", flush=True)
+        share.close()
+
+
+if __name__ == "__main__":
+    main()
