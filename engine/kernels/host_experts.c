@@ -52,7 +52,8 @@
 #define LT_ERR_LAYER 1   /* a layer with no registered matrices */
 #define LT_ERR_SHAPE 2   /* tokens or pairs over the mailbox's room, or an expert id out of range */
 #define HEADER 32
-#define IDLE_NS 20000000LL  /* spinning this long with no job: sleep between checks */
+#define IDLE_NS 20000000LL     /* spinning this long with no job: sleep 50 us between checks */
+#define DEEP_IDLE_NS 1000000000LL  /* and this long: 1 ms (a new generation's first layer waits at most that) */
 
 typedef struct {
     const uint8_t *base;  /* [experts, rows, row_bytes] */
@@ -263,9 +264,13 @@ static void *worker_main(void *arg) {
         int32_t seq = __atomic_load_n(&p->mailbox[0], __ATOMIC_ACQUIRE);
         if (seq == last) {
             CPU_RELAX();
-            if (++spins % 4096 == 0 && now_ns() - idle_since > IDLE_NS) {
-                struct timespec t = {0, 50000};
-                nanosleep(&t, NULL);
+            if (++spins % 4096 == 0) {
+                int64_t idle = now_ns() - idle_since;
+                if (idle > IDLE_NS) {
+                    struct timespec t = {0, idle > DEEP_IDLE_NS ? 1000000 : 50000};
+                    nanosleep(&t, NULL);
+                    spins = 4095;  /* check the clock again after the next look at the mailbox */
+                }
             }
             continue;
         }
