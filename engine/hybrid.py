@@ -19,6 +19,9 @@ Where the cold experts are computed is ``cold_device``:
            (``engine.kernels.gather``: long contiguous reads, which the bus carries about four
            times faster than the expert kernels' scattered ones) and the expert launches read it
            there; more pairs are read in place (``LUCE_TUNE_COLD_GATHER=0``: always in place).
+           ``set_cpu_share`` hands a share of each layer's cold experts to native CPU threads in
+           decode-sized calls, which compute them from the same pinned copies while the bus carries
+           the rest (``engine.kernels.host_experts``; still no host sync, still captured).
            Longer calls (prefill) copy the layer's cold experts in
            runs of ``STREAM_EXPERTS`` into a device buffer and compute each run there. Nothing
            waits for the host, so with the Triton kernels a step with cold experts is captured
