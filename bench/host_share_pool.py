@@ -3,10 +3,14 @@ gate/up [512, 2048], down [2048, 512], split layout), the mailbox written and re
 CPU device, per thread count; GB/s of expert blocks read per job.
 
     python bench/host_share_pool.py [--threads 1,8,15] [--pairs 2,4,8] [--jobs 200] [--pinned]
+        [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_PIN=1"]
 
 Each job picks new random experts among 128 per layer over 40 layers (5.1 GB of blocks, far over the
 caches), as decode does. Median of ``--jobs`` jobs after 20 warm-up jobs; the Python side's write and
-wait (a few microseconds) are inside the time.
+wait (a few microseconds) are inside the time. ``--cflags`` builds the pool once per variant (``;``
+between them); a build with ``-DLT_STATS=1`` also reports the pool's own time a job (from the first
+thread's look at the mailbox to its reply) and the threads' mean time in gate/up, in the wait after
+it and in down, with the slowest thread's gate/up.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def main() -> None:
     ap.add_argument("--pairs", default="2,4,8")
     ap.add_argument("--jobs", type=int, default=200)
     ap.add_argument("--pinned", action="store_true", help="pinned host memory, as the cold tier holds it (needs CUDA)")
+    ap.add_argument("--cflags", default="", help="build variants of the pool, separated by ';'")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     rb_in, rb_down = H // 32 * 18, FFN // 32 * 18
@@ -48,24 +53,44 @@ def main() -> None:
     per_pair = 2 * FFN * rb_in + H * rb_down
     print(f"{LAYERS} layers x {E} experts, {per_pair / 1e6:.2f} MB a pair, {LAYERS * E * per_pair / 1e9:.1f} GB", flush=True)
     x = torch.randn(1, H)
-    for threads in (int(t) for t in args.threads.split(",")):
-        share = HostShare(layers, hidden=H, ffn=FFN, threads=threads, device="cpu", max_tokens=1, max_pairs=K)
-        out = torch.zeros(1, H)
-        for pairs in (int(p) for p in args.pairs.split(",")):
-            times = []
-            for j in range(20 + args.jobs):
-                ids = torch.full((1, K), -1, dtype=torch.long)
-                ids[0, :pairs] = torch.randperm(E, generator=g)[:pairs]
-                mine = torch.ones(E, dtype=torch.int8)
-                t = time.perf_counter()
-                share.publish(j % LAYERS, x, ids, torch.ones(1, K), mine)
-                share.collect(out)
-                times.append(time.perf_counter() - t)
-            med = statistics.median(times[20:])
-            print(f"threads {threads:2d} (simd {share.simd}), {pairs} pairs: {med * 1e6:8.1f} us a job, "
-                  f"{pairs * per_pair / med / 1e9:6.1f} GB/s", flush=True)
-        share.close()
+    for cflags in args.cflags.split(";"):
+        for threads in (int(t) for t in args.threads.split(",")):
+            share = HostShare(layers, hidden=H, ffn=FFN, threads=threads, device="cpu", max_tokens=1, max_pairs=K,
+                              cflags=cflags.split())
+            out = torch.zeros(1, H)
+            for pairs in (int(p) for p in args.pairs.split(",")):
+                times = []
+                before = share.stats()
+                for j in range(20 + args.jobs):
+                    ids = torch.full((1, K), -1, dtype=torch.long)
+                    ids[0, :pairs] = torch.randperm(E, generator=g)[:pairs]
+                    mine = torch.ones(E, dtype=torch.int8)
+                    t = time.perf_counter()
+                    share.publish(j % LAYERS, x, ids, torch.ones(1, K), mine)
+                    share.collect(out)
+                    times.append(time.perf_counter() - t)
+                med = statistics.median(times[20:])
+                line = (f"[{cflags or 'default'}] threads {threads:2d} (simd {share.simd}), {pairs} pairs: "
+                        f"{med * 1e6:8.1f} us a job, {pairs * per_pair / med / 1e9:6.1f} GB/s")
+                stats = share.stats()
+                if stats is not None:
+                    line += phases(before, stats, pairs * per_pair)
+                print(line, flush=True)
+            share.close()
 
+
+def phases(before: dict, after: dict, nbytes: int) -> str:
+    """The pool's own time a job and its phases over the jobs between two ``HostShare.stats()``."""
+    jobs = after["jobs"] - before["jobs"]
+
+    def mean(get) -> float:
+        return (get(after) * after["jobs"] - get(before) * before["jobs"]) / jobs
+
+    job = mean(lambda s: s["job_us"])
+    per = [[mean(lambda s, i=i, j=j: s["threads"][i][j]) for j in range(3)] for i in range(len(after["threads"]))]
+    avg = [statistics.mean(t[j] for t in per) for j in range(3)]
+    return (f" | pool {job:7.1f} us ({nbytes / job / 1e3:5.1f} GB/s): gate/up {avg[0]:6.1f} (slowest "
+            f"{max(t[0] for t in per):6.1f}), wait {avg[1]:6.1f}, down {avg[2]:6.1f}")
 
 if __name__ == "__main__":
     main()

@@ -16,8 +16,10 @@
    [32 ..) ids [max_pairs], then weights float32 [max_pairs], then x float32 [max_tokens * hidden].
    The reply: [0] sequence, [1] status (0 ok; LT_ERR_* otherwise), [16 ..) y float32 [max_tokens * hidden]. */
 
+#define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +49,14 @@
                        the pinned copies sit in 4 KiB pages, at whose edges the hardware's prefetchers stop */
 #endif
 
+#ifndef LT_STATS
+#define LT_STATS 0  /* 1: time each job's phases per thread (lt_stats), for the benchmarks */
+#endif
+#define LT_STAT_THREADS 64
+#ifndef LT_PIN
+#define LT_PIN 0  /* 1: thread i runs on the i-th CPU of the process's affinity mask */
+#endif
+
 #define QT_Q4_0 2
 #define QT_Q8_0 8
 #define LT_ERR_LAYER 1   /* a layer with no registered matrices */
@@ -71,6 +81,10 @@ typedef struct {
     int32_t start_seq;  /* the mailbox's number when the pool started: a thread scheduled late still sees the first job */
     volatile int stop;
     pthread_t *threads;
+#if LT_STATS
+    int64_t job_start, job_ns;             /* the first thread's look at a job to its reply, summed */
+    int64_t ns[LT_STAT_THREADS][4];        /* per thread: phase 1, the wait after it, phase 2, the wait after it */
+#endif
 } pool_t;
 
 typedef struct { pool_t *pool; int index; } worker_t;
@@ -206,6 +220,10 @@ static int job_status(pool_t *p, int layer, int tokens, int k) {
 }
 
 static void run_job(pool_t *p, int index, int64_t job, int32_t seq) {
+#if LT_STATS
+    int64_t t0 = now_ns(), zero = 0, t1, t2, t3;
+    __atomic_compare_exchange_n(&p->job_start, &zero, t0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+#endif
     const int layer = p->mailbox[16], tokens = p->mailbox[17], k = p->mailbox[18];
     const int status = job_status(p, layer, tokens, k);
     const int H = p->hidden;
@@ -231,8 +249,14 @@ static void run_job(pool_t *p, int index, int64_t job, int32_t seq) {
             p->h[(int64_t)pair * ffn + r] = g / (1.0f + expf(-g)) * u;
         }
     }
+#if LT_STATS
+    t1 = now_ns();
+#endif
     __atomic_fetch_add(&p->phase1, 1, __ATOMIC_ACQ_REL);
     spin_until(p, &p->phase1, job * p->nthreads);
+#if LT_STATS
+    t2 = now_ns();
+#endif
     /* phase 2: output rows [tokens * H], each summed over its token's pairs in order */
     if (status == 0) {
         int64_t total = (int64_t)tokens * H, a = total * index / p->nthreads, b = total * (index + 1) / p->nthreads;
@@ -248,15 +272,45 @@ static void run_job(pool_t *p, int index, int64_t job, int32_t seq) {
     } else if (index == 0) {
         p->reply[1] = status;
     }
+#if LT_STATS
+    t3 = now_ns();
+    if (index < LT_STAT_THREADS) {
+        p->ns[index][0] += t1 - t0; p->ns[index][1] += t2 - t1; p->ns[index][2] += t3 - t2;
+    }
+#endif
     if (__atomic_add_fetch(&p->phase2, 1, __ATOMIC_ACQ_REL) == job * p->nthreads) {
+#if LT_STATS
+        p->job_ns += now_ns() - __atomic_exchange_n(&p->job_start, 0, __ATOMIC_ACQ_REL);
+#endif
         __atomic_fetch_add(&p->jobs, 1, __ATOMIC_RELAXED);
         __atomic_store_n(&p->reply[0], seq, __ATOMIC_RELEASE);  /* the GPU's wait ends here */
     }
 }
 
+static void pin_thread(int index) {
+#if LT_PIN
+    cpu_set_t allowed, one;
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+    int n = CPU_COUNT(&allowed), seen = 0;
+    if (n < 1) return;
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (!CPU_ISSET(c, &allowed)) continue;
+        if (seen++ == index % n) {
+            CPU_ZERO(&one);
+            CPU_SET(c, &one);
+            pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+            return;
+        }
+    }
+#else
+    (void)index;
+#endif
+}
+
 static void *worker_main(void *arg) {
     worker_t *wk = (worker_t *)arg;
     pool_t *p = wk->pool;
+    pin_thread(wk->index);
     int32_t last = p->start_seq;
     int64_t job = 0, idle_since = now_ns();
     unsigned spins = 0;
@@ -327,6 +381,23 @@ int lt_matrix(void *pool, int layer, int which, const uint8_t *base, int experts
 }
 
 int64_t lt_jobs(void *pool) { return __atomic_load_n(&((pool_t *)pool)->jobs, __ATOMIC_ACQUIRE); }
+
+/* With LT_STATS: out[0] jobs, out[1] mean ns from a job's first look to its reply, then per thread the mean ns
+   of phase 1, the wait after it and phase 2 (3 values each); returns 0. Without: -1. */
+int lt_stats(void *pool, double *out) {
+#if LT_STATS
+    pool_t *p = (pool_t *)pool;
+    const double jobs = (double)__atomic_load_n(&p->jobs, __ATOMIC_ACQUIRE);
+    out[0] = jobs;
+    out[1] = jobs > 0 ? (double)p->job_ns / jobs : 0.0;
+    for (int i = 0; i < p->nthreads && i < LT_STAT_THREADS; i++)
+        for (int j = 0; j < 3; j++) out[2 + 3 * i + j] = jobs > 0 ? (double)p->ns[i][j] / jobs : 0.0;
+    return 0;
+#else
+    (void)pool; (void)out;
+    return -1;
+#endif
+}
 
 int lt_simd(void) { return LT_AVX512 ? 512 : LT_AVX2 ? 256 : 0; }  /* vector bits of the dot products */
 

@@ -108,6 +108,8 @@ def library(cflags: Sequence[str] | None = None) -> ctypes.CDLL:
     lib.lt_jobs.restype = ctypes.c_int64
     lib.lt_jobs.argtypes = [ctypes.c_void_p]
     lib.lt_simd.restype = ctypes.c_int
+    lib.lt_stats.restype = ctypes.c_int
+    lib.lt_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double)]
     lib.lt_stop.argtypes = [ctypes.c_void_p]
     _LIBS[tuple(extra)] = lib
     return lib
@@ -178,6 +180,16 @@ class HostShare:
     def jobs(self) -> int:
         """Layers' calls the threads have answered."""
         return int(self._lib.lt_jobs(self._pool)) if self._pool else 0
+
+    def stats(self) -> dict[str, float | list[list[float]]] | None:
+        """Where the threads' time went, for a pool built with ``-DLT_STATS=1`` (None otherwise): ``jobs``,
+        ``job_us`` (mean time from the first thread's look at a job to its reply) and per thread the mean
+        microseconds of phase 1 (gate and up), the wait for the other threads after it, and phase 2 (down)."""
+        out = (ctypes.c_double * (2 + 3 * min(self.threads, 64)))()
+        if not self._pool or self._lib.lt_stats(self._pool, out) != 0:
+            return None
+        per = [[out[2 + 3 * i + j] / 1e3 for j in range(3)] for i in range(min(self.threads, 64))]
+        return {"jobs": out[0], "job_us": out[1] / 1e3, "threads": per}
 
     def fits(self, tokens: int, k: int) -> bool:
         return tokens <= self.max_tokens and tokens * k <= self.max_pairs
