@@ -7,9 +7,10 @@
    write the weighted sum per token into the reply, and set the reply's sequence number, on which
    the GPU waits before adding the sum (engine/kernels/host_experts.py).
 
-   Two phases a job, split over the threads by rows: gate and up rows of every pair (h = silu(g) * u),
-   then the down rows of every token's output, summed over its pairs in pair order. The threads meet
-   between them on monotonic counters. Weights are dequantized in registers and multiplied with
+   Two phases a job, each cut into chunks that the threads take as they come (work words, below): rows
+   of gate and up of one pair (h = silu(g) * u), then rows of the tokens' output, each summed over its
+   token's pairs in pair order. A thread that starts late or runs slow takes fewer chunks rather than
+   holding the others up; the only wait is for the last chunk of gate/up before down. Weights are dequantized in registers and multiplied with
    float32 rows in float32 (no rounding of x), AVX2 + FMA where the compiler targets it.
 
    Layout of the mailbox (int32 words): [0] sequence, [16] layer, [17] tokens, [18] pairs per token,
@@ -53,6 +54,12 @@
 #define LT_STATS 0  /* 1: time each job's phases per thread (lt_stats), for the benchmarks */
 #endif
 #define LT_STAT_THREADS 64
+#ifndef LT_CHUNK1
+#define LT_CHUNK1 32  /* gate/up rows of one pair a thread takes at a time */
+#endif
+#ifndef LT_CHUNK2
+#define LT_CHUNK2 64  /* output rows a thread takes at a time */
+#endif
 #ifndef LT_PIN
 #define LT_PIN 0  /* 1: thread i runs on the i-th CPU of the process's affinity mask */
 #endif
@@ -77,12 +84,14 @@ typedef struct {
     matrix_t *mats;  /* [nlayers * 3]: gate, up, down */
     float *h;        /* [max_pairs * ffn] */
     int32_t *pairs;  /* [max_pairs]: indices of this pool's pairs, rebuilt by every thread (same result) */
-    int64_t phase1, phase2, jobs;
+    uint64_t work[2];  /* phase 1 and phase 2 (W_* below) */
+    int64_t jobs;
     int32_t start_seq;  /* the mailbox's number when the pool started: a thread scheduled late still sees the first job */
     volatile int stop;
     pthread_t *threads;
 #if LT_STATS
-    int64_t job_start, job_ns;             /* the first thread's look at a job to its reply, summed */
+    int64_t job_start, job_ns;             /* a job's first chunk taken to its reply, summed */
+    int first_phase;                       /* 1 where a job has no gate/up chunks: its start is phase 2's first */
     int64_t ns[LT_STAT_THREADS][4];        /* per thread: phase 1, the wait after it, phase 2, the wait after it */
 #endif
 } pool_t;
@@ -198,10 +207,6 @@ static inline const uint8_t *row_of(const matrix_t *m, int expert, int r) {
     return m->base + (int64_t)expert * m->expert_bytes + (int64_t)r * m->row_bytes;
 }
 
-static void spin_until(pool_t *p, volatile int64_t *counter, int64_t target) {
-    while (__atomic_load_n(counter, __ATOMIC_ACQUIRE) < target && !p->stop) CPU_RELAX();
-}
-
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -219,58 +224,130 @@ static int job_status(pool_t *p, int layer, int tokens, int k) {
     return 0;
 }
 
-static void run_job(pool_t *p, int index, int64_t job, int32_t seq) {
+/* A phase's work word: the job's sequence number << 32 | chunks handed out << 16 | chunks done. Whoever
+   first touches a phase of a new job swaps in its number (a compare-and-swap from the last job's word),
+   threads take chunks by compare-and-swap while the number is theirs, and count them done by adding one.
+   No thread waits for another to arrive: one that comes late finds no chunk left, or the job gone. */
+#define W_TAG(v) ((uint32_t)((v) >> 32))
+#define W_NEXT(v) ((int)(((v) >> 16) & 0xffff))
+#define W_DONE(v) ((int)((v) & 0xffff))
+#define W_MAX 0xffff
+
+/* The job is still the mailbox's and has no reply yet. */
+static int job_live(pool_t *p, int32_t seq) {
+    return __atomic_load_n(&p->mailbox[0], __ATOMIC_ACQUIRE) == seq
+        && __atomic_load_n(&p->reply[0], __ATOMIC_ACQUIRE) != seq;
+}
+
+/* The next chunk of phase `ph` of job `seq` (n chunks), or -1 when none is left or the job is gone. */
+static int grab(pool_t *p, int ph, int32_t seq, int n) {
+    uint64_t *w = &p->work[ph], v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+    if (n < 1) return -1;
+    for (;;) {
+        if (W_TAG(v) != (uint32_t)seq) {
+            if (!job_live(p, seq)) return -1;
+            if (__atomic_compare_exchange_n(w, &v, ((uint64_t)(uint32_t)seq << 32) | (1u << 16), 0,
+                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
 #if LT_STATS
-    int64_t t0 = now_ns(), zero = 0, t1, t2, t3;
-    __atomic_compare_exchange_n(&p->job_start, &zero, t0, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+                if (ph == 0 || p->first_phase == 1) __atomic_store_n(&p->job_start, now_ns(), __ATOMIC_RELAXED);
+#endif
+                return 0;
+            }
+            continue;
+        }
+        if (W_NEXT(v) >= n) return -1;
+        if (__atomic_compare_exchange_n(w, &v, v + (1u << 16), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return W_NEXT(v);
+    }
+}
+
+/* Waits until all n chunks of phase `ph` of job `seq` are done; 0 when the job is gone instead. */
+static int phase_done(pool_t *p, int ph, int32_t seq, int n) {
+    for (;;) {
+        uint64_t v = __atomic_load_n(&p->work[ph], __ATOMIC_ACQUIRE);
+        if (W_TAG(v) != (uint32_t)seq) return 0;
+        if (W_DONE(v) >= n) return 1;
+        if (p->stop) return 0;
+        CPU_RELAX();
+    }
+}
+
+/* Rows a chunk of `rows` covers so that `units * ceil(rows / chunk)` chunks fit a work word. */
+static int chunk_rows(int64_t units, int rows, int chunk) {
+    while (units * ((rows + chunk - 1) / chunk) > W_MAX) chunk *= 2;
+    return chunk;
+}
+
+static void run_job(pool_t *p, int index, int32_t seq) {
+    (void)index;  /* the stats' row */
+#if LT_STATS
+    int64_t t0 = now_ns(), t1, t2, t3;
 #endif
     const int layer = p->mailbox[16], tokens = p->mailbox[17], k = p->mailbox[18];
     const int status = job_status(p, layer, tokens, k);
+    /* the header read before this check is the job's: the next job's is written only after this one's reply */
+    if (__atomic_load_n(&p->reply[0], __ATOMIC_ACQUIRE) == seq) return;
     const int H = p->hidden;
     const volatile int32_t *ids = p->mailbox + HEADER;
     const float *w = (const float *)(p->mailbox + HEADER + p->max_pairs);
     const float *x = (const float *)(p->mailbox + HEADER + 2 * p->max_pairs);
     float *y = (float *)(p->reply + 16);
-    int np = 0, ffn = 0;
+    int np = 0, ffn = 0, c1 = 1, n1 = 0, c2 = 1, n2 = 1, c;
+    int32_t pairs[1024];
     const matrix_t *gate = NULL, *up = NULL, *down = NULL;
     if (status == 0) {
         gate = &p->mats[3 * layer]; up = gate + 1; down = gate + 2;
         ffn = gate->rows;
-        for (int i = 0; i < tokens * k; i++) if (ids[i] >= 0) np++;
-        /* phase 1: rows [np * ffn] of gate and up */
-        int64_t total = (int64_t)np * ffn, a = total * index / p->nthreads, b = total * (index + 1) / p->nthreads;
-        int32_t pairs[1024];
-        int n = 0;
-        for (int i = 0; i < tokens * k && n < 1024; i++) if (ids[i] >= 0) pairs[n++] = i;
-        for (int64_t t = a; t < b; t++) {
-            int q = (int)(t / ffn), r = (int)(t % ffn), pair = pairs[q], e = ids[pair];
-            const float *xt = x + (int64_t)(pair / k) * H;
+        for (int i = 0; i < tokens * k; i++) if (ids[i] >= 0) pairs[np++] = i;
+        c1 = chunk_rows(np, ffn, LT_CHUNK1);
+        n1 = np * ((ffn + c1 - 1) / c1);
+        c2 = chunk_rows(1, tokens * H, LT_CHUNK2);
+        n2 = (tokens * H + c2 - 1) / c2;
+    }
+#if LT_STATS
+    if (index == 0) p->first_phase = n1 > 0 ? 0 : 1;
+#endif
+    /* phase 1: chunks of c1 rows of gate and up of one pair (h = silu(g) * u) */
+    while ((c = grab(p, 0, seq, n1)) >= 0) {
+        const int per = (ffn + c1 - 1) / c1, pair = pairs[c / per], e = ids[pair];
+        const int r0 = (c % per) * c1, r1 = r0 + c1 < ffn ? r0 + c1 : ffn;
+        const float *xt = x + (int64_t)(pair / k) * H;
+        for (int r = r0; r < r1; r++) {
             float g = row_dot(gate, row_of(gate, e, r), xt), u = row_dot(up, row_of(up, e, r), xt);
             p->h[(int64_t)pair * ffn + r] = g / (1.0f + expf(-g)) * u;
         }
+        __atomic_add_fetch(&p->work[0], 1, __ATOMIC_ACQ_REL);
     }
 #if LT_STATS
     t1 = now_ns();
 #endif
-    __atomic_fetch_add(&p->phase1, 1, __ATOMIC_ACQ_REL);
-    spin_until(p, &p->phase1, job * p->nthreads);
+    if (n1 > 0 && !phase_done(p, 0, seq, n1)) return;
 #if LT_STATS
     t2 = now_ns();
 #endif
-    /* phase 2: output rows [tokens * H], each summed over its token's pairs in order */
-    if (status == 0) {
-        int64_t total = (int64_t)tokens * H, a = total * index / p->nthreads, b = total * (index + 1) / p->nthreads;
-        for (int64_t t = a; t < b; t++) {
-            int tok = (int)(t / H), r = (int)(t % H);
-            float s = 0.0f;
-            for (int j = 0; j < k; j++) {
-                int pair = tok * k + j, e = ids[pair];
-                if (e >= 0) s += w[pair] * row_dot(down, row_of(down, e, r), p->h + (int64_t)pair * ffn);
+    /* phase 2: chunks of c2 output rows of [tokens * H], each summed over its token's pairs in order */
+    while ((c = grab(p, 1, seq, n2)) >= 0) {
+        if (status == 0) {
+            const int64_t a = (int64_t)c * c2, b = a + c2 < (int64_t)tokens * H ? a + c2 : (int64_t)tokens * H;
+            for (int64_t t = a; t < b; t++) {
+                int tok = (int)(t / H), r = (int)(t % H);
+                float s = 0.0f;
+                for (int j = 0; j < k; j++) {
+                    int pair = tok * k + j, e = ids[pair];
+                    if (e >= 0) s += w[pair] * row_dot(down, row_of(down, e, r), p->h + (int64_t)pair * ffn);
+                }
+                y[t] = s;
             }
-            y[t] = s;
+        } else {
+            p->reply[1] = status;
         }
-    } else if (index == 0) {
-        p->reply[1] = status;
+        if (W_DONE(__atomic_add_fetch(&p->work[1], 1, __ATOMIC_ACQ_REL)) == n2) {
+#if LT_STATS
+            p->job_ns += now_ns() - __atomic_load_n(&p->job_start, __ATOMIC_RELAXED);
+#endif
+            __atomic_fetch_add(&p->jobs, 1, __ATOMIC_RELAXED);
+            __atomic_store_n(&p->reply[0], seq, __ATOMIC_RELEASE);  /* the GPU's wait ends here */
+        }
     }
 #if LT_STATS
     t3 = now_ns();
@@ -278,13 +355,6 @@ static void run_job(pool_t *p, int index, int64_t job, int32_t seq) {
         p->ns[index][0] += t1 - t0; p->ns[index][1] += t2 - t1; p->ns[index][2] += t3 - t2;
     }
 #endif
-    if (__atomic_add_fetch(&p->phase2, 1, __ATOMIC_ACQ_REL) == job * p->nthreads) {
-#if LT_STATS
-        p->job_ns += now_ns() - __atomic_exchange_n(&p->job_start, 0, __ATOMIC_ACQ_REL);
-#endif
-        __atomic_fetch_add(&p->jobs, 1, __ATOMIC_RELAXED);
-        __atomic_store_n(&p->reply[0], seq, __ATOMIC_RELEASE);  /* the GPU's wait ends here */
-    }
 }
 
 static void pin_thread(int index) {
@@ -312,7 +382,7 @@ static void *worker_main(void *arg) {
     pool_t *p = wk->pool;
     pin_thread(wk->index);
     int32_t last = p->start_seq;
-    int64_t job = 0, idle_since = now_ns();
+    int64_t idle_since = now_ns();
     unsigned spins = 0;
     while (!p->stop) {
         int32_t seq = __atomic_load_n(&p->mailbox[0], __ATOMIC_ACQUIRE);
@@ -329,7 +399,7 @@ static void *worker_main(void *arg) {
             continue;
         }
         last = seq;
-        run_job(p, wk->index, ++job, seq);
+        run_job(p, wk->index, seq);
         idle_since = now_ns();
         spins = 0;
     }
@@ -347,6 +417,7 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
     p->hidden = hidden; p->ffn = ffn; p->nlayers = nlayers;
     p->mailbox = mailbox; p->reply = reply;
     p->start_seq = __atomic_load_n(&mailbox[0], __ATOMIC_ACQUIRE);
+    p->work[0] = p->work[1] = (uint64_t)(uint32_t)p->start_seq << 32;  /* no job's number */
     p->mats = (matrix_t *)calloc((size_t)nlayers * 3, sizeof(matrix_t));
     p->h = (float *)calloc((size_t)max_pairs * ffn, sizeof(float));
     p->threads = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));

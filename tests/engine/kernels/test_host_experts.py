@@ -128,3 +128,30 @@ def test_more_tokens_than_the_mailbox_holds_are_refused():
                           torch.ones(4, dtype=torch.int8))
     finally:
         share.close()
+
+
+def test_any_thread_count_gives_the_same_bits_over_many_jobs():
+    """Chunks go to whichever thread takes them, and each output row is still summed in pair order: 1 and 6
+    threads (more threads than some jobs have chunks) give identical sums over 60 back-to-back jobs."""
+    hidden, ffn, experts, k = 64, 96, 5, 4
+    layers = [layer(Q.Q4_0, "split", experts, hidden, ffn, seed=40 + i)[0] for i in range(3)]
+    shares = [HostShare(layers, hidden=hidden, ffn=ffn, threads=t, device="cpu", max_tokens=4, max_pairs=16)
+              for t in (1, 6)]
+    try:
+        g = torch.Generator().manual_seed(7)
+        for job in range(60):
+            T = int(torch.randint(1, 5, (1,), generator=g))
+            x, w = torch.randn(T, hidden, generator=g), torch.rand(T, k, generator=g)
+            ids = torch.randint(-1, experts, (T, k), generator=g)
+            mine = (torch.rand(experts, generator=g) < 0.7).to(torch.int8)
+            outs = []
+            for share in shares:
+                out = torch.zeros(T, hidden)
+                share.publish(job % 3, x, ids, w, mine)
+                share.collect(out)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), job
+        assert [s.jobs for s in shares] == [60, 60]
+    finally:
+        for share in shares:
+            share.close()
