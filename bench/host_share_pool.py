@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=200)
     ap.add_argument("--pinned", action="store_true", help="pinned host memory, as the cold tier holds it (needs CUDA)")
     ap.add_argument("--cflags", default="", help="build variants of the pool, separated by ';'")
+    ap.add_argument("--activations", default="float32", help="float32, int8 or both (comma-separated)")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     rb_in, rb_down = H // 32 * 18, FFN // 32 * 18
@@ -53,30 +54,30 @@ def main() -> None:
     per_pair = 2 * FFN * rb_in + H * rb_down
     print(f"{LAYERS} layers x {E} experts, {per_pair / 1e6:.2f} MB a pair, {LAYERS * E * per_pair / 1e9:.1f} GB", flush=True)
     x = torch.randn(1, H)
-    for cflags in args.cflags.split(";"):
-        for threads in (int(t) for t in args.threads.split(",")):
-            share = HostShare(layers, hidden=H, ffn=FFN, threads=threads, device="cpu", max_tokens=1, max_pairs=K,
-                              cflags=cflags.split())
-            out = torch.zeros(1, H)
-            for pairs in (int(p) for p in args.pairs.split(",")):
-                times = []
-                before = share.stats()
-                for j in range(20 + args.jobs):
-                    ids = torch.full((1, K), -1, dtype=torch.long)
-                    ids[0, :pairs] = torch.randperm(E, generator=g)[:pairs]
-                    mine = torch.ones(E, dtype=torch.int8)
-                    t = time.perf_counter()
-                    share.publish(j % LAYERS, x, ids, torch.ones(1, K), mine)
-                    share.collect(out)
-                    times.append(time.perf_counter() - t)
-                med = statistics.median(times[20:])
-                line = (f"[{cflags or 'default'}] threads {threads:2d} (simd {share.simd}), {pairs} pairs: "
-                        f"{med * 1e6:8.1f} us a job, {pairs * per_pair / med / 1e9:6.1f} GB/s")
-                stats = share.stats()
-                if stats is not None:
-                    line += phases(before, stats, pairs * per_pair)
-                print(line, flush=True)
-            share.close()
+    for cflags, act, threads in ((c, a, int(t)) for c in args.cflags.split(";") for a in args.activations.split(",")
+                                 for t in args.threads.split(",")):
+        share = HostShare(layers, hidden=H, ffn=FFN, threads=threads, device="cpu", max_tokens=1, max_pairs=K,
+                          cflags=cflags.split(), int8=act == "int8")
+        out = torch.zeros(1, H)
+        for pairs in (int(p) for p in args.pairs.split(",")):
+            times = []
+            before = share.stats()
+            for j in range(20 + args.jobs):
+                ids = torch.full((1, K), -1, dtype=torch.long)
+                ids[0, :pairs] = torch.randperm(E, generator=g)[:pairs]
+                mine = torch.ones(E, dtype=torch.int8)
+                t = time.perf_counter()
+                share.publish(j % LAYERS, x, ids, torch.ones(1, K), mine)
+                share.collect(out)
+                times.append(time.perf_counter() - t)
+            med = statistics.median(times[20:])
+            line = (f"[{cflags or 'default'}] {act} threads {threads:2d} (simd {share.simd}), {pairs} pairs: "
+                    f"{med * 1e6:8.1f} us a job, {pairs * per_pair / med / 1e9:6.1f} GB/s")
+            stats = share.stats()
+            if stats is not None:
+                line += phases(before, stats, pairs * per_pair)
+            print(line, flush=True)
+        share.close()
 
 
 def phases(before: dict, after: dict, nbytes: int) -> str:

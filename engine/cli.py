@@ -46,6 +46,10 @@ def generate(
     cold_cpu_share: Optional[float] = typer.Option(
         None, "--cold-cpu-share", help="with --cold-device gpu: share (0-1) of the cold experts computed by CPU "
         "threads beside the bus in decode steps (Q4_0/Q8_0 experts; one thread per core but one)"),
+    cold_cpu_int8: bool = typer.Option(
+        True, "--cold-cpu-int8/--cold-cpu-float32", help="with --cold-cpu-share: the threads round activations to "
+        "8 bits per 32 values and multiply in integers, as llama.cpp's CPU experts do (the default), or multiply "
+        "in float32"),
     weights: str = typer.Option(
         "dense", "--weights", help="dense (dequantized at load) or quantized (projection matrices kept as GGUF "
         "blocks, dequantized in the matmul kernels)"),
@@ -94,7 +98,7 @@ def generate(
     eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads,
                            expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format,
                            weights=weights, cuda_graph=cuda_graph, hot_format=hot_format, cold_device=cold_device,
-                           cold_cpu_share=cold_cpu_share)
+                           cold_cpu_share=cold_cpu_share, cold_cpu_int8=cold_cpu_int8 if cold_cpu_share else None)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:

@@ -168,7 +168,7 @@ class Engine:
                   pflash_threshold: int | None = None, draft: str | Path | None = None,
                   cold_format: str = "dense", weights: str = "dense", cuda_graph: bool = True,
                   hot_format: str = "dense", cold_device: str = "cpu", cold_cpu_share: float | None = None,
-                  **options: Any) -> "Engine":
+                  cold_cpu_int8: bool | None = None, **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
@@ -180,7 +180,8 @@ class Engine:
         has the GPU compute the cold experts, reading their pinned host copies over the bus
         (``engine.hybrid``), so a step with cold experts needs no host and can be captured, and
         ``cold_cpu_share`` (0 to 1, with it and a budget) hands that share of the cold experts to CPU threads
-        working beside the bus in decode-sized calls (``engine.kernels.host_experts``); ``drafter``
+        working beside the bus in decode-sized calls (``engine.kernels.host_experts``), in 8-bit activations
+        unless ``cold_cpu_int8=False`` (default ``LUCE_TUNE_COLD_CPU_INT8`` or on); ``drafter``
         loads a PFlash drafter sharing the target's vocabulary;
         ``draft`` attaches a DFlash draft, checked against the target before any tensor loads.
         ``weights="quantized"`` keeps the block-quantized projection matrices (attention, Gated
@@ -253,8 +254,9 @@ class Engine:
             eng.draft = draft_file.load(device=dev, dtype=dt)
         if expert_budget_mb is not None:
             eng.set_expert_budget(expert_budget_mb)
-            if cold_cpu_share is not None:
-                eng.set_cold_cpu_share(cold_cpu_share)
+            if cold_cpu_share is not None or cold_cpu_int8 is not None:
+                eng.set_cold_cpu_share(eng.hybrid.cpu_share if cold_cpu_share is None else cold_cpu_share,
+                                       int8=cold_cpu_int8)
         _sync(dev)
         eng.load_s = time.perf_counter() - t0
         return eng
@@ -315,14 +317,15 @@ class Engine:
             return self.hybrid.placement
         return self.hybrid.set_budget(budget_mb)
 
-    def set_cold_cpu_share(self, share: float) -> None:
+    def set_cold_cpu_share(self, share: float, *, int8: bool | None = None) -> None:
         """Hand ``share`` (0 to 1) of the cold experts to CPU threads working beside the bus in decode-sized
-        calls (``HybridExperts.set_cpu_share``); needs a placement with ``cold_device="gpu"``."""
+        calls (``HybridExperts.set_cpu_share``, ``int8`` their activations' width); needs a placement with
+        ``cold_device="gpu"``."""
         if self.hybrid is None:
             raise ConfigError("a CPU share of the cold experts needs an expert budget (set_expert_budget first)")
         self._graphs.clear()  # captured with the old split
         self._prefills.clear()
-        self.hybrid.set_cpu_share(share)
+        self.hybrid.set_cpu_share(share, int8=int8)
 
     def _ids_tensor(self, ids: Sequence[int]) -> torch.Tensor:
         if len(ids) == 0:

@@ -348,19 +348,21 @@ class HybridExperts:
                  reserve: GpuReserve | None = None, max_expert_mb: float | None = None,
                  threads: int | None = None, impl: str = "auto", kernel_config: "MoEKernelConfig | None" = None,
                  gguf_file: "RawTensorSource | None" = None, cold_device: str = "cpu",
-                 cpu_share: float | None = None):
+                 cpu_share: float | None = None, cpu_int8: bool | None = None):
         """``host_experts``: per layer (gate, up, down) in host memory (pinned for CUDA) or a
         ``QuantizedExperts``, placed for ``budget_mb``. ``max_expert_mb`` caps device memory for
         experts below what the live GPU allows; ``threads`` sizes the CPU pool; ``impl`` picks the
         device kernels; ``gguf_file`` is the file the quantized experts view, closed by ``close``;
         ``cold_device`` computes the cold experts on CPU threads or on the device (module docstring);
         ``cpu_share`` (with ``cold_device="gpu"``; default ``LUCE_TUNE_COLD_CPU_SHARE`` or 0) hands that share of
-        the cold experts' routed mass to CPU threads in decode-sized calls (``set_cpu_share``)."""
+        the cold experts' routed mass to CPU threads in decode-sized calls (``set_cpu_share``), whose
+        activations are 8-bit (``cpu_int8``, default ``LUCE_TUNE_COLD_CPU_INT8`` or on) or float32."""
         if cold_device not in COLD_DEVICES:
             raise ConfigError(f"cold device must be one of {', '.join(COLD_DEVICES)}, got {cold_device!r}")
         self.cold_device = cold_device
         self.device = torch.device(device)
         self.cpu_share = 0.0
+        self.cpu_int8 = _env_int8() if cpu_int8 is None else bool(cpu_int8)
         self._host_share: Any = None  # engine.kernels.host_experts.HostShare, started by the first share > 0
         self._threads_given = threads is not None
         if len(host_experts) != stats.n_layers:
@@ -492,17 +494,25 @@ class HybridExperts:
         self.reset_counters()
         return placement
 
-    def set_cpu_share(self, share: float) -> None:
+    def set_cpu_share(self, share: float, *, int8: bool | None = None) -> None:
         """Hand ``share`` (0 to 1) of each layer's cold routed mass to CPU threads in decode-sized calls
         (``engine.kernels.host_experts``), the bus carrying the rest; 0 stops handing any. Needs
         ``cold_device="gpu"`` and Q4_0 or Q8_0 cold experts held as host blocks. The threads start with
-        the first share above 0 (``threads`` of them, else one per core but one). Captured steps made
-        before a change no longer match the executor: the engine captures again."""
+        the first share above 0 (``threads`` of them, else one per core but one). ``int8`` (None: as set)
+        picks 8-bit activations for the threads (ggml's Q8_0 rounding of the token rows and the inner
+        activations, integer dot products: on the H200's host 3-4x fewer instructions a weight) or float32;
+        a change restarts them. Captured steps made before a change no longer match the executor: the
+        engine captures again."""
         if not 0.0 <= share <= 1.0:
             raise ConfigError(f"the cold experts' CPU share must be between 0 and 1, got {share}")
         if share and self.cold_device != "gpu":
             raise ConfigError("a CPU share of the cold experts needs cold_device='gpu' (with cold_device='cpu' "
                               "CPU threads compute all of them already)")
+        if int8 is not None and bool(int8) != self.cpu_int8:
+            self.cpu_int8 = bool(int8)
+            if self._host_share is not None:
+                self._host_share.close()
+                self._host_share = None
         if share and self._host_share is None:
             self._host_share = self._start_host_share()
         self.cpu_share = float(share)
@@ -526,7 +536,7 @@ class HybridExperts:
             mats.append([(b, r.qtype, r.rows, r.cols, lay) for b, r, lay in zip(host.blocks, host.raw, host.layouts)])
             hidden, ffn = host.raw[0].cols, max(ffn, host.raw[0].rows)
         threads = self.threads if self._threads_given else max(1, (os.cpu_count() or 2) - 1)
-        return HostShare(mats, hidden=hidden, ffn=ffn, threads=threads, device=self.device)
+        return HostShare(mats, hidden=hidden, ffn=ffn, threads=threads, device=self.device, int8=self.cpu_int8)
 
     def _assign_cpu_share(self) -> None:
         """Each layer's CPU set: its cold experts in falling routed counts, taken while the set's mass
@@ -757,6 +767,14 @@ class HybridExperts:
 
 
 COLD_CPU_SHARE_ENV = "LUCE_TUNE_COLD_CPU_SHARE"
+COLD_CPU_INT8_ENV = "LUCE_TUNE_COLD_CPU_INT8"  # 0: the CPU share multiplies in float32
+
+
+def _env_int8() -> bool:
+    text = os.environ.get(COLD_CPU_INT8_ENV, "1").strip()
+    if text not in ("0", "1"):
+        raise ConfigError(f"{COLD_CPU_INT8_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def _env_share() -> float:

@@ -37,6 +37,12 @@
 #define LT_AVX512 0
 #endif
 
+#if LT_AVX512 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LT_VNNI 1  /* int8 dot products with vpdpbusd */
+#else
+#define LT_VNNI 0
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #define CPU_RELAX() __builtin_ia32_pause()
 #elif defined(__aarch64__)
@@ -83,6 +89,9 @@ typedef struct {
     volatile int32_t *mailbox, *reply;
     matrix_t *mats;  /* [nlayers * 3]: gate, up, down */
     float *h;        /* [max_pairs * ffn] */
+    int int8;        /* activations in 8 bits (x and h quantized per 32-block), or float32 */
+    int8_t *hq;      /* int8 mode: h's codes [max_pairs * ffn] (pair order, below), scales and scale * sum */
+    float *hd, *hc;  /* [max_pairs * ffn / 32] */
     int32_t *pairs;  /* [max_pairs]: indices of this pool's pairs, rebuilt by every thread (same result) */
     uint64_t work[2];  /* phase 1 and phase 2 (W_* below) */
     int64_t jobs;
@@ -96,7 +105,13 @@ typedef struct {
 #endif
 } pool_t;
 
-typedef struct { pool_t *pool; int index; } worker_t;
+typedef struct {
+    pool_t *pool;
+    int index;
+    int8_t *xq;      /* int8 mode: the job's token rows in 8 bits [max_tokens * hidden], made on first use */
+    float *xd, *xc;  /* [max_tokens * hidden / 32] */
+    int32_t *xtag;   /* [max_tokens]: the job whose row a token's codes hold */
+} worker_t;
 
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__) && LT_AVX2
@@ -207,6 +222,135 @@ static inline const uint8_t *row_of(const matrix_t *m, int expert, int r) {
     return m->base + (int64_t)expert * m->expert_bytes + (int64_t)r * m->row_bytes;
 }
 
+/* Activations in 8 bits (int8 mode, as ggml's Q8_0 activations): each 32-block of a float row becomes codes q
+   in [-127, 127] with d = max|x| / 127 (x ~ d q) and c = d * sum(q), which carries Q4_0's offset of 8. Codes
+   are stored by pairs of blocks, both blocks' first halves then both second halves
+   ([b 0-15 | b+1 0-15 | b 16-31 | b+1 16-31]): the order in which a Q4_0 block pair's nibbles come out of
+   one 32-byte load. A row's last block, where the count is odd, stays in plain order. */
+static inline int perm_index(int b, int j, int nb) {
+    if ((b | 1) >= nb) return b * 32 + j;
+    return (b & ~1) * 32 + (j < 16 ? (b & 1) * 16 + j : 32 + (b & 1) * 16 + j - 16);
+}
+
+static void quantize_row8(const float *x, int n, int8_t *q, float *d, float *c) {
+    const int nb = n / 32;
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        int8_t v[32];
+        int sum = 0;
+#if LT_AVX512
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+        _mm_storeu_si128((__m128i *)v, _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(v + 16), _mm512_cvtsepi32_epi8(q1));
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int j = 0; j < 32; j++) {
+            long r = lrintf(xb[j] * inv);  /* to nearest, ties to even: the vector conversion's rounding */
+            v[j] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
+            sum += v[j];
+        }
+#endif
+        if ((b | 1) >= nb) {
+            memcpy(q + 32 * b, v, 32);
+        } else {
+            int8_t *pb = q + 32 * (b & ~1) + 16 * (b & 1);
+            memcpy(pb, v, 16);
+            memcpy(pb + 32, v + 16, 16);
+        }
+        d[b] = amax / 127.0f;
+        c[b] = d[b] * (float)sum;
+    }
+}
+
+/* One row's dot product with 8-bit activations: sum over blocks of dw * dx * (codes . q), Q4_0's offset taken
+   off through c. Integer products are exact; only the float sums round. */
+static float row_dot8_plain(const matrix_t *m, const uint8_t *row, const int8_t *xq, const float *xd, const float *xc) {
+    const int nb = m->cols / 32, q4 = m->qtype == QT_Q4_0, code = q4 ? 16 : 32, size = code + 2;
+    const uint8_t *codes = m->split ? row : row + 2, *scales = m->split ? row + (int64_t)nb * code : row;
+    const int code_step = m->split ? code : size, scale_step = m->split ? 2 : size;
+    float acc = 0.0f, corr = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *q = codes + (int64_t)b * code_step;
+        uint16_t hs; memcpy(&hs, scales + (int64_t)b * scale_step, 2);
+        const float dw = half_to_float(hs);
+        int s = 0;
+        if (q4) {
+            for (int j = 0; j < 16; j++)
+                s += (q[j] & 0x0f) * xq[perm_index(b, j, nb)] + (q[j] >> 4) * xq[perm_index(b, j + 16, nb)];
+            corr += dw * xc[b];
+        } else {
+            const int8_t *qs = (const int8_t *)q;
+            for (int j = 0; j < 32; j++) s += qs[j] * xq[perm_index(b, j, nb)];
+        }
+        acc += dw * xd[b] * (float)s;
+    }
+    return q4 ? acc - 8.0f * corr : acc;
+}
+
+#if LT_VNNI
+/* row_dot8_plain with vpdpbusd, for rows of a multiple of 16 blocks: 16 blocks' scales at a time, two blocks a
+   dot product (a 32-byte load of Q4_0 codes splits into the pair order of the codes above; Q8_0's 64 bytes are
+   put in that order, made unsigned, and their signs moved onto x). */
+static float row_dot8_vnni(const matrix_t *m, const uint8_t *row, const int8_t *xq, const float *xd, const float *xc) {
+    static const int32_t lanes[8][16] = {
+        {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3},
+        {4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7},
+        {8, 8, 8, 8, 9, 9, 9, 9, 8, 8, 8, 8, 9, 9, 9, 9}, {10, 10, 10, 10, 11, 11, 11, 11, 10, 10, 10, 10, 11, 11, 11, 11},
+        {12, 12, 12, 12, 13, 13, 13, 13, 12, 12, 12, 12, 13, 13, 13, 13},
+        {14, 14, 14, 14, 15, 15, 15, 15, 14, 14, 14, 14, 15, 15, 15, 15}};
+    const int nb = m->cols / 32, q4 = m->qtype == QT_Q4_0, code = q4 ? 16 : 32, size = code + 2;
+    const uint8_t *codes = m->split ? row : row + 2, *scales = m->split ? row + (int64_t)nb * code : row;
+    const __m512i zero = _mm512_setzero_si512(), halves = _mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0);
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps();
+    for (int g = 0; g < nb; g += 16) {
+        uint16_t hb[16];
+        if (m->split) memcpy(hb, scales + 2 * g, 32);
+        else for (int i = 0; i < 16; i++) memcpy(&hb[i], scales + (int64_t)(g + i) * size, 2);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hb));
+        const __m512 sv = _mm512_mul_ps(dw, _mm512_loadu_ps(xd + g));
+        if (q4) corr = _mm512_fmadd_ps(dw, _mm512_loadu_ps(xc + g), corr);
+        for (int i = 0; i < 8; i++) {
+            const int b = g + 2 * i;
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq + 32 * b));
+            __m512i dot;
+            if (q4) {
+                const uint8_t *c0 = codes + (int64_t)b * (m->split ? code : size);
+                const __m256i r = m->split ? _mm256_loadu_si256((const __m256i *)c0)
+                    : _mm256_loadu2_m128i((const __m128i *)(c0 + size), (const __m128i *)c0);
+                const __m256i lo = _mm256_and_si256(r, mask), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), mask);
+                dot = _mm512_dpbusd_epi32(zero, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), xv);
+            } else {
+                const uint8_t *c0 = codes + (int64_t)b * (m->split ? code : size);
+                __m512i w = m->split ? _mm512_loadu_si512((const void *)c0)
+                    : _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)c0)),
+                                         _mm256_loadu_si256((const __m256i *)(c0 + size)), 1);
+                w = _mm512_permutexvar_epi64(halves, w);
+                const __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w), zero, xv);
+                dot = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), sx);
+            }
+            const __m512 s = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)lanes[i]), sv);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
+        }
+    }
+    const float total = _mm512_reduce_add_ps(acc);
+    return q4 ? total - 8.0f * _mm512_reduce_add_ps(corr) : total;
+}
+#endif
+
+static inline float row_dot8(const matrix_t *m, const uint8_t *row, const int8_t *xq, const float *xd, const float *xc) {
+#if LT_VNNI
+    if (m->cols % 512 == 0) return row_dot8_vnni(m, row, xq, xd, xc);
+#endif
+    return row_dot8_plain(m, row, xq, xd, xc);
+}
+
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -278,7 +422,8 @@ static int chunk_rows(int64_t units, int rows, int chunk) {
     return chunk;
 }
 
-static void run_job(pool_t *p, int index, int32_t seq) {
+static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
+    const int index = wk->index;
     (void)index;  /* the stats' row */
 #if LT_STATS
     int64_t t0 = now_ns(), t1, t2, t3;
@@ -311,10 +456,37 @@ static void run_job(pool_t *p, int index, int32_t seq) {
     while ((c = grab(p, 0, seq, n1)) >= 0) {
         const int per = (ffn + c1 - 1) / c1, pair = pairs[c / per], e = ids[pair];
         const int r0 = (c % per) * c1, r1 = r0 + c1 < ffn ? r0 + c1 : ffn;
-        const float *xt = x + (int64_t)(pair / k) * H;
-        for (int r = r0; r < r1; r++) {
-            float g = row_dot(gate, row_of(gate, e, r), xt), u = row_dot(up, row_of(up, e, r), xt);
-            p->h[(int64_t)pair * ffn + r] = g / (1.0f + expf(-g)) * u;
+        const int tok = pair / k;
+        const float *xt = x + (int64_t)tok * H;
+        float *h = p->h + (int64_t)pair * ffn;
+        if (p->int8) {
+            const int8_t *xq = wk->xq + (int64_t)tok * H;
+            const float *xd = wk->xd + (int64_t)tok * (H / 32), *xc = wk->xc + (int64_t)tok * (H / 32);
+            if (wk->xtag[tok] != seq) {
+                quantize_row8(xt, H, wk->xq + (int64_t)tok * H, wk->xd + (int64_t)tok * (H / 32),
+                              wk->xc + (int64_t)tok * (H / 32));
+                wk->xtag[tok] = seq;
+            }
+            for (int r = r0; r < r1; r++) {
+                float g = row_dot8(gate, row_of(gate, e, r), xq, xd, xc), u = row_dot8(up, row_of(up, e, r), xq, xd, xc);
+                h[r] = g / (1.0f + expf(-g)) * u;
+            }
+            /* this chunk's whole 32-blocks of h in 8 bits, for down (c1 is a multiple of 32) */
+            for (int r = r0; r < r1; r += 32) {
+                const int nbf = ffn / 32, b = r / 32;
+                float d, cc;
+                int8_t q32[32];
+                quantize_row8(h + r, 32, q32, &d, &cc);
+                int8_t *hq = p->hq + (int64_t)pair * ffn;
+                for (int j = 0; j < 32; j++) hq[perm_index(b, j, nbf)] = q32[j];
+                p->hd[(int64_t)pair * nbf + b] = d;
+                p->hc[(int64_t)pair * nbf + b] = cc;
+            }
+        } else {
+            for (int r = r0; r < r1; r++) {
+                float g = row_dot(gate, row_of(gate, e, r), xt), u = row_dot(up, row_of(up, e, r), xt);
+                h[r] = g / (1.0f + expf(-g)) * u;
+            }
         }
         __atomic_add_fetch(&p->work[0], 1, __ATOMIC_ACQ_REL);
     }
@@ -334,7 +506,14 @@ static void run_job(pool_t *p, int index, int32_t seq) {
                 float s = 0.0f;
                 for (int j = 0; j < k; j++) {
                     int pair = tok * k + j, e = ids[pair];
-                    if (e >= 0) s += w[pair] * row_dot(down, row_of(down, e, r), p->h + (int64_t)pair * ffn);
+                    if (e < 0) continue;
+                    if (p->int8) {
+                        const int nbf = ffn / 32;
+                        s += w[pair] * row_dot8(down, row_of(down, e, r), p->hq + (int64_t)pair * ffn,
+                                                p->hd + (int64_t)pair * nbf, p->hc + (int64_t)pair * nbf);
+                    } else {
+                        s += w[pair] * row_dot(down, row_of(down, e, r), p->h + (int64_t)pair * ffn);
+                    }
                 }
                 y[t] = s;
             }
@@ -381,6 +560,15 @@ static void *worker_main(void *arg) {
     worker_t *wk = (worker_t *)arg;
     pool_t *p = wk->pool;
     pin_thread(wk->index);
+    if (p->int8) {
+        const size_t n = (size_t)p->max_tokens * p->hidden;
+        wk->xq = (int8_t *)malloc(n);
+        wk->xd = (float *)malloc(n / 32 * sizeof(float));
+        wk->xc = (float *)malloc(n / 32 * sizeof(float));
+        wk->xtag = (int32_t *)malloc((size_t)p->max_tokens * sizeof(int32_t));
+        if (!wk->xq || !wk->xd || !wk->xc || !wk->xtag) goto done;  /* this thread takes no chunks */
+        for (int t = 0; t < p->max_tokens; t++) wk->xtag[t] = p->start_seq;
+    }
     int32_t last = p->start_seq;
     int64_t idle_since = now_ns();
     unsigned spins = 0;
@@ -399,17 +587,21 @@ static void *worker_main(void *arg) {
             continue;
         }
         last = seq;
-        run_job(p, wk->index, seq);
+        run_job(p, wk, seq);
         idle_since = now_ns();
         spins = 0;
     }
+done:
+    free(wk->xq); free(wk->xd); free(wk->xc); free(wk->xtag);
     free(wk);
     return NULL;
 }
 
+/* Starts the pool; int8: activations in 8 bits (hidden and ffn multiples of 32). NULL for bad arguments. */
 void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, int max_tokens, int hidden,
-               int ffn, int nlayers) {
-    if (nthreads < 1 || max_pairs < 1 || max_pairs > 1024 || max_tokens < 1 || hidden < 1 || ffn < 1 || nlayers < 1)
+               int ffn, int nlayers, int int8) {
+    if (nthreads < 1 || max_pairs < 1 || max_pairs > 1024 || max_tokens < 1 || hidden < 1 || ffn < 1 || nlayers < 1
+        || (int8 && (hidden % 32 || ffn % 32)))
         return NULL;
     pool_t *p = (pool_t *)calloc(1, sizeof(pool_t));
     if (!p) return NULL;
@@ -421,9 +613,15 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
     p->mats = (matrix_t *)calloc((size_t)nlayers * 3, sizeof(matrix_t));
     p->h = (float *)calloc((size_t)max_pairs * ffn, sizeof(float));
     p->threads = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
-    if (!p->mats || !p->h || !p->threads) goto fail;
+    p->int8 = int8 != 0;
+    if (p->int8) {
+        p->hq = (int8_t *)calloc((size_t)max_pairs * ffn, 1);
+        p->hd = (float *)calloc((size_t)max_pairs * ffn / 32, sizeof(float));
+        p->hc = (float *)calloc((size_t)max_pairs * ffn / 32, sizeof(float));
+    }
+    if (!p->mats || !p->h || !p->threads || (p->int8 && (!p->hq || !p->hd || !p->hc))) goto fail;
     for (int i = 0; i < nthreads; i++) {
-        worker_t *wk = (worker_t *)malloc(sizeof(worker_t));
+        worker_t *wk = (worker_t *)calloc(1, sizeof(worker_t));
         if (!wk) { p->nthreads = i; goto fail; }
         wk->pool = p; wk->index = i;
         if (pthread_create(&p->threads[i], NULL, worker_main, wk) != 0) { free(wk); p->nthreads = i; goto fail; }
@@ -432,7 +630,7 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
 fail:
     p->stop = 1;
     for (int i = 0; p->threads && i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
-    free(p->mats); free(p->h); free(p->threads); free(p);
+    free(p->mats); free(p->h); free(p->hq); free(p->hd); free(p->hc); free(p->threads); free(p);
     return NULL;
 }
 
@@ -472,10 +670,31 @@ int lt_stats(void *pool, double *out) {
 
 int lt_simd(void) { return LT_AVX512 ? 512 : LT_AVX2 ? 256 : 0; }  /* vector bits of the dot products */
 
+int lt_vnni(void) { return LT_VNNI; }
+
+/* For the tests: x [cols] in 8 bits, then its dot product with one row of blocks by the plain loop (out[0]) and,
+   where built, by vpdpbusd (out[1], else NaN). Returns -1 for a bad shape or type. */
+int lt_dot8(const uint8_t *row, int cols, int qtype, int split, const float *x, float *out) {
+    if (cols < 32 || cols % 32 || cols > 65536 || (qtype != QT_Q4_0 && qtype != QT_Q8_0)) return -1;
+    int8_t *q = (int8_t *)malloc((size_t)cols);
+    float *d = (float *)malloc((size_t)cols / 32 * sizeof(float)), *c = (float *)malloc((size_t)cols / 32 * sizeof(float));
+    if (!q || !d || !c) { free(q); free(d); free(c); return -1; }
+    matrix_t m = {row, 0, (int64_t)(cols / 32) * (qtype == QT_Q4_0 ? 18 : 34), 1, cols, qtype, split, 1};
+    quantize_row8(x, cols, q, d, c);
+    out[0] = row_dot8_plain(&m, row, q, d, c);
+#if LT_VNNI
+    out[1] = cols % 512 == 0 ? row_dot8_vnni(&m, row, q, d, c) : NAN;
+#else
+    out[1] = NAN;
+#endif
+    free(q); free(d); free(c);
+    return 0;
+}  /* 1: int8 mode's dot products use vpdpbusd (rows of 16k blocks) */
+
 void lt_stop(void *pool) {
     pool_t *p = (pool_t *)pool;
     if (!p) return;
     p->stop = 1;
     for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
-    free(p->mats); free(p->h); free(p->threads); free(p);
+    free(p->mats); free(p->h); free(p->hq); free(p->hd); free(p->hc); free(p->threads); free(p);
 }

@@ -101,13 +101,16 @@ def library(cflags: Sequence[str] | None = None) -> ctypes.CDLL:
         os.replace(tmp, path)  # whole or absent: a concurrent build of the same key writes the same bytes
     lib = ctypes.CDLL(str(path))
     lib.lt_start.restype = ctypes.c_void_p
-    lib.lt_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5
+    lib.lt_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6
     lib.lt_matrix.restype = ctypes.c_int
     lib.lt_matrix.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                               ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.lt_jobs.restype = ctypes.c_int64
     lib.lt_jobs.argtypes = [ctypes.c_void_p]
     lib.lt_simd.restype = ctypes.c_int
+    lib.lt_vnni.restype = ctypes.c_int
+    lib.lt_dot8.restype = ctypes.c_int
+    lib.lt_dot8.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.lt_stats.restype = ctypes.c_int
     lib.lt_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double)]
     lib.lt_stop.argtypes = [ctypes.c_void_p]
@@ -120,14 +123,21 @@ class HostShare:
 
     ``layers``: per layer (gate, up, down) as (blocks uint8 [E, rows, row_bytes] in host memory, qtype,
     rows, cols, layout ``"ggml"`` or ``"split"``), or None for a layer the pool never computes. The
-    block tensors must outlive the pool (the threads read them in place)."""
+    block tensors must outlive the pool (the threads read them in place). ``int8``: the threads round
+    the token rows and the experts' inner activations to 8 bits per 32-block (ggml's Q8_0 activations,
+    as llama.cpp's CPU experts do) and multiply in integers (``dot8``), several times fewer
+    instructions a weight than float32; float32 otherwise."""
 
     def __init__(self, layers: Sequence[Sequence[tuple[torch.Tensor, Q, int, int, str]] | None], *,
                  hidden: int, ffn: int, threads: int, device: torch.device | str, max_tokens: int = 16,
-                 max_pairs: int = 128, cflags: Sequence[str] | None = None):
+                 max_pairs: int = 128, int8: bool = False, cflags: Sequence[str] | None = None):
         self.device = torch.device(device)
         if threads < 1:
             raise ConfigError(f"the CPU share needs at least one thread, got {threads}")
+        if int8 and (hidden % 32 or ffn % 32):
+            raise ConfigError(f"8-bit activations need hidden and ffn sizes that are multiples of 32, got {hidden} "
+                              f"and {ffn}")
+        self.int8 = int8
         if not 1 <= max_pairs <= MAX_PAIRS or max_tokens < 1:
             raise ConfigError(f"max_pairs must be 1..{MAX_PAIRS} and max_tokens >= 1, got {max_pairs}, {max_tokens}")
         self.hidden, self.ffn, self.threads = hidden, ffn, threads
@@ -139,7 +149,7 @@ class HostShare:
         lib = library(cflags)
         self._lib = lib
         self._pool = lib.lt_start(threads, self.mailbox.data_ptr(), self.reply.data_ptr(), max_pairs, max_tokens,
-                                  hidden, ffn, len(layers))
+                                  hidden, ffn, len(layers), int(int8))
         if not self._pool:
             raise ConfigError(f"the CPU share's thread pool did not start ({threads} threads, hidden {hidden}, "
                               f"ffn {ffn}, {max_pairs} pairs)")
@@ -177,6 +187,11 @@ class HostShare:
         return int(self._lib.lt_simd())
 
     @property
+    def vnni(self) -> bool:
+        """Whether 8-bit activations' dot products use AVX-512 VNNI (rows of a multiple of 512 columns)."""
+        return bool(self._lib.lt_vnni())
+
+    @property
     def jobs(self) -> int:
         """Layers' calls the threads have answered."""
         return int(self._lib.lt_jobs(self._pool)) if self._pool else 0
@@ -190,6 +205,16 @@ class HostShare:
             return None
         per = [[out[2 + 3 * i + j] / 1e3 for j in range(3)] for i in range(min(self.threads, 64))]
         return {"jobs": out[0], "job_us": out[1] / 1e3, "threads": per}
+
+    def dot8(self, row: torch.Tensor, qtype: Q, layout: str, x: torch.Tensor) -> tuple[float, float]:
+        """One row of blocks (uint8) times ``x`` [cols] float32 as the 8-bit mode computes it: by the plain
+        loop, and by the VNNI loop (NaN where it is not built or the row is not a multiple of 512)."""
+        out = (ctypes.c_float * 2)()
+        x = x.contiguous().float()
+        row = row.contiguous()
+        if self._lib.lt_dot8(row.data_ptr(), x.numel(), int(qtype), int(layout == "split"), x.data_ptr(), out) != 0:
+            raise ValueError(f"dot8: {x.numel()} columns of {Q(qtype).name} are not a row it computes")
+        return out[0], out[1]
 
     def fits(self, tokens: int, k: int) -> bool:
         return tokens <= self.max_tokens and tokens * k <= self.max_pairs

@@ -155,3 +155,83 @@ def test_any_thread_count_gives_the_same_bits_over_many_jobs():
     finally:
         for share in shares:
             share.close()
+
+
+def quantize8(x):
+    """8-bit activations as the threads make them: per 32-block, float32 ops, ties to even; x ~ q * d."""
+    xb = x.float().reshape(-1, 32)
+    amax = xb.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv).clamp(-127, 127)
+    return (q * (amax / torch.tensor(127.0))).double().reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("layout", ["ggml", "split"])
+@pytest.mark.parametrize("cols", [96, 512, 1536])
+def test_dot8_is_the_quantized_rows_dot_product(qtype, layout, cols):
+    """The 8-bit mode's dot product, by the plain loop and by VNNI where built (rows of 512k columns): the
+    float64 dot product of the dequantized row with x rounded to 8 bits, to float32 rounding."""
+    mats, ref = layer(qtype, layout, 1, cols, 32, seed=cols)
+    share = HostShare([mats], hidden=cols, ffn=32, threads=1, device="cpu", int8=True)
+    try:
+        g = torch.Generator().manual_seed(cols)
+        for trial in range(4):
+            x = torch.randn(cols, generator=g) * (10.0 ** trial)
+            x[:32] = 0.0  # a block of zeros: scale 0
+            x[40] = 7.5 * x.abs().max()  # a block with one large value
+            for r in (0, 17):
+                want = (ref[0][0, r] * quantize8(x)).sum().item()
+                bound = 1e-5 * (ref[0][0, r].abs() * quantize8(x).abs()).sum().item()
+                plain, vnni = share.dot8(mats[0][0][0, r], qtype, layout, x)
+                assert abs(plain - want) <= bound, (trial, r)
+                if share.vnni and cols % 512 == 0:
+                    assert abs(vnni - want) <= bound, (trial, r)
+                else:
+                    assert vnni != vnni  # NaN: not computed
+    finally:
+        share.close()
+
+
+def reference8(x, ids, w, mine, gate, up, down):
+    """``reference`` with the token rows and each expert's inner activations rounded to 8 bits first."""
+    T, k = ids.shape
+    out = torch.zeros(T, x.shape[1], dtype=torch.float64)
+    for t in range(T):
+        xq = quantize8(x[t])
+        for j in range(k):
+            e = int(ids[t, j])
+            if e < 0 or not mine[e]:
+                continue
+            h = (F.silu(gate[e] @ xq) * (up[e] @ xq)).float()
+            out[t] += float(w[t, j]) * (down[e] @ quantize8(h))
+    return out
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("layout", ["ggml", "split"])
+@pytest.mark.parametrize("hidden,ffn", [(96, 64), (512, 512)])
+def test_int8_threads_sum_as_the_quantized_reference(qtype, layout, hidden, ffn):
+    """Whole jobs in 8-bit mode (3 threads; 512 x 512 takes the VNNI loop where built): within float32 rounding of
+    the reference that rounds x and h to 8 bits, and several times closer to it than to the float32 reference
+    (the rounding to 8 bits is there, and is all that differs)."""
+    experts, k = 5, 3
+    layers = [layer(qtype, layout, experts, hidden, ffn, seed=20 + 10 * i) for i in range(2)]
+    share = HostShare([m for m, _ in layers], hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=3,
+                      max_pairs=9, int8=True)
+    try:
+        g = torch.Generator().manual_seed(hidden)
+        for job, (li, T) in enumerate([(0, 1), (1, 3), (0, 2)]):
+            x, w = torch.randn(T, hidden, generator=g), torch.rand(T, k, generator=g)
+            ids = torch.randint(0, experts, (T, k), generator=g)
+            mine = torch.ones(experts, dtype=torch.int8)
+            out = torch.zeros(T, hidden)
+            share.publish(li, x, ids, w, mine)
+            share.collect(out)
+            want8 = reference8(x, ids, w, mine, *layers[li][1])
+            want = reference(x, ids, w, mine, *layers[li][1])
+            scale = want.abs().max().item()
+            err8, err = (out.double() - want8).abs().max().item(), (out.double() - want).abs().max().item()
+            assert err8 <= 2e-4 * scale and err8 * 4 < err, (job, err8, err, scale)
+    finally:
+        share.close()
