@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.dflash.compat import check_spec_len
+from engine.dflash.device_loop import LAG, ROOM_STEPS
 from engine.dflash.draft import DFlashDraft, DraftCache, block_hidden
 from engine.dflash.rollback import ROLLBACK_MODES, make_rollback
 from engine.errors import ConfigError, GenerationStalled
@@ -71,6 +73,8 @@ class SpecOptions:
                              # up to REPROBE_GROWTH times); 0: plain decoding to the end
     stall_timeout_s: float = 120.0  # longest time without a committed token
     verify_path: str = "eager"  # see VERIFY_PATHS
+    device_loop: bool = True  # greedy, fixed-shape verify: steps advance their own counters on the device
+                              # (engine.dflash.device_loop) and the host reads each one a step late
 
     def __post_init__(self) -> None:
         if self.verify_path not in VERIFY_PATHS:
@@ -115,6 +119,7 @@ class SpecStats:
     verify_path: str = "eager"  # the path full verify blocks took (a shorter last block runs eagerly)
     verify_path_note: str | None = None  # why a requested graph was not captured
     draft_path: str = "eager"  # the path full blocks' proposals took: eager, static or cuda_graph
+    device_loop: bool = False  # verify steps ran back to back on the device, the host reading them a step late
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step
 
     @property
@@ -164,7 +169,8 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
                          eos_ids: Collection[int] = (), stop: Callable[[list[int]], bool] | None = None,
                          rollback: str = DEFAULT_ROLLBACK, fallback_threshold: float | str = DEFAULT_FALLBACK,
                          fallback_window: int = 8, reprobe_after: int = 32, stall_timeout_s: float = 120.0,
-                         prefilled: Any = None, verify_path: str = "eager") -> tuple[list[int], SpecStats]:
+                         prefilled: Any = None, verify_path: str = "eager",
+                         device_loop: bool = True) -> tuple[list[int], SpecStats]:
     """Generate up to ``max_new_tokens`` after ``ids`` with ``draft`` proposing blocks.
 
     ``stop(new_ids)`` is called after every committed token, in order (streaming can live
@@ -183,7 +189,9 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     and keep the draft's context: their captured target layers join the draft cache on resuming.
 
     ``verify_path`` (``VERIFY_PATHS``) runs full verify blocks through the fixed-shape decode
-    step, replayed from a CUDA graph with ``"graph"`` where the configuration allows it.
+    step, replayed from a CUDA graph with ``"graph"`` where the configuration allows it. There, greedy
+    generations run the device loop (``engine.dflash.device_loop``, ``device_loop=False``: the host loop):
+    each step advances its own counters on the device, and the host reads its result a step late.
 
     ``prefilled`` continues from a prompt already prefilled elsewhere (PFlash's
     ``CompressedPrefill``, made with ``capture_layers`` = the draft's target layers and
@@ -193,7 +201,7 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     try:
         opts = SpecOptions(spec_len=spec_len, rollback=rollback, fallback_threshold=fallback_threshold,
                            fallback_window=fallback_window, reprobe_after=reprobe_after,
-                           stall_timeout_s=stall_timeout_s, verify_path=verify_path)
+                           stall_timeout_s=stall_timeout_s, verify_path=verify_path, device_loop=device_loop)
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -216,6 +224,9 @@ class _Generation:
         self.layer_ids = tuple(draft.cfg.target_layer_ids)
         self.mask = draft.cfg.mask_token_id
         self.prefilled = prefilled
+        self.loop: Any = None  # engine.dflash.device_loop.SpecLoop, built with the verify step where it applies
+        wants_loop = (opts.device_loop and opts.verify_path != "eager" and params.temperature == 0
+                      and prefilled is None)
         if prefilled is not None:
             missing = set(self.layer_ids) - set(prefilled.output.hidden)
             if missing:
@@ -224,8 +235,10 @@ class _Generation:
             total = len(prefilled.kept_positions) + max_new
         else:
             total = len(ids) + max_new
-            self.state = model.new_state(total + opts.spec_len)
-        self.cache = DraftCache.empty(draft, total + opts.spec_len)  # room for a fixed-shape block's rows
+            self.state = model.new_state(total + opts.spec_len * (ROOM_STEPS if wants_loop else 1))
+        # room for a fixed-shape block's rows (the device loop's: for the blocks in flight too)
+        self.cache = DraftCache.empty(draft, total + opts.spec_len * (ROOM_STEPS if wants_loop else 1))
+        self.wants_loop = wants_loop
         self.rollback = make_rollback(opts.rollback, model, self.state)
         self.gen = make_generator(params, model.device)
         self.clock = _Clock(model.device)
@@ -259,9 +272,16 @@ class _Generation:
             if blocker is not None:
                 self.stats.verify_path_note = f"verify blocks not captured: {blocker}"
                 graph = False
+        from engine.dflash.device_loop import SpecLoop
+        from engine.dflash.draft import in_cache_blocker
         from engine.dflash.draft_step import DraftStep
 
         def build(graph: bool) -> tuple[Any, Any]:
+            if self.wants_loop and in_cache_blocker(self.draft.cfg) is None:
+                self.loop = SpecLoop(self.model, self.state, self.draft, self.cache, self.model.weights.embed,
+                                     self.model.weights.output, tokens=self.opts.spec_len,
+                                     layer_ids=self.layer_ids, graph=graph)
+                return self.loop.verify, self.loop.draft
             step = DecodeGraph(self.model, self.state, tokens=self.opts.spec_len, capture_layers=self.layer_ids,
                                graph=graph, rollback=True)
             draft_step = DraftStep(self.draft, self.cache, self.model.weights.embed, self.model.weights.output,
@@ -276,7 +296,12 @@ class _Generation:
                 raise
             self.stats.verify_path_note = f"capturing the verify or draft step failed: {exc}"
             warnings.warn(self.stats.verify_path_note, stacklevel=4)
+            self.loop = None
             step, self.draft_step = build(False)
+        if self.loop is not None:
+            self.stats.device_loop = True
+            self.stats.verify_path = self.stats.draft_path = self.loop.path
+            return step
         step.capture_rollbacks()  # outside the decode loop's timings
         self.stats.verify_path, self.stats.draft_path = step.path, self.draft_step.path
         return step
@@ -306,6 +331,8 @@ class _Generation:
                 self.plain_s.append(time.perf_counter() - t)
                 if self.plain_left:
                     self.plain_left -= 1
+            elif self.loop is not None:
+                token, done = self._loop_steps(token)
             else:
                 token, done = self._spec_step(token, n)
                 self.step_s.append(time.perf_counter() - t)
@@ -361,18 +388,59 @@ class _Generation:
         self.clock.add("verify", c1, c2)
         self.clock.add("rollback", c2, c3)
 
-        committed = row[n + 1:n + 1 + accepted] + [row[1 + accepted]]
+        done = self._commit_block(row[n + 1:n + 1 + accepted] + [row[1 + accepted]], n)
+        return choice[accepted], done
+
+    def _commit_block(self, committed: list[int], n: int) -> bool:
+        """Commit a verify step's tokens (its accepted drafts, then the target's own) and count them; True when
+        the generation ends."""
         s = self.stats
         s.verify_steps += 1
         s.drafted += n - 1
-        s.rollbacks += keep < n
+        s.rollbacks += len(committed) < n
         before = len(self.new)
         done = self._commit(committed)
         got = len(self.new) - before  # fewer than committed where the generation ended inside the block
-        s.accepted += min(accepted, got - 1)  # drafted tokens that were accepted and kept
+        s.accepted += min(len(committed) - 1, got - 1)  # drafted tokens that were accepted and kept
         s.spec_tokens += got
         s.accept_lengths.append(got)
-        return choice[accepted], done
+        return done
+
+    def _loop_steps(self, token: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Verify steps from the device loop until the generation ends or plain decoding takes over: each step
+        launched before the host waits for the one before it; steps still in flight when it stops are committed
+        (a fallback: their tokens are the target's) or dropped (the end)."""
+        loop, n = self.loop, self.opts.spec_len
+        if self.pending:  # speculation resumes: the plain stretch's rows join the draft's context
+            self._extend_features(torch.cat(self.pending), self.pending_start)
+            self.pending.clear()
+        lengths = {c.length for c in self.state.kv.values()}
+        loop.load(token, self.state.next_position, lengths.pop() if lengths else 0, self.cache.length,
+                  self.max_new - len(self.new))
+        in_flight: deque[int] = deque()
+        done = stopping = False
+        t = time.perf_counter()
+        while True:
+            # each step commits a token at least; a last single token is a plain step's, as in the host loop
+            if not stopping and self.max_new - len(self.new) - len(in_flight) >= 2:
+                in_flight.append(loop.launch(self.clock))
+                if len(in_flight) <= LAG:
+                    continue  # the device gets LAG steps ahead before the host waits
+            if not in_flight:
+                break
+            row = loop.result(in_flight.popleft())
+            now = time.perf_counter()
+            self.step_s.append(now - t)
+            t = now
+            if done:
+                continue  # the generation ended: steps still in flight are dropped
+            done = self._commit_block(row[1:1 + row[0]], n)
+            if not stopping and not done:
+                self._maybe_fall_back()
+            stopping = done or self.plain_left is None or self.plain_left > 0
+        if self.stats.fallbacks and stopping and not done:
+            self.window_start = len(self.stats.accept_lengths)  # the steps in flight belonged to the try that failed
+        return loop.store(), done
 
     def _plain_step(self, token: torch.Tensor) -> tuple[torch.Tensor, bool]:
         start = self.state.next_position
@@ -398,7 +466,7 @@ class _Generation:
             return False
         from engine.model.decode_graph import DecodeGraph
 
-        graph = self.verify_step.captured
+        graph = self.loop.captured if self.loop is not None else self.verify_step.captured
         try:
             step = DecodeGraph(self.model, self.state, tokens=1, capture_layers=self.layer_ids, graph=graph)
         except RuntimeError:  # an op that cannot be captured: the same step, eagerly

@@ -119,6 +119,7 @@ class DecodeGraph:
             self.hidden = {i: torch.zeros(tokens, cfg.hidden, dtype=model.dtype, device=dev)
                            for i in sorted(capture_layers)}
             self._offsets = torch.arange(tokens, device=dev)
+            self._tail = torch.arange(cfg.conv_kernel - 1, device=dev)
             self._keys = torch.arange(state.max_len, device=dev)
             self.records: dict[int, GDNRecord] | None = None
             self._start: torch.Tensor | None = None  # [n_gdn, v_heads, head_k, head_v]: states before the step
@@ -237,6 +238,26 @@ class DecodeGraph:
                           stacklevel=3)
             self._rollback_eager = True
             return False
+
+    @torch.inference_mode()
+    def restore_at(self, keep: torch.Tensor) -> None:
+        """``rollback``'s restore of the Gated DeltaNet states with ``keep`` a device scalar (1..T), so that it
+        needs no host value and can be captured once for every ``keep``: every token of the step is replayed,
+        those from ``keep`` on with g = beta = 0 (exp(0) = 1 and a zero correction leave the state exactly as it
+        was), and each conv window is taken from ``keep`` on. The KV caches and the state's lengths are the
+        caller's: attention reads the caches up to a length it keeps on the device."""
+        if self.records is None and self.state.recurrent:
+            raise ValueError("this decode step was built without rollback=True")
+        if not self.records:
+            return
+        state, cfg = self.state, self.model.cfg
+        live = (self._offsets < keep).float()[:, None]  # [T, 1]
+        inputs = [(r.q, r.k, r.v, r.g * live, r.beta * live) for r in self.records.values()]
+        s = replay_prefix(self._replay_rule, self._start, inputs, self.tokens, cfg.gdn_head_k ** -0.5)
+        window = keep + self._tail
+        for j, (i, r) in enumerate(self.records.items()):
+            state.recurrent[i].copy_(s[j])
+            state.conv[i].copy_(r.window.index_select(1, window))
 
     def _restore(self, keep: int) -> None:
         """The GDN layers' states after the first ``keep`` tokens of the last step, from what the

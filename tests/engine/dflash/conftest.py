@@ -31,6 +31,41 @@ def plain_greedy(model: Qwen35MoE, ids: list[int], n: int) -> list[int]:
     return new
 
 
+ATOL, RTOL = 1e-5, 1e-4  # float32 on the CPU: a verify runs its block in one call, plain decoding token by token
+
+
+def plain_decoded_state(model: Qwen35MoE, ids: list[int], max_len: int):
+    """The state after plain decoding of ``ids`` one token at a time."""
+    state = model.new_state(max_len)
+    with torch.inference_mode():
+        for t in ids:
+            model.forward(torch.tensor([t]), state, logits="none")
+    return state
+
+
+def states_equal(a, b) -> None:
+    """Assert two states hold the same lengths, KV caches, conv and recurrent states (to float32 rounding)."""
+    assert (a.seq_len, a.next_position) == (b.seq_len, b.next_position)
+    for i, cache in a.kv.items():
+        other = b.kv[i]
+        assert cache.length == other.length
+        torch.testing.assert_close(cache.k[:, :cache.length], other.k[:, :other.length], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(cache.v[:, :cache.length], other.v[:, :other.length], atol=ATOL, rtol=RTOL)
+    for i in a.conv:
+        torch.testing.assert_close(a.conv[i], b.conv[i], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(a.recurrent[i], b.recurrent[i], atol=ATOL, rtol=RTOL)
+
+
+@pytest.fixture(scope="session")
+def plain_state():
+    return plain_decoded_state
+
+
+@pytest.fixture(scope="session")
+def assert_states_equal():
+    return states_equal
+
+
 @pytest.fixture(scope="session")
 def prompt():
     return list(PROMPT)

@@ -155,8 +155,12 @@ def test_graph_verify_matches_plain_on_cuda(cuda_target, prompt):
         new, stats = speculative_generate(cuda_target, draft, prompt, 64, spec_len=spec_len, fallback_threshold=0,
                                           verify_path="graph")
         assert stats.verify_path == stats.draft_path == "cuda_graph", stats.verify_path_note
+        assert stats.device_loop  # greedy, graph verify: the steps follow one another on the device
         assert new == ref
         assert stats.acceptance_length > 1.3 and stats.rollbacks > 0
+    host, host_stats = speculative_generate(cuda_target, draft, prompt, 64, spec_len=8, fallback_threshold=0,
+                                            verify_path="graph", device_loop=False)
+    assert host == ref and not host_stats.device_loop and host_stats.verify_path == "cuda_graph"
 
 
 def test_graph_plain_stretches_match_plain_on_cuda(cuda_target, prompt):

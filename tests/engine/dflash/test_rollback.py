@@ -5,32 +5,10 @@ import torch
 
 from engine.dflash.rollback import make_rollback
 
-ATOL, RTOL = 1e-5, 1e-4  # float32 on the CPU: the verify runs the block in one chunk, plain decoding token by token
-
-
-def _plain_state(model, ids, max_len):
-    state = model.new_state(max_len)
-    with torch.inference_mode():
-        for t in ids:
-            model.forward(torch.tensor([t]), state, logits="none")
-    return state
-
-
-def _assert_states_equal(a, b):
-    assert (a.seq_len, a.next_position) == (b.seq_len, b.next_position)
-    for i, cache in a.kv.items():
-        other = b.kv[i]
-        assert cache.length == other.length
-        torch.testing.assert_close(cache.k[:, :cache.length], other.k[:, :other.length], atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(cache.v[:, :cache.length], other.v[:, :other.length], atol=ATOL, rtol=RTOL)
-    for i in a.conv:
-        torch.testing.assert_close(a.conv[i], b.conv[i], atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(a.recurrent[i], b.recurrent[i], atol=ATOL, rtol=RTOL)
-
-
 @pytest.mark.parametrize("mode", ["capture", "recompute"])
 @pytest.mark.parametrize("n, keep", [(5, 1), (5, 3), (5, 5), (7, 6), (2, 1)])
-def test_rollback_equals_plain_decoding_of_kept_tokens(target, prompt, plain, mode, n, keep):
+def test_rollback_equals_plain_decoding_of_kept_tokens(target, prompt, plain, plain_state, assert_states_equal, mode,
+                                                        n, keep):
     good = plain(target, prompt, n)
     block = good[:keep] + [(t + 1) % target.cfg.vocab for t in good[keep:n]]  # wrong after the kept prefix
     max_len = len(prompt) + n + 4
@@ -43,8 +21,8 @@ def test_rollback_equals_plain_decoding_of_kept_tokens(target, prompt, plain, mo
         assert out.logits.argmax(-1)[:keep - 1].tolist() == good[1:keep]
         rb.rollback(keep)
 
-    reference = _plain_state(target, prompt + block[:keep], max_len)
-    _assert_states_equal(state, reference)
+    reference = plain_state(target, prompt + block[:keep], max_len)
+    assert_states_equal(state, reference)
     # and decoding continues identically from both
     with torch.inference_mode():
         nxt = torch.tensor([good[keep] if keep < n else 0])

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from engine.dflash.device_loop import LAG
 from engine.dflash.speculative import speculative_generate
 from engine.errors import ConfigError, GenerationStalled
 from engine.sampling import SamplingParams, probabilities
@@ -222,23 +223,26 @@ def test_stop_predicate_sees_the_eos_token_too(target, right_draft, prompt, plai
 def test_speculation_is_tried_again_after_a_plain_stretch(target, random_draft, prompt, plain, verify_path):
     """A fallback decodes ``reprobe_after`` tokens plainly, then speculates again; each further
     fallback doubles the stretch. Greedy output stays the plain one, and every token is counted
-    once: the prefill's, the verify steps', the plain steps'."""
+    once: the prefill's, the verify steps', the plain steps'. The static path runs the device loop,
+    whose tries each run the ``LAG`` steps in flight when the host judges them too."""
     ref = plain(target, prompt, 60)
     new, stats = speculative_generate(target, random_draft, prompt, 60, spec_len=4, fallback_threshold=1.5,
                                       fallback_window=2, reprobe_after=3, verify_path=verify_path)
+    lag = LAG if verify_path == "static" else 0
+    assert stats.device_loop == (verify_path == "static")
     assert new == ref
     assert stats.fallbacks >= 3 and stats.fallback and stats.fallback_at == 1 + sum(stats.accept_lengths[:2])
-    assert stats.verify_steps == 2 * stats.fallbacks or stats.verify_steps == 2 * stats.fallbacks + 1
+    assert 0 <= stats.verify_steps - (2 + lag) * stats.fallbacks <= 1 + lag
     assert 1 + stats.spec_tokens + stats.plain_steps == 60
     assert stats.plain_path == ("static" if verify_path == "static" else "eager")
     wide, wide_stats = speculative_generate(target, random_draft, prompt, 60, spec_len=4, fallback_threshold=1.5,
                                             fallback_window=6, reprobe_after=3, verify_path=verify_path)
     # the first try is judged after 6 verify steps, every later one after REPROBE_WINDOW = 2
     assert wide == ref and wide_stats.fallbacks >= 2
-    assert wide_stats.verify_steps - 6 - 2 * (wide_stats.fallbacks - 1) in (0, 1)
+    assert 0 <= wide_stats.verify_steps - (6 + lag) - (2 + lag) * (wide_stats.fallbacks - 1) <= 1 + lag
     once, once_stats = speculative_generate(target, random_draft, prompt, 60, spec_len=4, fallback_threshold=1.5,
                                             fallback_window=2, reprobe_after=0, verify_path=verify_path)
-    assert once == ref and once_stats.fallbacks == 1 and once_stats.verify_steps == 2
+    assert once == ref and once_stats.fallbacks == 1 and once_stats.verify_steps == 2 + lag
 
 
 @pytest.mark.parametrize("verify_path", ["eager", "static"])
@@ -253,7 +257,7 @@ def test_plain_stretches_keep_the_draft_context(target, right_draft, prompt, pla
                        verify_path=verify_path)
     run = _Generation(target, right_draft, list(prompt), 40, opts, SamplingParams(), set(), None)
     new, stats = run.run()
-    assert new == plain(target, prompt, 40) and stats.fallbacks >= 4
+    assert new == plain(target, prompt, 40) and stats.fallbacks >= 3
     seq = torch.tensor(list(prompt) + new[:-1])  # the last token was never run
     assert run.cache.length + sum(r.shape[0] for r in run.pending) == seq.shape[0]
     features, _ = target_pass(target, seq, right_draft.cfg.target_layer_ids, "target")

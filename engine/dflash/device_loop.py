@@ -1,0 +1,191 @@
+"""DFlash steps that follow one another on the device, the host reading each step's result one step late.
+
+The host loop (``engine.dflash.speculative``) reads every verify step's acceptance back before it can
+launch the next step: the step's start position, the KV caches' length, the draft cache's length and
+the next block's opening token all follow from it. Here those live on the device as counters that a
+step advances itself, so a step needs nothing from the host. One greedy step is three launches (CUDA
+graphs where the configuration allows, the same functions run eagerly otherwise):
+
+1. ``draft``: the draft's proposal after the opening token, at the counters' position and cache length;
+   the verify block's ids and positions from it;
+2. ``verify``: the target over the block (``DecodeGraph``'s static step), its argmax, the accepted
+   prefix and the report ``[keep, choice...]`` (``keep`` = accepted drafts + 1);
+3. ``advance``: the draft cache's rows for the whole block written and ``keep`` of them counted, the
+   Gated DeltaNet states restored to the kept prefix with ``keep`` a device value
+   (``DecodeGraph.restore_at``), the next opening token ``choice[keep - 1]`` and the counters moved on.
+
+The host launches step ``k + 1`` before it waits for step ``k``'s report (copied to pinned memory with an
+event), so the device runs the steps back to back while the host streams, checks stops and judges the
+fallback. When it stops launching, the steps still in flight finish; their tokens are committed (a
+fallback) or dropped (the generation ended), and ``store`` writes the counters back into the state and
+the draft cache. Committed tokens are the target's own greedy choices: the output is plain greedy
+decoding's, as in the host loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.dflash.draft import DFlashDraft, DraftCache
+from engine.dflash.draft_step import DraftStep
+from engine.errors import ConfigError
+from engine.model.decode_graph import DecodeGraph, capture_counted, capture_graph
+from engine.model.linear import Weight
+from engine.model.qwen35moe import Qwen35MoE
+from engine.model.state import ModelState
+
+LAG = 1  # steps launched past the one whose report the host waits for
+ROOM_STEPS = LAG + 2  # verify blocks of room past the generation's end that the state and draft cache need
+
+
+class SpecLoop:
+    """Greedy DFlash steps of ``tokens`` with their counters on the device, over ``state`` and ``cache``.
+
+    ``graph``: capture the three launches (CUDA), else run them eagerly (any device). Needs a draft that
+    attends in its cache (``DraftStep.in_cache``); ``ValueError`` otherwise.
+    """
+
+    def __init__(self, model: Qwen35MoE, state: ModelState, draft: DFlashDraft, cache: DraftCache, embed: torch.Tensor,
+                 output: Weight, *, tokens: int, layer_ids: tuple[int, ...], graph: bool) -> None:
+        self.state, self.cache, self.tokens = state, cache, tokens
+        self.verify = DecodeGraph(model, state, tokens=tokens, capture_layers=layer_ids, graph=False, rollback=True)
+        self.draft = DraftStep(draft, cache, embed, output, tokens=tokens, graph=False, context=self.verify.hidden)
+        if not self.draft.in_cache:
+            raise ValueError("the device loop needs a draft that attends in its cache (non-causal, full attention)")
+        dev = model.device
+        with torch.inference_mode():
+            self.token = torch.zeros((), dtype=torch.long, device=dev)  # the next block's opening token
+            self.pos = torch.zeros((), dtype=torch.long, device=dev)  # its position
+            self.kv_len = torch.zeros((), dtype=torch.long, device=dev)  # the KV caches' length
+            self.draft_len = torch.zeros((), dtype=torch.long, device=dev)  # the draft cache's length
+            self.keep = torch.ones((), dtype=torch.long, device=dev)
+            self.report = torch.zeros(tokens + 1, dtype=torch.long, device=dev)  # [keep, choice...]
+            self._slots = torch.zeros(LAG + 2, tokens + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._events: list[Any] = [None] * self._slots.shape[0]
+        self._launched = 0
+        self._start: tuple[int, int, int] = (0, 0, 0)  # host counters at load: position, KV length, seq_len
+        self.graphs: tuple[torch.cuda.CUDAGraph, ...] | None = None
+        self._replay_counts: list[int] | None = None
+        if graph:
+            self.graphs, self._replay_counts = self._capture()
+
+    @property
+    def captured(self) -> bool:
+        return self.graphs is not None
+
+    @property
+    def path(self) -> str:
+        return "cuda_graph" if self.captured else "static"
+
+    @torch.inference_mode()
+    def load(self, token: torch.Tensor, position: int, kv_len: int, draft_len: int, new_left: int) -> None:
+        """Start from the host's view: ``token`` (one id on the device) opens the next block at ``position``;
+        at most ``new_left`` more tokens are wanted. The KV caches and the draft cache need room for them and
+        ``ROOM_STEPS`` blocks more (steps in flight when the host stops, and the last block's rows)."""
+        room = new_left + ROOM_STEPS * self.tokens
+        if kv_len + room > self.state.max_len or draft_len + room > self.cache.max_len:
+            raise ConfigError(f"the device loop needs room for {room} more tokens: the KV caches hold "
+                              f"{self.state.max_len} ({kv_len} used), the draft cache {self.cache.max_len} "
+                              f"({draft_len} used)")
+        self.token.copy_(token.reshape(()))
+        self.pos.fill_(position)
+        self.kv_len.fill_(kv_len)
+        self.draft_len.fill_(draft_len)
+        self._start = (position, kv_len, self.state.seq_len)
+
+    @torch.inference_mode()
+    def launch(self, clock: Any = None) -> int:
+        """Queue one step and the copy of its report to the host; returns the report's slot for ``result``."""
+        marks = [clock.mark()] if clock is not None else []
+        for i, part in enumerate((self._draft, self._verify, self._advance)):
+            if self.graphs is not None:
+                self.graphs[i].replay()
+            else:
+                part()
+            if clock is not None:
+                marks.append(clock.mark())
+        if self.graphs is not None and self._replay_counts is not None:
+            self.verify.executor.add_host_counts(self._replay_counts)
+        if clock is not None:
+            for name, a, b in zip(("draft", "verify", "rollback"), marks, marks[1:]):
+                clock.add(name, a, b)
+        slot = self._launched % self._slots.shape[0]
+        self._launched += 1
+        self._slots[slot].copy_(self.report, non_blocking=True)
+        if self.report.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._events[slot] = event
+        return slot
+
+    def result(self, slot: int) -> list[int]:
+        """The report of the step launched into ``slot``: ``[keep, choice...]`` (waits for it)."""
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()
+        return self._slots[slot].tolist()
+
+    @torch.inference_mode()
+    def store(self) -> torch.Tensor:
+        """After the last launched step: the counters into the state's and the draft cache's lengths (one sync);
+        returns the next opening token (a device scalar)."""
+        pos, kv_len, draft_len = (int(x) for x in torch.stack([self.pos, self.kv_len, self.draft_len]).tolist())
+        position0, kv0, seq0 = self._start
+        for c in self.state.kv.values():
+            c.length = kv_len
+        self.state.seq_len = seq0 + kv_len - kv0
+        self.state.next_position = pos
+        self.cache.length = draft_len
+        return self.token.clone()
+
+    def _draft(self) -> None:
+        d, v = self.draft, self.verify
+        d._block[:1].copy_(self.token.view(1))
+        d.start.copy_(self.pos)
+        d.length.copy_(self.draft_len)
+        d._run()
+        v.ids[:1].copy_(self.token.view(1))
+        v.ids[1:].copy_(d.drafted)
+        torch.add(v._offsets, self.pos, out=v.positions)
+        v.cache_len.copy_(self.kv_len)
+
+    def _verify(self) -> None:
+        self.verify._run()
+        choice = self.verify.logits.argmax(-1)  # [T]: the target's token after each prefix
+        agree = (self.draft.drafted == choice[:-1]).long().cumprod(0).sum()
+        torch.add(agree, 1, out=self.keep)
+        self.report[:1].copy_(self.keep.view(1))
+        self.report[1:].copy_(choice)
+
+    def _advance(self) -> None:
+        d = self.draft
+        d._context_start.copy_(self.pos)
+        d._run_extend()  # the block's rows at the draft cache's length; the kept ones are counted below
+        self.verify.restore_at(self.keep)
+        self.token.copy_(self.report[1:].gather(0, (self.keep - 1).view(1)).view(()))
+        self.pos.add_(self.keep)
+        self.kv_len.add_(self.keep)
+        self.draft_len.add_(self.keep)
+
+    @torch.inference_mode()
+    def _capture(self) -> tuple[tuple[torch.cuda.CUDAGraph, ...], list[int] | None]:
+        """The three launches captured (one memory pool), with the state, the draft cache and the counters put
+        back as they were: the warm-up runs write rows from the counters' start and move the counters."""
+        state, cache, rows = self.state, self.cache, (ROOM_STEPS + 1) * self.tokens
+        saved = [(t, t.clone()) for t in (*state.conv.values(), *state.recurrent.values(), self.token, self.pos,
+                                          self.kv_len, self.draft_len, self.keep, self.report)]
+        saved += [(t[:, :rows], t[:, :rows].clone()) for c in state.kv.values() for t in (c.k, c.v)]
+        saved += [(t[:, :rows], t[:, :rows].clone()) for t in (*cache.k, *cache.v)]
+        saved.append((cache.positions[:rows], cache.positions[:rows].clone()))
+        dev = self.report.device
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            draft = capture_graph(self._draft, dev, pool)
+            verify, counts = capture_counted(self._verify, dev, self.verify.executor, pool)
+            advance = capture_graph(self._advance, dev, pool)
+            return (draft, verify, advance), counts
+        finally:
+            for t, copy in saved:
+                t.copy_(copy)
