@@ -11,7 +11,10 @@ conv states) and the committed tokens with the shadow's greedy choices, and prin
 step where either departs, with the shadow's top-2 logit margin there: a margin near zero is a
 numerical near-tie, a large one a fault in the verify or the rollback. Prompts are long-form
 windows of ``--corpus`` (default: random token ids). ``--short-kernel off`` sends short Gated
-DeltaNet calls back to the chunk and recurrent kernels (on CUDA: fla's), to compare the two.
+DeltaNet calls back to the chunk and recurrent kernels (on CUDA: fla's), to compare the two. The
+check runs the host loop (``device_loop=False``): the device loop's state is only the host's again
+after its last step (``engine.dflash.device_loop``), and tests/engine/dflash/test_device_loop.py holds
+that state to plain decoding's.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def main() -> None:
     for spec_len, rollback, verify in runs:
         for p, prompt in enumerate(prompts):
             opts = SpecOptions(spec_len=spec_len, rollback="capture" if rollback == "own" else rollback,
-                               fallback_threshold=0.0, verify_path=verify)
+                               fallback_threshold=0.0, verify_path=verify, device_loop=False)
             run = Shadowed(model, draft, prompt, args.new_tokens, opts, SamplingParams(), set(), None)
             _, stats = run.run()
             verdict = "; ".join(x for x in (run.token_fault, run.state_fault) if x) or "lossless, states agree"

@@ -2,7 +2,7 @@
 
     python bench/dflash_step.py --target T.gguf --draft D.gguf [--spec-lens 4,8,16] [--new-tokens 200]
         [--prompt-tokens 256] [--replays 200] [--dtype float32] [--cold-device gpu] [--json out.json]
-        [--trace 64 --trace-dir DIR]
+        [--trace 64 --trace-dir DIR] [--host-loop]
 
 Needs CUDA. For each spec_len, one greedy generation of ``--new-tokens`` from a held-out prompt
 with graph verify (pure speculation), whose wall time per verify step is the figure to explain;
@@ -14,6 +14,13 @@ the graphs' device time: Python, small launches outside the graphs, and the one 
 ``--trace N`` then profiles a generation of N tokens per spec_len with torch.profiler, from its
 first verify step on (no prefill), and writes two tables to ``--trace-dir``: device time by
 kernel, and host time by op (what the Python around the graphs costs).
+
+The generation runs the device loop (``engine.dflash.device_loop``) unless ``--host-loop``: its
+three graphs move the loop's counters at every replay, so they are not replayed alone; their device
+times are the generation's own spans between them (CUDA events between the launches of steps that
+run back to back): ``draft``, ``verify`` (with the acceptance) and ``advance`` (the draft cache's
+extension and the state restore, in the ``restore`` column). ``host`` is then the step's wall time
+less those three: what the device waited for the host.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--trace", type=int, default=0, help="new tokens of a profiled generation per spec_len (0: none)")
     ap.add_argument("--trace-dir", type=Path, default=Path("."))
+    ap.add_argument("--host-loop", action="store_true", help="the host loop (each step's graphs replayed alone)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("dflash_step.py times CUDA graphs: it needs a CUDA device")
@@ -87,24 +95,32 @@ def main() -> None:
               f"{'host':>7} {'plain':>7}   (us; step = wall time per verify step)")
     print(header, flush=True)
     for spec_len in (int(x) for x in args.spec_lens.split(",") if x):
-        opts = SpecOptions(spec_len=spec_len, fallback_threshold=0.0, verify_path="graph")
+        opts = SpecOptions(spec_len=spec_len, fallback_threshold=0.0, verify_path="graph",
+                           device_loop=not args.host_loop)
         for _ in range(2):  # the first run captures; the second is the one timed
             run = _Generation(eng.model, draft, ids, args.new_tokens, opts, SamplingParams(), set(), None)
             _, stats = run.run()
-        step_us = 1e6 * stats.decode_s / max(stats.verify_steps, 1)
-        verify, draft_step = run.verify_step, run.draft_step
-        if verify.graph is None or draft_step.graph is None:
-            raise SystemExit(f"spec_len {spec_len}: the steps were not captured ({stats.verify_path_note})")
+        steps = max(stats.verify_steps, 1)
+        step_us = 1e6 * stats.decode_s / steps
         row = {"spec_len": spec_len, "acceptance_length": stats.acceptance_length, "step_us": step_us,
-               "draft_us": replay_us(draft_step.graph, args.replays),
-               "verify_us": replay_us(verify.graph, args.replays),
-               "extend_us": replay_us(draft_step.extend_graph, args.replays) if draft_step.extend_graph else 0.0,
-               "restore_us": replay_us(verify._rollbacks[1], args.replays) if 1 in verify._rollbacks else 0.0,
-               "draft_path": stats.draft_path, "verify_path": stats.verify_path}
+               "draft_path": stats.draft_path, "verify_path": stats.verify_path, "device_loop": stats.device_loop}
+        if stats.device_loop:
+            if run.loop.graphs is None:
+                raise SystemExit(f"spec_len {spec_len}: the steps were not captured ({stats.verify_path_note})")
+            row |= {"draft_us": 1e6 * stats.draft_s / steps, "verify_us": 1e6 * stats.verify_s / steps,
+                    "extend_us": 0.0, "restore_us": 1e6 * stats.rollback_s / steps}
+        else:
+            verify, draft_step = run.verify_step, run.draft_step
+            if verify.graph is None or draft_step.graph is None:
+                raise SystemExit(f"spec_len {spec_len}: the steps were not captured ({stats.verify_path_note})")
+            row |= {"draft_us": replay_us(draft_step.graph, args.replays),
+                    "verify_us": replay_us(verify.graph, args.replays),
+                    "extend_us": replay_us(draft_step.extend_graph, args.replays) if draft_step.extend_graph else 0.0,
+                    "restore_us": replay_us(verify._rollbacks[1], args.replays) if 1 in verify._rollbacks else 0.0}
         plain = DecodeGraph(eng.model, eng.model.new_state(len(ids) + args.new_tokens + 16), tokens=1)
         row["plain_us"] = replay_us(plain.graph, args.replays) if plain.graph is not None else float("nan")
-        row["host_us"] = step_us - row["draft_us"] - row["verify_us"] - row["extend_us"] \
-            - row["restore_us"] * stats.rollbacks / max(stats.verify_steps, 1)
+        restores = 1.0 if stats.device_loop else stats.rollbacks / steps  # the loop restores at every step
+        row["host_us"] = step_us - row["draft_us"] - row["verify_us"] - row["extend_us"] - row["restore_us"] * restores
         result["rows"].append(row)
         print(f"{spec_len:>4} {row['acceptance_length']:>6.2f} {step_us:>7.0f} {row['draft_us']:>7.0f} "
               f"{row['verify_us']:>7.0f} {row['extend_us']:>7.0f} {row['restore_us']:>7.0f} {row['host_us']:>7.0f} "
@@ -120,17 +136,18 @@ def trace(eng: Engine, draft, ids: list[int], new_tokens: int, opts: SpecOptions
 
     run = _Generation(eng.model, draft, ids, new_tokens, opts, SamplingParams(), set(), None)
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    first_step = run._spec_step
+    name = "_loop_steps" if run.loop is not None else "_spec_step"  # the device loop's steps, or the host loop's
+    first_step = getattr(run, name)
 
     started = []
 
     def step(*args, **kwargs):  # the profile starts at the first verify step: no prefill in it
-        run._spec_step = first_step
+        setattr(run, name, first_step)
         prof.start()
         started.append(True)
         return first_step(*args, **kwargs)
 
-    run._spec_step = step
+    setattr(run, name, step)
     try:
         _, stats = run.run()
     finally:
