@@ -58,7 +58,8 @@ def main() -> None:
             rates.append(out.timings.decode_tok_s)
         first = first if first is not None else out.ids
         same = out.ids == first
-        row = {"share": share, "activations": act if share else None, "decode_tok_s": spread(rates), "runs": rates, "same_tokens_as_first": same,
+        row = {"share": share, "activations": act if share else None, "decode_tok_s": spread(rates), "runs": rates,
+               "same_tokens_as_first": same,
                "cpu_jobs": eng.hybrid._host_share.jobs if eng.hybrid._host_share else 0,
                "cold_hit_rate": out.timings.extra.get("cold_hit_rate"), "peak_mem_mb": out.timings.peak_mem_mb,
                "decode_path": out.timings.extra.get("decode_path"), "warm_up_path": warm.timings.extra.get("decode_path")}

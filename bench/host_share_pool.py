@@ -93,5 +93,6 @@ def phases(before: dict, after: dict, nbytes: int) -> str:
     return (f" | pool {job:7.1f} us ({nbytes / job / 1e3:5.1f} GB/s): gate/up {avg[0]:6.1f} (slowest "
             f"{max(t[0] for t in per):6.1f}), wait {avg[1]:6.1f}, down {avg[2]:6.1f}")
 
+
 if __name__ == "__main__":
     main()

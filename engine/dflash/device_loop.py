@@ -65,7 +65,7 @@ class SpecLoop:
             self._slots = torch.zeros(LAG + 2, tokens + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._events: list[Any] = [None] * self._slots.shape[0]
         self._launched = 0
-        self._start: tuple[int, int, int] = (0, 0, 0)  # host counters at load: position, KV length, seq_len
+        self._start = (0, 0)  # the host's KV length and seq_len at load
         self.graphs: tuple[torch.cuda.CUDAGraph, ...] | None = None
         self._replay_counts: list[int] | None = None
         if graph:
@@ -80,20 +80,21 @@ class SpecLoop:
         return "cuda_graph" if self.captured else "static"
 
     @torch.inference_mode()
-    def load(self, token: torch.Tensor, position: int, kv_len: int, draft_len: int, new_left: int) -> None:
-        """Start from the host's view: ``token`` (one id on the device) opens the next block at ``position``;
-        at most ``new_left`` more tokens are wanted. The KV caches and the draft cache need room for them and
-        ``ROOM_STEPS`` blocks more (steps in flight when the host stops, and the last block's rows)."""
+    def load(self, token: torch.Tensor, new_left: int) -> None:
+        """Start from the host's view of the state and the draft cache: ``token`` (one id on the device) opens the
+        next block; at most ``new_left`` more tokens are wanted. The KV caches and the draft cache need room for
+        them and ``ROOM_STEPS`` blocks more (steps in flight when the host stops, and the last block's rows)."""
+        kv_len, draft_len = self.verify._cache_length(), self.cache.length
         room = new_left + ROOM_STEPS * self.tokens
         if kv_len + room > self.state.max_len or draft_len + room > self.cache.max_len:
             raise ConfigError(f"the device loop needs room for {room} more tokens: the KV caches hold "
                               f"{self.state.max_len} ({kv_len} used), the draft cache {self.cache.max_len} "
                               f"({draft_len} used)")
         self.token.copy_(token.reshape(()))
-        self.pos.fill_(position)
+        self.pos.fill_(self.state.next_position)
         self.kv_len.fill_(kv_len)
         self.draft_len.fill_(draft_len)
-        self._start = (position, kv_len, self.state.seq_len)
+        self._start = (kv_len, self.state.seq_len)
 
     @torch.inference_mode()
     def launch(self, clock: Any = None) -> int:
@@ -132,7 +133,7 @@ class SpecLoop:
         """After the last launched step: the counters into the state's and the draft cache's lengths (one sync);
         returns the next opening token (a device scalar)."""
         pos, kv_len, draft_len = (int(x) for x in torch.stack([self.pos, self.kv_len, self.draft_len]).tolist())
-        position0, kv0, seq0 = self._start
+        kv0, seq0 = self._start
         for c in self.state.kv.values():
             c.length = kv_len
         self.state.seq_len = seq0 + kv_len - kv0

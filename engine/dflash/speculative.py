@@ -296,7 +296,6 @@ class _Generation:
                 raise
             self.stats.verify_path_note = f"capturing the verify or draft step failed: {exc}"
             warnings.warn(self.stats.verify_path_note, stacklevel=4)
-            self.loop = None
             step, self.draft_step = build(False)
         if self.loop is not None:
             self.stats.device_loop = True
@@ -414,9 +413,7 @@ class _Generation:
         if self.pending:  # speculation resumes: the plain stretch's rows join the draft's context
             self._extend_features(torch.cat(self.pending), self.pending_start)
             self.pending.clear()
-        lengths = {c.length for c in self.state.kv.values()}
-        loop.load(token, self.state.next_position, lengths.pop() if lengths else 0, self.cache.length,
-                  self.max_new - len(self.new))
+        loop.load(token, self.max_new - len(self.new))
         in_flight: deque[int] = deque()
         done = stopping = False
         t = time.perf_counter()

@@ -10,8 +10,10 @@
    Two phases a job, each cut into chunks that the threads take as they come (work words, below): rows
    of gate and up of one pair (h = silu(g) * u), then rows of the tokens' output, each summed over its
    token's pairs in pair order. A thread that starts late or runs slow takes fewer chunks rather than
-   holding the others up; the only wait is for the last chunk of gate/up before down. Weights are dequantized in registers and multiplied with
-   float32 rows in float32 (no rounding of x), AVX2 + FMA where the compiler targets it.
+   holding the others up; the only wait is for the last chunk of gate/up before down. Weights are
+   dequantized in registers and multiplied with float32 rows in float32 (no rounding of x), AVX2 + FMA
+   where the compiler targets it; in int8 mode x and h are rounded to 8 bits per 32 values first and
+   multiplied in integers (AVX-512 VNNI where built).
 
    Layout of the mailbox (int32 words): [0] sequence, [16] layer, [17] tokens, [18] pairs per token,
    [32 ..) ids [max_pairs], then weights float32 [max_pairs], then x float32 [max_tokens * hidden].
@@ -92,7 +94,6 @@ typedef struct {
     int int8;        /* activations in 8 bits (x and h quantized per 32-block), or float32 */
     int8_t *hq;      /* int8 mode: h's codes [max_pairs * ffn] (pair order, below), scales and scale * sum */
     float *hd, *hc;  /* [max_pairs * ffn / 32] */
-    int32_t *pairs;  /* [max_pairs]: indices of this pool's pairs, rebuilt by every thread (same result) */
     uint64_t work[2];  /* phase 1 and phase 2 (W_* below) */
     int64_t jobs;
     int32_t start_seq;  /* the mailbox's number when the pool started: a thread scheduled late still sees the first job */
@@ -101,7 +102,7 @@ typedef struct {
 #if LT_STATS
     int64_t job_start, job_ns;             /* a job's first chunk taken to its reply, summed */
     int first_phase;                       /* 1 where a job has no gate/up chunks: its start is phase 2's first */
-    int64_t ns[LT_STAT_THREADS][4];        /* per thread: phase 1, the wait after it, phase 2, the wait after it */
+    int64_t ns[LT_STAT_THREADS][3];        /* per thread: phase 1, the wait after it, phase 2 */
 #endif
 } pool_t;
 

@@ -49,6 +49,7 @@ QTYPES = (Q.Q4_0, Q.Q8_0)
 HEADER = 32  # int32 words before the mailbox's ids (host_experts.c)
 REPLY_HEADER = 16
 MAX_PAIRS = 1024  # the native pool's limit
+STAT_THREADS = 64  # threads whose phases a -DLT_STATS=1 build times (LT_STAT_THREADS)
 TIMEOUT_SPINS = 1 << 24  # acquire loads over the bus (about 1 us each) before collect gives up
 WAIT_TIMEOUT_S = 30.0  # the host path's wait for a reply
 STATUS_TEXT = {1: "a layer with no matrices registered", 2: "more tokens or pairs than the mailbox holds",
@@ -200,10 +201,11 @@ class HostShare:
         """Where the threads' time went, for a pool built with ``-DLT_STATS=1`` (None otherwise): ``jobs``,
         ``job_us`` (mean time from the first thread's look at a job to its reply) and per thread the mean
         microseconds of phase 1 (gate and up), the wait for the other threads after it, and phase 2 (down)."""
-        out = (ctypes.c_double * (2 + 3 * min(self.threads, 64)))()
+        n = min(self.threads, STAT_THREADS)
+        out = (ctypes.c_double * (2 + 3 * n))()
         if not self._pool or self._lib.lt_stats(self._pool, out) != 0:
             return None
-        per = [[out[2 + 3 * i + j] / 1e3 for j in range(3)] for i in range(min(self.threads, 64))]
+        per = [[out[2 + 3 * i + j] / 1e3 for j in range(3)] for i in range(n)]
         return {"jobs": out[0], "job_us": out[1] / 1e3, "threads": per}
 
     def dot8(self, row: torch.Tensor, qtype: Q, layout: str, x: torch.Tensor) -> tuple[float, float]:

@@ -108,9 +108,13 @@ def test_each_layer_hands_the_share_of_its_cold_experts_and_never_a_hot_one(qfil
         hybrid.close()
 
 
-def test_bad_shares_are_refused(qfile):
+def test_bad_shares_are_refused(qfile, monkeypatch):
     with pytest.raises(ConfigError, match="between 0 and 1"):
         attach(qfile, 1.5)
+    monkeypatch.setenv("LUCE_TUNE_COLD_CPU_INT8", "yes")
+    with pytest.raises(ConfigError, match="LUCE_TUNE_COLD_CPU_INT8 must be 0 or 1, got 'yes'"):
+        attach(qfile, 0.5)
+    monkeypatch.delenv("LUCE_TUNE_COLD_CPU_INT8")
     with pytest.raises(ConfigError, match="needs cold_device='gpu'"):
         attach(qfile, 0.5, cold_device="cpu")
 

@@ -49,7 +49,7 @@ def run_loop(target, draft, prompt, steps, spec_len):
         features = torch.cat([out.hidden[i] for i in layer_ids], dim=-1)
         cache.extend(draft, features, torch.arange(len(prompt)))
         token = out.logits[-1].argmax()
-    loop.load(token, state.next_position, len(prompt), cache.length, steps * spec_len)
+    loop.load(token, steps * spec_len)
     reports = [loop.result(loop.launch()) for _ in range(steps)]
     return loop, state, cache, int(token), reports
 
@@ -81,8 +81,10 @@ def test_load_refuses_a_state_without_room(target, random_draft, prompt):
     cache = DraftCache.empty(random_draft, len(prompt) + 64)
     loop = SpecLoop(target, state, random_draft, cache, target.weights.embed, target.weights.output, tokens=4,
                     layer_ids=tuple(random_draft.cfg.target_layer_ids), graph=False)
+    with torch.inference_mode():
+        target.forward(torch.tensor(prompt), state, logits="none")
     with pytest.raises(ConfigError, match="needs room for"):
-        loop.load(torch.tensor(3), len(prompt), len(prompt), len(prompt), 8)
+        loop.load(torch.tensor(3), 8)
 
 
 @pytest.mark.gpu
