@@ -1,7 +1,8 @@
 """Decode with part of the cold experts computed by CPU threads beside the bus (issue 9's half-cold row).
 
     python bench/cold_cpu_share.py --model /tmp/q35.gguf [--budget-mb 8640] [--shares 0,0.25,0.4,0.5]
-                                   [--activations int8,float32] [--new-tokens 128] [--repeats 3] [--json out.json]
+                                   [--activations int8,float32] [--threads 15,12] [--new-tokens 128] [--repeats 3]
+                                   [--timeline] [--json out.json]
 
 One engine (Q4_0 projections and experts, cold experts in pinned host memory read by the GPU, decoding
 from the captured step); for each share, ``Engine.set_cold_cpu_share`` re-splits every layer's cold
@@ -10,6 +11,12 @@ generations of ``--new-tokens`` tokens are timed (median and spread of decode to
 threads' activation widths (``--activations``: 8-bit rounding with integer products, or float32). Each
 row's greedy tokens are compared with the first row's: float32 sums differ from the device's only in
 rounding, 8-bit activations a little more, so they usually agree; a difference is reported, not hidden.
+
+``--threads`` repeats each share per thread count (default: one per core but one). With the pool built
+with ``LUCE_TUNE_HOST_EXPERTS_CFLAGS=-DLT_STATS=1`` each row also reports the threads' own time a layer's
+job (from the first thread's look to the reply) over the timed generations, and ``--timeline`` prints
+each row's captured step as kernels in device order (``bench/profile_decode.py``'s): the collect launch's
+time is the device's wait for the threads.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ def main() -> None:
     ap.add_argument("--budget-mb", type=float, default=8640.0, help="device MB for routed experts (8640: half at the 35B shapes)")
     ap.add_argument("--shares", default="0,0.25,0.4,0.5")
     ap.add_argument("--activations", default="int8", help="int8, float32 or both, comma-separated")
+    ap.add_argument("--threads", default="", help="thread counts, comma-separated (default: one per core but one)")
+    ap.add_argument("--timeline", action="store_true", help="each row's captured step in device order")
+    ap.add_argument("--prefill", type=int, default=0, help="also time prefill of this many tokens per row")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt", default="def fibonacci(n):")
@@ -47,31 +57,73 @@ def main() -> None:
     ids = eng.tokenizer.encode(args.prompt)
     rows, first = [], None
     acts = args.activations.split(",")
-    runs = [(share, act) for share in shares if not share for act in acts[:1]]  # no threads: one row
-    runs += [(share, act) for act in acts for share in shares if share]
-    for share, act in runs:
-        eng.set_cold_cpu_share(share, int8=act == "int8")
+    counts = [int(t) for t in args.threads.split(",") if t] or [None]
+    runs = [(share, act, None) for share in shares if not share for act in acts[:1]]  # no threads: one row
+    runs += [(share, act, n) for n in counts for act in acts for share in shares if share]
+    for share, act, n in runs:
+        eng.set_cold_cpu_share(share, int8=act == "int8", threads=n)
         warm = eng.generate(ids, 16, ignore_eos=True)
+        pool = eng.hybrid._host_share
+        before = pool.stats() if share and pool is not None else None
         rates, out = [], None
         for _ in range(args.repeats):
             out = eng.generate(ids, args.new_tokens, ignore_eos=True)
             rates.append(out.timings.decode_tok_s)
+        job_us = job_time(before, pool.stats()) if before is not None else None
+        prefill = None
+        if args.prefill:
+            long_ids = [(i * 7919) % (eng.config.vocab - 1) + 1 for i in range(args.prefill)]
+            for _ in range(2):  # the first captures (or warms) the prefill of this length
+                eng.generate(long_ids, 1, ignore_eos=True)
+            prefill = spread([args.prefill / eng.generate(long_ids, 1, ignore_eos=True).timings.prefill_s
+                              for _ in range(args.repeats)])
         first = first if first is not None else out.ids
         same = out.ids == first
-        row = {"share": share, "activations": act if share else None, "decode_tok_s": spread(rates), "runs": rates,
+        row = {"share": share, "activations": act if share else None, "threads": pool.threads if share else 0,
+               "decode_tok_s": spread(rates), "runs": rates, "pool_job_us": job_us,
+               "prefill_tokens": args.prefill, "prefill_tok_s": prefill,
                "same_tokens_as_first": same,
                "cpu_jobs": eng.hybrid._host_share.jobs if eng.hybrid._host_share else 0,
                "cold_hit_rate": out.timings.extra.get("cold_hit_rate"), "peak_mem_mb": out.timings.peak_mem_mb,
                "decode_path": out.timings.extra.get("decode_path"), "warm_up_path": warm.timings.extra.get("decode_path")}
         rows.append(row)
-        print(f"share {share:.2f} {act if share else '':7s}: decode {statistics.median(rates):7.1f} tok/s "
-              f"[{min(rates):.1f}-{max(rates):.1f}] ({row['decode_path']}), same tokens as the first row: {same}, "
-              f"peak {out.timings.peak_mem_mb:,.0f} MB, CPU jobs so far {row['cpu_jobs']:,}", flush=True)
+        step_ms = 1e3 / statistics.median(rates)
+        print(f"share {share:.2f} {act if share else '':7s} {row['threads']:2d} threads: decode "
+              f"{statistics.median(rates):7.1f} tok/s [{min(rates):.1f}-{max(rates):.1f}] ({row['decode_path']}), "
+              f"step {step_ms:.2f} ms, same tokens as the first row: {same}, peak {out.timings.peak_mem_mb:,.0f} MB, "
+              f"CPU jobs so far {row['cpu_jobs']:,}"
+              + (f", the threads' job {job_us:.1f} us (x {eng.config.n_layers} layers: "
+                 f"{job_us * eng.config.n_layers / 1e3:.2f} ms)" if job_us is not None else "")
+              + (f", prefill {args.prefill}: {prefill['median']:,.1f} tok/s" if prefill else ""), flush=True)
+        if args.timeline:
+            captured_timeline(eng, ids)
     if args.json is not None:
         args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model),
                                          "budget_mb": args.budget_mb, "new_tokens": args.new_tokens,
                                          "threads": eng.hybrid._host_share.threads if eng.hybrid._host_share else 0,
                                          "rows": rows}, indent=1))
+
+
+def job_time(before: dict, after: dict | None) -> float | None:
+    """Mean microseconds of the threads' jobs between two ``HostShare.stats()`` readings."""
+    if after is None or after["jobs"] <= before["jobs"]:
+        return None
+    return (after["jobs"] * after["job_us"] - before["jobs"] * before["job_us"]) / (after["jobs"] - before["jobs"])
+
+
+def captured_timeline(eng: Engine, ids: list[int]) -> None:
+    """The engine's captured step over a state holding the prompt, as kernels in device order."""
+    import torch
+
+    from bench.profile_decode import timeline
+    from engine.model.decode_graph import DecodeGraph
+
+    with torch.inference_mode():
+        state = eng.model.new_state(len(ids) + 64)
+        eng.model.forward(torch.tensor(ids, device=eng.device), state, logits="none")
+        step = DecodeGraph(eng.model, state)
+        timeline(lambda tok: step.step(tok)[-1].argmax().reshape(1),
+                 torch.zeros(1, dtype=torch.long, device=eng.device), 8, 24)
 
 
 if __name__ == "__main__":

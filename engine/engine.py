@@ -317,15 +317,15 @@ class Engine:
             return self.hybrid.placement
         return self.hybrid.set_budget(budget_mb)
 
-    def set_cold_cpu_share(self, share: float, *, int8: bool | None = None) -> None:
+    def set_cold_cpu_share(self, share: float, *, int8: bool | None = None, threads: int | None = None) -> None:
         """Hand ``share`` (0 to 1) of the cold experts to CPU threads working beside the bus in decode-sized
-        calls (``HybridExperts.set_cpu_share``, ``int8`` their activations' width); needs a placement with
-        ``cold_device="gpu"``."""
+        calls (``HybridExperts.set_cpu_share``, ``int8`` their activations' width, ``threads`` how many);
+        needs a placement with ``cold_device="gpu"``."""
         if self.hybrid is None:
             raise ConfigError("a CPU share of the cold experts needs an expert budget (set_expert_budget first)")
         self._graphs.clear()  # captured with the old split
         self._prefills.clear()
-        self.hybrid.set_cpu_share(share, int8=int8)
+        self.hybrid.set_cpu_share(share, int8=int8, threads=threads)
 
     def _ids_tensor(self, ids: Sequence[int]) -> torch.Tensor:
         if len(ids) == 0:

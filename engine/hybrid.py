@@ -494,25 +494,31 @@ class HybridExperts:
         self.reset_counters()
         return placement
 
-    def set_cpu_share(self, share: float, *, int8: bool | None = None) -> None:
+    def set_cpu_share(self, share: float, *, int8: bool | None = None, threads: int | None = None) -> None:
         """Hand ``share`` (0 to 1) of each layer's cold routed mass to CPU threads in decode-sized calls
         (``engine.kernels.host_experts``), the bus carrying the rest; 0 stops handing any. Needs
         ``cold_device="gpu"`` and Q4_0 or Q8_0 cold experts held as host blocks. The threads start with
         the first share above 0 (``threads`` of them, else one per core but one). ``int8`` (None: as set)
         picks 8-bit activations for the threads (ggml's Q8_0 rounding of the token rows and the inner
         activations, integer dot products: on the H200's host 3-4x fewer instructions a weight) or float32;
-        a change restarts them. Captured steps made before a change no longer match the executor: the
-        engine captures again."""
+        a change restarts them. ``threads`` (None: as set) sets how many threads; a change restarts them too.
+        Captured steps made before a change no longer match the executor: the engine captures again."""
         if not 0.0 <= share <= 1.0:
             raise ConfigError(f"the cold experts' CPU share must be between 0 and 1, got {share}")
         if share and self.cold_device != "gpu":
             raise ConfigError("a CPU share of the cold experts needs cold_device='gpu' (with cold_device='cpu' "
                               "CPU threads compute all of them already)")
-        if int8 is not None and bool(int8) != self.cpu_int8:
+        if threads is not None and threads < 1:
+            raise ConfigError(f"the CPU share needs at least one thread, got {threads}")
+        restart = int8 is not None and bool(int8) != self.cpu_int8
+        restart |= threads is not None and (not self._threads_given or threads != self.threads)
+        if int8 is not None:
             self.cpu_int8 = bool(int8)
-            if self._host_share is not None:
-                self._host_share.close()
-                self._host_share = None
+        if threads is not None:
+            self.threads, self._threads_given = threads, True
+        if restart and self._host_share is not None:
+            self._host_share.close()
+            self._host_share = None
         if share and self._host_share is None:
             self._host_share = self._start_host_share()
         self.cpu_share = float(share)

@@ -144,6 +144,14 @@ def test_engine_and_cli_take_the_share(qfile, capsys):
     assert not shared.hybrid._host_share.int8
     shared.set_cold_cpu_share(0.5, int8=True)  # the threads restart in 8 bits
     assert shared.hybrid._host_share.int8 and len(shared.generate(prompt, 6).ids) == 6
+    pool = shared.hybrid._host_share
+    shared.set_cold_cpu_share(0.5, threads=3)  # a new thread count restarts them, the same one keeps them
+    assert shared.hybrid._host_share is not pool and shared.hybrid._host_share.threads == 3
+    pool = shared.hybrid._host_share
+    shared.set_cold_cpu_share(0.4, threads=3)
+    assert shared.hybrid._host_share is pool and shared.generate(prompt, 6).ids == b.ids
+    with pytest.raises(ConfigError, match="at least one thread, got 0"):
+        shared.set_cold_cpu_share(0.5, threads=0)
     plain.hybrid.close()
     shared.hybrid.close()
     default = Engine.from_gguf(qfile, cold_cpu_share=0.5, **options)
