@@ -66,6 +66,7 @@ COLD_FORMATS = ("dense", "quantized")
 HOT_FORMATS = ("dense", "quantized")
 COLD_DEVICES = ("cpu", "gpu")
 STREAM_EXPERTS = 32  # cold experts copied to the device at once for a long call with cold_device="gpu"
+STAGED_ENV = "LUCE_TUNE_HYBRID_STAGED"  # 0: decode-sized calls with cold experts take the launches of __call__
 COLD_GATHER_ENV = "LUCE_TUNE_COLD_GATHER"  # 0: decode-sized calls read the cold experts in place
 # None: decode-sized calls gather the cold experts on CUDA (unless LUCE_TUNE_COLD_GATHER=0); True: off CUDA
 # too (tests, with TRITON_INTERPRET=1); False: never.
@@ -603,7 +604,9 @@ class HybridExperts:
         expert's block type, layout and shape (``shared_fits``). ``LUCE_TUNE_SHARED_IN_MOE=0``
         switches it off. Saves the shared expert's four launches per layer."""
         layer = self._layers[layer_idx]
-        if (self.impl != "triton" or layer.n_hot != layer.n_expert or not layer.n_hot
+        if layer.n_hot != layer.n_expert:
+            return self._staged_moe(layer_idx, x, topk_ids, topk_w, shared)
+        if (self.impl != "triton" or not layer.n_hot
                 or os.environ.get(SHARED_IN_MOE_ENV, "1") == "0"
                 or not isinstance(layer.slot_experts[0], QuantExperts)
                 or not isinstance(shared.gate_up, QuantMatrix) or not isinstance(shared.down, QuantMatrix)):
@@ -616,6 +619,57 @@ class HybridExperts:
         self._host_pairs[layer_idx] += topk_ids.numel()
         return quantized_moe_triton(x, gate, up, down, topk_ids, topk_w,
                                     shared=(shared.gate_up, shared.down, shared.gate_inp))
+
+    def _staged_moe(self, layer_idx: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                    shared: "SharedExpertWeights") -> torch.Tensor | None:
+        """A layer with cold experts in a decode-sized call on CUDA with ``cold_device="gpu"``, in five
+        launches: the pairs split between the device slots, the bus and the CPU threads (and the threads'
+        job published: ``engine.kernels.hybrid_split``), the bus's experts copied into the stage stacks
+        (``gather_stacks``), the experts' two launches over slots and stage with the shared expert riding
+        along, and with a CPU share the threads' sum added (``collect_into``). None where it does not apply
+        (then ``__call__`` and the caller's shared expert: about 30 launches a layer);
+        ``LUCE_TUNE_HYBRID_STAGED=0`` switches it off."""
+        layer = self._layers[layer_idx]
+        T, k = ids.shape
+        if (self.impl != "triton" or self.cold_device != "gpu" or not (x.is_cuda or COLD_GATHER) or not layer.n_hot
+                or os.environ.get(STAGED_ENV, "1") == "0" or os.environ.get(SHARED_IN_MOE_ENV, "1") == "0"
+                or T * k > STREAM_EXPERTS or os.environ.get(COLD_GATHER_ENV, "1") == "0" or COLD_GATHER is False
+                or not isinstance(layer.slot_experts[0], QuantExperts)
+                or not isinstance(shared.gate_up, QuantMatrix) or not isinstance(shared.down, QuantMatrix)):
+            return None
+        from engine.kernels.quant.triton import QuantKernelConfig, quantized_moe_triton, shared_fits
+        from engine.kernels.quant.words import stage_fits
+
+        gate, up, down = layer.slot_experts
+        if T > QuantKernelConfig().gemv_max_m or not shared_fits(gate, down, shared.gate_up, shared.down):
+            return None
+        buffers = self._stream_buffers(layer)
+        sources = tuple(m.raw if isinstance(m, QuantExperts) else m for m in layer.mapped)
+        if any(src.dtype != b.dtype or src.shape[1:] != b.shape[1:] for src, b in zip(sources, buffers)):
+            return None
+        stage = layer.host.as_experts(tuple(b[:T * k] for b in buffers))
+        if not all(isinstance(st, QuantExperts) and stage_fits(sl, st) for sl, st in zip(layer.slot_experts, stage)):
+            return None
+        from engine.kernels.gather import gather_stacks
+        from engine.kernels.hybrid_split import split_pairs
+
+        pool = self._host_share if self.cpu_share and self._host_share is not None and x.is_cuda else None
+        pool = pool if pool is not None and pool.fits(T, k) else None
+        self._host_pairs[layer_idx] += ids.numel()
+        codes = torch.empty((T, k), dtype=torch.int32, device=x.device)
+        stage_ids = torch.empty(T * k, dtype=torch.int32, device=x.device)
+        split_pairs(ids, layer.slot_of, self._hot_hits[layer_idx:layer_idx + 1], codes, stage_ids, share=pool,
+                    fraction=self.cpu_share, layer=layer_idx, x=x, w=w)
+        gather_stacks(sources, tuple(b[:T * k] for b in buffers), stage_ids)
+        out = quantized_moe_triton(x, gate, up, down, codes, w, shared=(shared.gate_up, shared.down, shared.gate_inp),
+                                   stage=tuple(stage), out_dtype=torch.float32 if pool is not None else None)
+        if pool is None:
+            return out
+        from engine.kernels.host_share_triton import collect_into
+
+        dst = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        collect_into(pool, out, dst)
+        return dst
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_w: torch.Tensor) -> torch.Tensor:

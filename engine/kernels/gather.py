@@ -31,6 +31,32 @@ def _gather_kernel(src_ptr, dst_ptr, ids_ptr, SLAB: tl.constexpr, BLOCK: tl.cons
         tl.store(dst_ptr + p.to(tl.int64) * SLAB + o, v, mask=m)
 
 
+@triton.jit
+def _copy_block(src_ptr, dst_ptr, e, p, b, SLAB: tl.constexpr, BLOCK: tl.constexpr):
+    o = b * BLOCK + tl.arange(0, BLOCK)
+    m = o < SLAB
+    tl.store(dst_ptr + p.to(tl.int64) * SLAB + o, tl.load(src_ptr + e.to(tl.int64) * SLAB + o, mask=m), mask=m)
+
+
+@triton.jit
+def _gather3_kernel(s0, d0, s1, d1, s2, d2, ids_ptr, SLAB0: tl.constexpr, SLAB1: tl.constexpr,
+                    SLAB2: tl.constexpr, BLOCK: tl.constexpr):
+    """``_gather_kernel`` for three stacks at once (an expert's gate, up and down): the second grid axis
+    runs over the three slabs' blocks in turn."""
+    p = tl.program_id(0)
+    b = tl.program_id(1)
+    e = tl.load(ids_ptr + p)
+    NB0: tl.constexpr = (SLAB0 + BLOCK - 1) // BLOCK
+    NB1: tl.constexpr = (SLAB1 + BLOCK - 1) // BLOCK
+    if e >= 0:
+        if b < NB0:
+            _copy_block(s0, d0, e, p, b, SLAB0, BLOCK)
+        elif b < NB0 + NB1:
+            _copy_block(s1, d1, e, p, b - NB0, SLAB1, BLOCK)
+        else:
+            _copy_block(s2, d2, e, p, b - NB0 - NB1, SLAB2, BLOCK)
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """``t`` [E, ...] as [E, slab] of 32-bit words where its slabs hold whole words, else of bytes."""
     flat = t.reshape(t.shape[0], -1).view(torch.uint8)
@@ -53,3 +79,26 @@ def gather_experts(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> N
     s, d = _words(src), _words(dst)
     slab = s.shape[1]
     _gather_kernel[(ids.shape[0], triton.cdiv(slab, BLOCK))](s, d, ids, SLAB=slab, BLOCK=BLOCK, num_warps=8)
+
+
+def gather_stacks(srcs: tuple[torch.Tensor, ...], dsts: tuple[torch.Tensor, ...], ids: torch.Tensor) -> None:
+    """``gather_experts`` for three stacks (an expert's gate, up and down) in one launch: ``dsts[i][p] =
+    srcs[i][ids[p]]`` for every ``p`` with ``ids[p] >= 0``."""
+    if len(srcs) != 3 or len(dsts) != 3:
+        raise ValueError(f"gather_stacks copies three stacks, got {len(srcs)} and {len(dsts)}")
+    for src, dst in zip(srcs, dsts):
+        check_device(dst, "gather_stacks")
+        if (src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]
+                or not (src.is_contiguous() and dst.is_contiguous())):
+            raise ValueError(f"gather_stacks copies experts of one dtype and shape between contiguous stacks, got "
+                             f"{src.dtype} {tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
+        if ids.dim() != 1 or ids.shape[0] > dst.shape[0] or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"ids must be an int vector of at most {dst.shape[0]} pairs, got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+    if ids.numel() == 0:
+        return
+    views = [(_words(s), _words(d)) for s, d in zip(srcs, dsts)]
+    slabs = [s.shape[1] for s, _ in views]
+    blocks = sum(triton.cdiv(n, BLOCK) for n in slabs)
+    _gather3_kernel[(ids.shape[0], blocks)](*(t for pair in views for t in pair), ids, SLAB0=slabs[0],
+                                            SLAB1=slabs[1], SLAB2=slabs[2], BLOCK=BLOCK, num_warps=8)

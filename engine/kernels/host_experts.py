@@ -176,6 +176,7 @@ class HostShare:
             raise
         self._reply_np = self.reply.numpy()  # the status word read without torch's indexing
         self.seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the last sequence number published
+        self.pending = torch.zeros(1, dtype=torch.int32, device=self.device)  # the split launch's job flag
         self._host_seq = 0
         if pin:
             self.mailbox_dev = mapped_view(self.mailbox, self.device)

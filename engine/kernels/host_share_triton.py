@@ -80,6 +80,29 @@ def _collect_kernel(reply_i, reply_f, seq_ptr, out_ptr, N, SPINS: tl.constexpr, 
         tl.store(out_ptr + o, tl.load(out_ptr + o, mask=m, other=0.0) + y, mask=m)
 
 
+@triton.jit
+def _collect_into_kernel(reply_i, reply_f, seq_ptr, pending_ptr, acc_ptr, dst_ptr, N, SPINS: tl.constexpr,
+                         REPLY_HEADER: tl.constexpr, BLOCK: tl.constexpr):
+    """``dst = acc + the threads' sum`` where the split launch published a job (``pending``), else ``acc``."""
+    pending = tl.load(pending_ptr)
+    if pending != 0:
+        s = tl.load(seq_ptr)
+        d = _load_acquire_sys(reply_i)
+        i = 0
+        while (d != s) & (i < SPINS):
+            d = _load_acquire_sys(reply_i)
+            i += 1
+        if d != s:
+            tl.store(reply_i + 1, -1)  # the host's check raises; the output of this call is not the threads'
+    for off in range(0, N, BLOCK):
+        o = off + tl.arange(0, BLOCK)
+        m = o < N
+        y = tl.load(acc_ptr + o, mask=m, other=0.0)
+        if pending != 0:
+            y += tl.load(reply_f + REPLY_HEADER + o, mask=m, other=0.0, cache_modifier=".cv")
+        tl.store(dst_ptr + o, y.to(dst_ptr.dtype.element_ty), mask=m)
+
+
 def publish(share: "HostShare", layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
             mine: torch.Tensor) -> None:
     T, k = ids.shape
@@ -95,3 +118,15 @@ def collect(share: "HostShare", out: torch.Tensor) -> None:
                          f"{tuple(out.shape)}")
     _collect_kernel[(1,)](share.reply_dev, share.reply_dev.view(torch.float32), share.seq, out, out.numel(),
                           SPINS=host_experts.TIMEOUT_SPINS, REPLY_HEADER=REPLY_HEADER, BLOCK=BLOCK, num_warps=4)
+
+
+def collect_into(share: "HostShare", acc: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst = acc`` plus the threads' sum when ``engine.kernels.hybrid_split.split_pairs`` handed them a job
+    (``share.pending``): acc float32 [T, H], dst [T, H] of any float dtype, both contiguous."""
+    if (acc.dtype != torch.float32 or not acc.is_contiguous() or not dst.is_contiguous() or acc.shape != dst.shape
+            or acc.shape[-1] != share.hidden):
+        raise ValueError(f"collect_into reads a contiguous float32 [T, {share.hidden}] tensor into one of its shape, "
+                         f"got {acc.dtype} {tuple(acc.shape)} and {dst.dtype} {tuple(dst.shape)}")
+    _collect_into_kernel[(1,)](share.reply_dev, share.reply_dev.view(torch.float32), share.seq, share.pending, acc,
+                               dst, acc.numel(), SPINS=host_experts.TIMEOUT_SPINS, REPLY_HEADER=REPLY_HEADER,
+                               BLOCK=BLOCK, num_warps=4)

@@ -284,3 +284,45 @@ def test_host_memory_the_device_cannot_read_is_one_clear_error(q4_file, monkeypa
     with pytest.raises(ConfigError, match="cold_device='gpu': cpu cannot read the experts' host copies in place "
                                           r"\(pointer is not registered with the device\); use cold_device='cpu'"):
         attach(q4_file, "dense", 0.5, "gpu")
+
+
+def test_decode_with_cold_experts_in_five_launches(q4_file, monkeypatch):
+    """Q4_0 projections and experts, half of them cold: each decode-sized call splits its pairs between the
+    device slots and the stage stacks (``engine.kernels.hybrid_split``), copies the bus's experts into the
+    stage (``gather_stacks``) and runs one pair of expert launches over both with the shared expert inside
+    (``HybridExperts._staged_moe``): the same logits as the launches apart (``LUCE_TUNE_HYBRID_STAGED=0``),
+    the same hit counters, and the prompt (22 pairs, more than the stage's 16 rows) is not taken."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(hybrid_module, "COLD_GATHER", True)
+    monkeypatch.setattr(hybrid_module, "STREAM_EXPERTS", 16)
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(4))
+    taken = []
+    real = hybrid_module.HybridExperts._staged_moe
+
+    def spy(self, layer_idx, x, *rest):
+        out = real(self, layer_idx, x, *rest)
+        taken.append((x.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(hybrid_module.HybridExperts, "_staged_moe", spy)
+    results = []
+    for staged in ("1", "0"):
+        monkeypatch.setenv(hybrid_module.STAGED_ENV, staged)
+        with GGUFFile(q4_file) as f:
+            model = Qwen35MoE.from_gguf(f, dtype=torch.float32, quantized=True)
+            budget = 0.5 * sum(r.data.nbytes for layer in raw_experts(f, model.cfg) for r in layer) / MB
+        hybrid = attach_hybrid(model, budget, None, threads=2, cold_format="quantized", hot_format="quantized",
+                               gguf_file=GGUFFile(q4_file), cold_dtype=torch.float32, cold_device="gpu",
+                               impl="triton")
+        assert 0 < hybrid.placement.hot_count < hybrid.placement.hot_count + hybrid.placement.cold_count
+        results.append((run(model, ids, decode=3), hybrid.stats_snapshot()))
+        hybrid.close()
+        if staged == "1":
+            assert {t for t, ok in taken if ok} == {1} and {t for t, ok in taken if not ok} == {11}
+        else:
+            assert taken and not any(ok for _, ok in taken)
+        taken.clear()
+    (staged, snap), (apart, ref) = results
+    for a, b in zip(staged, apart):
+        assert rel_err(a, b) < TOL
+    assert snap.cold_hits == ref.cold_hits > 0 and snap.hot_hits == ref.hot_hits > 0

@@ -36,13 +36,13 @@ def qfile(request, tmp_path_factory):
                       quant=request.param, router_skew=1.0, seed=7)
 
 
-def load(path, device="cpu"):
+def load(path, device="cpu", quantized=False):
     with GGUFFile(path) as f:
-        return Qwen35MoE.from_gguf(f, device=device, dtype=torch.float32)
+        return Qwen35MoE.from_gguf(f, device=device, dtype=torch.float32, quantized=quantized)
 
 
-def attach(path, share, device="cpu", fraction=0.5, cold_device="gpu", **options):
-    model = load(path, device)
+def attach(path, share, device="cpu", fraction=0.5, cold_device="gpu", quantized=False, **options):
+    model = load(path, device, quantized)
     with GGUFFile(path) as f:
         budget = fraction * sum(r.data.nbytes for layer in raw_experts(f, model.cfg) for r in layer) / MB
     hybrid = attach_hybrid(model, budget, None, threads=2, cold_format="quantized", hot_format="quantized",
@@ -164,12 +164,21 @@ def test_engine_and_cli_take_the_share(qfile, capsys):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("int8,bound", [(False, 1e-3), (True, 0.1)])
-def test_cuda_captured_step_with_the_threads_follows_the_device_model(qfile, int8, bound):
+@pytest.mark.parametrize("staged", [False, True], ids=["apart", "staged"])
+def test_cuda_captured_step_with_the_threads_follows_the_device_model(qfile, int8, bound, staged, monkeypatch):
     """Half the experts cold, half of those computed by the threads: the step is captured with the publish
     and collect launches, and its logits follow the all-on-device model's, teacher-forced (with 8-bit
-    activations, to their rounding: see the CPU test)."""
-    plain = load(qfile, "cuda")
-    model, hybrid = attach(qfile, 0.5, device="cuda", cpu_int8=int8)
+    activations, to their rounding: see the CPU test). ``staged``: quantized projections and shared expert,
+    so each layer takes the five launches of ``HybridExperts._staged_moe`` (the split launch publishing the
+    threads' share of each call's cold pairs, the collect launch adding it)."""
+    import engine.hybrid as hybrid_module
+
+    taken = []
+    real = hybrid_module.HybridExperts._staged_moe
+    monkeypatch.setattr(hybrid_module.HybridExperts, "_staged_moe",
+                        lambda self, *a: (lambda out: taken.append(out is not None) or out)(real(self, *a)))
+    plain = load(qfile, "cuda", quantized=staged)
+    model, hybrid = attach(qfile, 0.5, device="cuda", cpu_int8=int8, quantized=staged)
     assert hybrid.graph_safe and sum(layer.n_mine for layer in hybrid._layers) > 0
     ids = torch.randint(0, 256, (7 + 12,), generator=torch.Generator().manual_seed(6)).cuda()
     eager, static = plain.new_state(24), model.new_state(24)
@@ -182,7 +191,10 @@ def test_cuda_captured_step_with_the_threads_follows_the_device_model(qfile, int
         ref = plain.forward(ids[t:t + 1], eager, logits="last").logits
         assert rel_err(step.step(ids[t:t + 1]), ref) < bound, f"token {t}"
     torch.cuda.synchronize()
-    assert hybrid._host_share.jobs - before >= 12 * model.cfg.n_layers
+    jobs = hybrid._host_share.jobs - before
+    # staged: a job only for a call with a cold pair for the threads (the share of each call's cold pairs)
+    assert jobs > 0 if staged else jobs >= 12 * model.cfg.n_layers
+    assert any(taken) == staged
     hybrid.check_cpu_share()
     hybrid.close()
 

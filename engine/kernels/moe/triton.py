@@ -122,6 +122,14 @@ def pair_route(ids_ptr, p, N_ROUTED, TOP_K):
 
 
 @triton.jit
+def stage_route(ids_ptr, p, N_ROUTED):
+    """Whether routed pair ``p`` reads the stage stack (id ``-2 - j``) and its row ``j`` there (int64, 0 when
+    not); a shared pair (``p >= N_ROUTED``) never does."""
+    e = tl.load(ids_ptr + tl.minimum(p, N_ROUTED - 1))
+    return (e <= -2) & (p < N_ROUTED), tl.maximum(-2 - e, 0).to(tl.int64)
+
+
+@triton.jit
 def pair_block(pairs_ptr, block_expert_ptr, pid_m, n_pairs, BLOCK_M: tl.constexpr):
     """Block ``pid_m`` of the pairs grouped by ``align_by_expert``: its expert (int64, 0 for an
     unused block), whether it is used, its pair indices [BLOCK_M] and which of them are real."""

@@ -36,7 +36,7 @@ from engine.kernels.quant import rows
 from engine.kernels.quant.rows import store_shared_gate
 from engine.kernels.quant.reference import QuantExperts, QuantMatrix
 from engine.kernels.fused import scratch
-from engine.kernels.moe.triton import align_by_expert, pair_block, pair_route
+from engine.kernels.moe.triton import align_by_expert, pair_block, pair_route, stage_route
 from engine.kernels.pdl import begin, launch, launch_next, prefetch, wait_previous
 from engine.kernels.quant.tuned import config_for
 from engine.kernels.tiles import check_tiles
@@ -627,10 +627,10 @@ def qmatmul_experts(x: torch.Tensor, qe: QuantExperts, ids: torch.Tensor,
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi_ptr, sgate_ptr, FFN, N_ROUTED, K: tl.constexpr,
-    TOP_K: tl.constexpr, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap, stride_sgu,
-    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
-    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi_ptr, sgate_ptr, tg_ptr, tu_ptr, FFN, N_ROUTED,
+    K: tl.constexpr, TOP_K: tl.constexpr, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap,
+    stride_sgu, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
+    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_STAGE: tl.constexpr, BLOCK_H: tl.constexpr,
     PDL: tl.constexpr, WAIT_FIRST: tl.constexpr,
 ):
     """Pair ``p``, rows ``BLOCK_N`` of its expert's gate and up: ``act[p] = silu(gate x) * up x``
@@ -638,6 +638,7 @@ def _moe_gate_up_kernel(
     (token ``p // TOP_K``); with ``HAS_SHARED``, pair ``N_ROUTED + t`` is token t's shared
     expert, whose gate rows are the first ``FFN`` rows of ``sgu`` and its up rows the next, and
     its first row block also stores ``sgate[t] = sigmoid(x[t] . gate_inp)`` for the down launch.
+    ``HAS_STAGE``: an id ``-2 - j`` reads expert ``j`` of the stage stacks ``tg``/``tu`` (``stage_route``).
     ``WAIT_FIRST``: the wait for the kernel before comes before the down launch may start (which then
     reads the ids before its own wait, ``engine.kernels.pdl``)."""
     if WAIT_FIRST:
@@ -653,6 +654,11 @@ def _moe_gate_up_kernel(
     p_x = x_ptr + tok * stride_xt
     p_g = g_ptr + e * stride_ge + rows * stride_gn
     p_u = u_ptr + e * stride_ue + rows * stride_un
+    if HAS_STAGE:
+        staged, j = stage_route(ids_ptr, p, N_ROUTED)
+        live = live | staged
+        p_g = tl.where(staged, tg_ptr + j * stride_ge + rows * stride_gn, p_g)
+        p_u = tl.where(staged, tu_ptr + j * stride_ue + rows * stride_un, p_u)
     if HAS_SHARED:
         p_g = tl.where(shared, sgu_ptr + rows * stride_sgu, p_g)
         p_u = tl.where(shared, sgu_ptr + (rows + FFN) * stride_sgu, p_u)
@@ -665,10 +671,10 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, sd_ptr, sgate_ptr, H, N_ROUTED, FFN: tl.constexpr,
+    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, sd_ptr, sgate_ptr, td_ptr, H, N_ROUTED, FFN: tl.constexpr,
     TOP_K: tl.constexpr, stride_ap, stride_de, stride_dn, stride_ot, stride_sd,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
-    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr,
+    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_STAGE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Token ``t``, rows ``BLOCK_N`` of the output: the routing-weighted sum over its ``TOP_K``
@@ -686,9 +692,13 @@ def _moe_down_kernel(
         p = t * TOP_K + j
         e = tl.load(ids_ptr + p)
         live = e >= 0
-        e = tl.maximum(e, 0).to(tl.int64)
-        y = _pair_dot(d_ptr + e * stride_de + rows * stride_dn, act_ptr + p * stride_ap, FFN, live, H, o_n,
-                      QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE, SPLIT_AT)
+        p_row = d_ptr + tl.maximum(e, 0).to(tl.int64) * stride_de + rows * stride_dn
+        if HAS_STAGE:  # an id -2 - i: expert i of the stage stack
+            live = live | (e <= -2)
+            p_row = tl.where(e <= -2, td_ptr + tl.maximum(-2 - e, 0).to(tl.int64) * stride_de + rows * stride_dn,
+                             p_row)
+        y = _pair_dot(p_row, act_ptr + p * stride_ap, FFN, live, H, o_n, QTYPE, BLOCK_N, BLOCK_K, BLOCKWISE,
+                      SPLIT_AT)
         acc = tl.fma(tl.load(w_ptr + p).to(tl.float32), y, acc)  # one rounding, as the per-pair launch's sum
     if HAS_SHARED:
         y = _pair_dot(sd_ptr + rows * stride_sd, act_ptr + (N_ROUTED + t) * stride_ap, FFN, t >= 0, H, o_n,
@@ -699,10 +709,10 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_down_pairs_kernel(
-    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, sd_ptr, sgate_ptr, part_ptr, count_ptr, H, N_ROUTED,
+    act_ptr, d_ptr, ids_ptr, w_ptr, out_ptr, sd_ptr, sgate_ptr, td_ptr, part_ptr, count_ptr, H, N_ROUTED,
     FFN: tl.constexpr, TOP_K: tl.constexpr, stride_ap, stride_de, stride_dn, stride_ot, stride_sd,
     QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKWISE: tl.constexpr,
-    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr,
+    SPLIT_AT: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_STAGE: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """``_moe_down_kernel``'s sum with a program per pair: program ``q`` is token ``q // PAIRS``'s
@@ -733,6 +743,10 @@ def _moe_down_pairs_kernel(
     live = e >= 0
     p_row = d_ptr + tl.maximum(e, 0).to(tl.int64) * stride_de + rows * stride_dn
     p_act = act_ptr + p * stride_ap
+    if HAS_STAGE:  # an id -2 - i: expert i of the stage stack
+        staged = e <= -2
+        live = live | staged
+        p_row = tl.where(staged, td_ptr + tl.maximum(-2 - e, 0).to(tl.int64) * stride_de + rows * stride_dn, p_row)
     if HAS_SHARED:
         shared = j == TOP_K
         live = live | shared
@@ -884,7 +898,9 @@ def shared_fits(gate: QuantExperts, down: QuantExperts, gate_up: QuantMatrix, s_
 def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, down: QuantExperts,
                          ids: torch.Tensor, w: torch.Tensor, config: QuantKernelConfig | None = None,
                          down_config: QuantKernelConfig | None = None,
-                         shared: tuple[QuantMatrix, QuantMatrix, torch.Tensor] | None = None) -> torch.Tensor:
+                         shared: tuple[QuantMatrix, QuantMatrix, torch.Tensor] | None = None,
+                         stage: tuple[QuantExperts, QuantExperts, QuantExperts] | None = None,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Routed-expert SwiGLU over quantized experts: [T, H] in x's dtype.
 
     x [T, H]; gate, up [E, ffn, H] and down [E, H, ffn] blocks of one type; ids [T, k] (-1: no
@@ -897,7 +913,12 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
 
     ``shared`` (gate and up merged [2 ffn, H], down [H, ffn], gate_inp [H] float32; ``shared_fits``),
     up to ``gemv_max_m`` tokens: each token's shared expert runs as one more pair of the same two
-    launches, and the result is ``routed + sigmoid(x . gate_inp) * shared`` summed in float32."""
+    launches, and the result is ``routed + sigmoid(x . gate_inp) * shared`` summed in float32.
+
+    ``stage`` (gate, up, down stacks of the routed experts' type, layout and strides: ``words.stage_fits``),
+    up to ``gemv_max_m`` tokens: a routed id ``-2 - j`` reads expert ``j`` of these stacks, so experts held
+    in two places (device slots and a buffer the cold tier copied others into) share the two launches.
+    ``out_dtype`` (default x's): the output's dtype."""
     T, top_k = ids.shape
     x = _check_x(x, gate.k, gate.raw.device)
     if ids.dtype not in (torch.int32, torch.int64) or ids.device != x.device or w.shape != ids.shape:
@@ -906,15 +927,22 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     if not (gate.qtype == up.qtype and gate.layout == up.layout and gate.n == up.n == down.k and down.n == gate.k):
         raise ValueError(f"gate {gate.qtype.name} [{gate.n}, {gate.k}], up {up.qtype.name} [{up.n}, {up.k}] and "
                          f"down {down.qtype.name} [{down.n}, {down.k}] do not make one SwiGLU expert")
-    out = torch.empty(T, down.n, dtype=x.dtype, device=x.device)
+    out = torch.empty(T, down.n, dtype=out_dtype or x.dtype, device=x.device)
     if T == 0:
         return out
     ids = ids.contiguous()
     w = w.contiguous().float()
+    if stage is not None:
+        from engine.kernels.quant.words import stage_fits
+
+        if not all(stage_fits(a, b) for a, b in zip((gate, up, down), stage)):
+            raise ValueError("the stage stacks must have the routed experts' block type, layout, shapes and strides")
     if T > (config or QuantKernelConfig()).gemv_max_m:  # prefill: read each expert once per block of its pairs
-        if shared is not None:
-            raise ValueError(f"a shared expert rides in the decode launches only (up to "
+        if shared is not None or stage is not None:
+            raise ValueError(f"a shared expert or a stage stack rides in the decode launches only (up to "
                              f"{(config or QuantKernelConfig()).gemv_max_m} tokens), got {T}")
+        if out_dtype is not None and out_dtype != x.dtype:
+            return _grouped_quantized_moe(x, gate, up, down, ids.long(), w, config or PREFILL).to(out_dtype)
         return _grouped_quantized_moe(x, gate, up, down, ids.long(), w, config or PREFILL)
     s_gu, s_down, gate_inp = shared if shared is not None else (None, None, w)  # w: unread without one
     if shared is not None:
@@ -942,36 +970,41 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
     bn, bk = c_up.gemv_block_n, c_up.gemv_block_k
     # the gate/up launch waits before the down launch may start, so the down launch can load its ids and
     # weights before its own wait (``engine.kernels.pdl``); the row kernels' gate/up does not
-    wait_first = prefetch() and not (c_up.gemv_rows_warps >= 2 and rows.rows_fit(gate.qtype, gate.layout))
+    # the row kernels take no stage stack: with one, the word or the block kernels run
+    rows_up = stage is None and c_up.gemv_rows_warps >= 2 and rows.rows_fit(gate.qtype, gate.layout)
+    wait_first = prefetch() and not rows_up
     words_up = False
     if c_up.gemv_words and x.is_cuda:
         from engine.kernels.quant import words
 
         words_up = words.experts_fit(gate, up, bk, c_up.gemv_num_warps)
+    t_g, t_u, t_d = (s.raw for s in stage) if stage is not None else (gate.raw, up.raw, down.raw)  # unread without
     if words_up:
         words.moe_gate_up_words(x, gate, up, ids, act, n_routed, top_k,
                                 (s_gu, gate_inp, sgate) if shared is not None else None, bn, bk, c_up.gemv_num_warps,
-                                wait_first=wait_first)
-    elif c_up.gemv_rows_warps >= 2 and rows.rows_fit(gate.qtype, gate.layout):
+                                wait_first=wait_first, stage=stage[:2] if stage is not None else None)
+    elif rows_up:
         rows.moe_gate_up_rows(x, gate, up, ids, act, n_routed, top_k,
                               (s_gu, gate_inp, sgate) if shared is not None else None, c_up.gemv_rows_warps,
                               c_up.gemv_rows_unroll)
     else:
         _moe_gate_up_kernel[(n_pairs, triton.cdiv(gate.n, bn))](
-            x, gate.raw, up.raw, ids, act, sgu_raw, gate_inp, sgate, gate.n, n_routed, gate.k, top_k,
+            x, gate.raw, up.raw, ids, act, sgu_raw, gate_inp, sgate, t_g, t_u, gate.n, n_routed, gate.k, top_k,
             x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1), act.stride(0),
             sgu_stride, QTYPE=_CODE[gate.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(gate.qtype, bk),
-            SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, BLOCK_H=triton.next_power_of_2(gate.k),
+            SPLIT_AT=gate.split_at, HAS_SHARED=shared is not None, HAS_STAGE=stage is not None,
+            BLOCK_H=triton.next_power_of_2(gate.k),
             WAIT_FIRST=wait_first, num_warps=c_up.gemv_num_warps, **launch(x.device, T, "experts"))
     bn, bk = c_down.gemv_block_n, c_down.gemv_block_k
-    if c_down.gemv_words and x.is_cuda:
+    if c_down.gemv_words and x.is_cuda and stage is None:
         from engine.kernels.quant import words
 
         if words.down_fits(down, bn, c_down.gemv_num_warps):
             words.moe_down_words(act, down, ids, w, out, n_routed, top_k,
                                  (s_down, sgate) if shared is not None else None, bn, c_down.gemv_num_warps)
             return out
-    if c_down.gemv_rows_warps >= triton.next_power_of_2(top_k) and rows.rows_fit(down.qtype, down.layout):
+    if (stage is None and c_down.gemv_rows_warps >= triton.next_power_of_2(top_k)
+            and rows.rows_fit(down.qtype, down.layout)):
         rows.moe_down_rows(act, down, ids, w, out, n_routed, (s_down, sgate) if shared is not None else None,
                            c_down.gemv_rows_warps, c_down.gemv_rows_unroll)
         return out
@@ -979,17 +1012,17 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
         pairs = top_k + (shared is not None)
         part = torch.empty(T * pairs, down.n, dtype=torch.float32, device=x.device)
         _moe_down_pairs_kernel[(T * pairs, triton.cdiv(down.n, bn))](
-            act, down.raw, ids, w, out, sd_raw, sgate, part, _split_counters(x.device), down.n, n_routed, down.k,
-            top_k, act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), sd_stride,
+            act, down.raw, ids, w, out, sd_raw, sgate, t_d, part, _split_counters(x.device), down.n, n_routed,
+            down.k, top_k, act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), sd_stride,
             QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
-            SPLIT_AT=down.split_at, HAS_SHARED=shared is not None,
+            SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, HAS_STAGE=stage is not None,
             PREFETCH=wait_first and _blockwise(down.qtype, bk) and bk >= down.k, num_warps=c_down.gemv_num_warps,
             **launch(x.device, T, "experts"))
         return out
     _moe_down_kernel[(T, triton.cdiv(down.n, bn))](
-        act, down.raw, ids, w, out, sd_raw, sgate, down.n, n_routed, down.k, top_k,
+        act, down.raw, ids, w, out, sd_raw, sgate, t_d, down.n, n_routed, down.k, top_k,
         act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), sd_stride,
         QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
-        SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, num_warps=c_down.gemv_num_warps,
+        SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, HAS_STAGE=stage is not None, num_warps=c_down.gemv_num_warps,
         **launch(x.device, T, "experts"))
     return out

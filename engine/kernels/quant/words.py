@@ -189,18 +189,19 @@ def _store_shared_gate(p_x, gi_ptr, p_gate, K: gl.constexpr, BLOCK_H: gl.constex
 
 
 @gluon.jit
-def _moe_gate_up_words_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi_ptr, sgate_ptr, FFN, N_ROUTED,
-                              stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap, stride_sgu,
+def _moe_gate_up_words_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi_ptr, sgate_ptr, tg_ptr, tu_ptr, FFN,
+                              N_ROUTED, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, stride_ap, stride_sgu,
                               K: gl.constexpr, TOP_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                              SPLIT_AT: gl.constexpr, HAS_SHARED: gl.constexpr, BLOCK_H: gl.constexpr,
-                              WARPS: gl.constexpr, PDL: gl.constexpr, WAIT_FIRST: gl.constexpr):
+                              SPLIT_AT: gl.constexpr, HAS_SHARED: gl.constexpr, HAS_STAGE: gl.constexpr,
+                              BLOCK_H: gl.constexpr, WARPS: gl.constexpr, PDL: gl.constexpr, WAIT_FIRST: gl.constexpr):
     """Pair ``p``, rows ``BLOCK_N`` of its expert's gate and up: ``act[p] = silu(gate x) * up x`` in float32,
     stored in act's dtype (zero for id -1), as ``engine.kernels.quant.triton._moe_gate_up_kernel`` computes
     it: pairs below ``N_ROUTED`` are routed (token ``p // TOP_K``); with ``HAS_SHARED`` pair ``N_ROUTED + t``
     is token t's shared expert (gate rows the first ``FFN`` of ``sgu``, up rows the next), whose first
-    row block also stores ``sgate[t]``. Which expert a pair reads comes from the router's launch, so the
-    wait for the kernel before comes first; with ``WAIT_FIRST`` it also comes before the down launch may
-    start, which may then read the ids before its own wait (``engine.kernels.pdl``)."""
+    row block also stores ``sgate[t]``. With ``HAS_STAGE`` an id ``-2 - j`` reads expert ``j`` of the
+    stage stacks ``tg``/``tu`` (the same row and expert strides). Which expert a pair reads comes from the
+    router's launch, so the wait for the kernel before comes first; with ``WAIT_FIRST`` it also comes before
+    the down launch may start, which may then read the ids before its own wait (``engine.kernels.pdl``)."""
     if WAIT_FIRST:
         _wait_previous(PDL)
         _launch_next(PDL)
@@ -216,6 +217,8 @@ def _moe_gate_up_words_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi
     shared = p >= N_ROUTED
     e = gl.load(ids_ptr + gl.minimum(p, N_ROUTED - 1))
     live = (e >= 0) | shared
+    staged = (e <= -2) & (p < N_ROUTED)
+    j = gl.maximum(-2 - e, 0).to(gl.int64)
     e = gl.maximum(e, 0).to(gl.int64)
     tok = gl.where(shared, p - N_ROUTED, p // TOP_K)
     o_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_nb))
@@ -225,6 +228,11 @@ def _moe_gate_up_words_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi
     u_base = u_ptr + e * stride_ue
     r_g = row * stride_gn
     r_u = row * stride_un
+    if HAS_STAGE:
+        live = live | staged
+        if staged:
+            g_base = tg_ptr + j * stride_ge
+            u_base = tu_ptr + j * stride_ue
     if HAS_SHARED:
         if shared:
             g_base = sgu_ptr
@@ -248,6 +256,14 @@ def _moe_gate_up_words_kernel(x_ptr, g_ptr, u_ptr, ids_ptr, act_ptr, sgu_ptr, gi
     gl.store(act_ptr + p * stride_ap + o_n, act.to(act_ptr.dtype.element_ty), mask=o_n < FFN)
 
 
+def stage_fits(experts: QuantExperts, stage: QuantExperts) -> bool:
+    """Whether ``stage`` is read with ``experts``' row and expert strides, block type and layout (a stage
+    stack of the expert launches: ids ``-2 - j`` read its expert ``j``)."""
+    return (stage.qtype == experts.qtype and stage.layout == experts.layout and stage.n == experts.n
+            and stage.k == experts.k and stage.split_at == experts.split_at and stage.raw.device == experts.raw.device
+            and stage.raw.stride()[1:] == experts.raw.stride()[1:] and stage.raw.stride(0) == experts.raw.stride(0))
+
+
 def experts_fit(gate: QuantExperts, up: QuantExperts, block_k: int, warps: int) -> bool:
     """Whether ``moe_gate_up_words`` reads these experts with K tiles of ``block_k`` columns and ``warps`` warps:
     what ``fits`` asks of a matrix, of every expert's rows and of the experts' strides."""
@@ -258,13 +274,15 @@ def experts_fit(gate: QuantExperts, up: QuantExperts, block_k: int, warps: int) 
 
 def moe_gate_up_words(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, ids: torch.Tensor, act: torch.Tensor,
                       n_routed: int, top_k: int, shared: tuple[QuantMatrix, torch.Tensor, torch.Tensor] | None,
-                      block_n: int, block_k: int, warps: int, wait_first: bool = False) -> None:
+                      block_n: int, block_k: int, warps: int, wait_first: bool = False,
+                      stage: tuple[QuantExperts, QuantExperts] | None = None) -> None:
     """The experts' gate/up launch of ``engine.kernels.quant.triton.quantized_moe_triton`` with the word
     layout: ``act`` [pairs, ffn] gets ``silu(gate x) * up x`` per pair (routed pairs first, then each
     token's shared expert when ``shared`` = (gate and up merged [2 ffn, K], gate_inp [K] float32, sgate [T]
     float32, which the first row block of each shared pair fills)). ``experts_fit`` must hold; tiles are
     powers of two. ``wait_first``: the down launch that follows may start only once the kernel before this
-    one has completed (it then reads the ids before its own wait)."""
+    one has completed (it then reads the ids before its own wait). ``stage``: (gate, up) stacks read for ids
+    ``-2 - j`` (``stage_fits``)."""
     for name, v in (("block_n", block_n), ("block_k", block_k), ("warps", warps)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"moe_gate_up_words' {name} must be a power of two, got {v}")
@@ -277,12 +295,15 @@ def moe_gate_up_words(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, ids
                              or s_gu.split_at != gate.split_at):
         raise ValueError(f"the shared expert's gate/up ({s_gu.qtype.name}, {s_gu.layout}) is not read as the "
                          f"routed experts are")
+    if stage is not None and not (stage_fits(gate, stage[0]) and stage_fits(up, stage[1])):
+        raise ValueError("the stage stacks are not read as the routed experts are (type, layout, strides)")
+    t_g, t_u = (stage[0].raw, stage[1].raw) if stage is not None else (gate.raw, up.raw)  # unread without one
     pdl = launch(x.device, x.shape[0], "experts")
     _moe_gate_up_words_kernel[(act.shape[0], triton.cdiv(gate.n, block_n))](
-        x, gate.raw, up.raw, ids, act, s_gu.raw if s_gu is not None else gate.raw, gate_inp, sgate, gate.n,
+        x, gate.raw, up.raw, ids, act, s_gu.raw if s_gu is not None else gate.raw, gate_inp, sgate, t_g, t_u, gate.n,
         n_routed, x.stride(0), gate.raw.stride(0), gate.raw.stride(1), up.raw.stride(0), up.raw.stride(1),
         act.stride(0), s_gu.raw.stride(0) if s_gu is not None else 0, K=gate.k, TOP_K=top_k, BLOCK_N=block_n,
-        BLOCK_K=block_k, SPLIT_AT=gate.split_at, HAS_SHARED=s_gu is not None,
+        BLOCK_K=block_k, SPLIT_AT=gate.split_at, HAS_SHARED=s_gu is not None, HAS_STAGE=stage is not None,
         BLOCK_H=triton.next_power_of_2(gate.k), WARPS=warps, PDL=pdl["PDL"], WAIT_FIRST=wait_first,
         num_warps=warps, launch_pdl=pdl["launch_pdl"])
 

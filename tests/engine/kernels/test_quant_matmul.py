@@ -627,6 +627,67 @@ def test_cuda_shared_expert_rides_in_the_routed_launches_real_shapes(T):
         assert torch.equal(a, b) and rel_err(b, ref) < 1e-4
 
 
+def _staged_case(qtype, layout, T, E, k, hidden, ffn, seed, device="cpu"):
+    """Experts in two stacks (``E`` slots and a stage of ``T * k`` rows holding other experts): ids mixing
+    slots (>= 0), stage rows (``-2 - j``) and unrouted pairs (-1), with the reference from one stack holding
+    both, where the same pairs read the same experts."""
+    stack, shared, x, ids, w, _ = _moe_with_shared_case(qtype, layout, T, E, k, hidden, ffn, seed, device=device)
+    rng = np.random.default_rng(seed + 100)
+    P = T * k
+    extra = [QuantExperts.from_gguf_bytes(random_quantized((P, r, c), qtype, rng, 0.05), qtype, P, r, c)
+             .to(device).with_layout(layout) for r, c in ((ffn, hidden), (ffn, hidden), (hidden, ffn))]
+    g = torch.Generator().manual_seed(seed)
+    staged = torch.rand(T, k, generator=g) < 0.5
+    staged[0, 0], staged[0, 1] = True, False  # at least one staged pair; ids[0, 1] is -1 (unrouted)
+    rows = torch.arange(P).view(T, k)
+    codes = torch.where(staged.to(device), -2 - rows.to(device), ids)
+    both = tuple(QuantExperts(torch.cat([a.raw, b.raw]), a.qtype, a.e + b.e, a.n, a.k, a.layout)
+                 for a, b in zip(stack, extra))
+    ref_ids = torch.where(staged.to(device), E + rows.to(device), ids)
+    return stack, tuple(extra), both, shared, x, codes, ref_ids, w
+
+
+@pytest.mark.parametrize("qtype,layout", [(Q.Q4_0, "split"), (Q.Q8_0, "ggml"), (Q.Q4_K, "ggml")],
+                         ids=["Q4_0-split", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "routed"])
+def test_stage_stack_is_read_for_its_ids(qtype, layout, with_shared):
+    """Ids ``-2 - j`` read expert ``j`` of the stage stacks: the same output as one stack holding both sets,
+    through both down launches (per token and per pair) and the block and row gate/up launches; a float32
+    output on request; a stage of another layout is refused."""
+    hidden, ffn = (256, 256) if qtype == Q.Q4_K else (96, 64)
+    bk = 256 if qtype == Q.Q4_K else 64
+    stack, stage, both, shared, x, codes, ref_ids, w = _staged_case(qtype, layout, 3, 5, 3, hidden, ffn, seed=21)
+    shared = shared if with_shared else None
+    up = tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=bk)
+    ref = tq.quantized_moe_triton(x, *both, ref_ids, w, up, shared=shared)
+    for b in (up, tq.QuantKernelConfig(gemv_block_n=8, gemv_block_k=bk, gemv_pair_split=1)):
+        assert torch.equal(tq.quantized_moe_triton(x, *stack, codes, w, up, b, shared=shared, stage=stage), ref), b
+    if layout == "split":  # the row kernels take no stage: the block kernels run instead (other tiles)
+        rows_up, rows_down = tq.QuantKernelConfig(gemv_rows_warps=2), tq.QuantKernelConfig(gemv_rows_warps=4)
+        out = tq.quantized_moe_triton(x, *stack, codes, w, rows_up, rows_down, shared=shared, stage=stage)
+        assert rel_err(out, ref) < 1e-5
+    f32 = tq.quantized_moe_triton(x.bfloat16(), *stack, codes, w, up, shared=shared, stage=stage,
+                                  out_dtype=torch.float32)
+    assert f32.dtype == torch.float32 and rel_err(f32, ref) < 2e-2
+    if layout == "split":
+        with pytest.raises(ValueError, match="stage stacks must have"):
+            tq.quantized_moe_triton(x, *stack, codes, w, up, stage=tuple(s.with_layout("ggml") for s in stage))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 4])
+def test_cuda_stage_stack_real_shapes(T):
+    """The 35B expert shapes, Q4_0 in the split layout (the word gate/up launch, the per-pair down launch):
+    a stage stack read for ids ``-2 - j`` gives the output of one stack holding both, bit for bit."""
+    stack, stage, both, shared, x, codes, ref_ids, w = _staged_case(Q.Q4_0, "split", T, 16, 8, 2048, 512, seed=T,
+                                                                    device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = tq.quantized_moe_triton(x.to(dtype), *both, ref_ids, w, shared=shared)
+        out = tq.quantized_moe_triton(x.to(dtype), *stack, codes, w, shared=shared, stage=stage)
+        assert torch.equal(out, ref), dtype
+
+
 def test_word_gate_up_refuses_what_it_cannot_read():
     """The experts' word gate/up launch checks before it launches (so anywhere): Q4_0 experts in the split
     layout, a block for every lane, powers of two, a shared expert read as the routed ones are; where it

@@ -85,9 +85,9 @@ def test_block_expert_kernel_compiles(tmp_path):
     """The block kernels' gate/up launch at the H200 table's tiles (the decode default there) builds for
     sm_90 too: 4 rows x 16 blocks over 128 threads load 8 code bytes a thread, without spills."""
     types = {"x_ptr": "*fp32", "g_ptr": "*u8", "u_ptr": "*u8", "ids_ptr": "*i64", "act_ptr": "*fp32",
-             "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32"}
+             "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32", "tg_ptr": "*u8", "tu_ptr": "*u8"}
     consts = {"K": 2048, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 4, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 1024,
-              "HAS_SHARED": True, "BLOCK_H": 2048, "WAIT_FIRST": True}
+              "HAS_SHARED": True, "HAS_STAGE": False, "BLOCK_H": 2048, "WAIT_FIRST": True}
     sass = _sass("_moe_gate_up_kernel", types, consts, 4, tmp_path, module="engine.kernels.quant.triton")
     assert "LDG.E.64" in sass and "LDL" not in sass and "STL" not in sass
 
@@ -114,7 +114,7 @@ def test_gemv_loads_its_first_weight_tile_before_waiting_on_the_kernel_before(pd
 
 
 DOWN_PAIRS_TYPES = {"act_ptr": "*bf16", "d_ptr": "*u8", "ids_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16",
-                    "sd_ptr": "*u8", "sgate_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"}
+                    "sd_ptr": "*u8", "sgate_ptr": "*fp32", "td_ptr": "*u8", "part_ptr": "*fp32", "count_ptr": "*i32"}
 DELTA_RULE_TYPES = {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                     "s_ptr": "*fp32", "o_ptr": "*fp32", "s_out_ptr": "*fp32", "scale": "fp32", "gate_ptr": "*bf16",
                     "nw_ptr": "*fp32", "y_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32"}
@@ -140,14 +140,18 @@ ROUTER_TYPES = {"x_ptr": "*bf16", "r_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr
       "PREFETCH": False}),
     ("engine.kernels.quant.triton", "_moe_down_pairs_kernel", DOWN_PAIRS_TYPES,
      {"FFN": 512, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 4, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 256,
-      "HAS_SHARED": True, "PDL": True, "PREFETCH": False}),
+      "HAS_SHARED": True, "HAS_STAGE": False, "PDL": True, "PREFETCH": False}),
+    ("engine.kernels.quant.triton", "_moe_down_pairs_kernel", DOWN_PAIRS_TYPES,
+     {"FFN": 512, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 4, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 256,
+      "HAS_SHARED": True, "HAS_STAGE": True, "PDL": True, "PREFETCH": True}),
     ("engine.kernels.gdn_decode", "_delta_rule_decode_kernel",
      {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "s_ptr": "*fp32",
       "o_ptr": "*fp32", "s_out_ptr": "*fp32", "scale": "fp32", "gate_ptr": "*bf16", "nw_ptr": "*fp32",
       "y_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32"},
      {"T": 1, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": True, "BLOCK_DV": 128, "PDL": True,
       "PREFETCH": False}),
-], ids=["cache_write", "gated_combine", "router", "router_add_norm", "down_per_pair", "delta_rule_gated_norm"])
+], ids=["cache_write", "gated_combine", "router", "router_add_norm", "down_per_pair", "down_per_pair_staged",
+        "delta_rule_gated_norm"])
 def test_attention_glue_kernels_compile(module, name, types, consts, tmp_path):
     """The attention layer's fused cache write and gated combine, the router (with the residual add +
     norm and without), the experts' down launch per pair and the delta rule with the gated norm build for sm_90 (the interpreter runs code the compiler may
@@ -230,17 +234,19 @@ def test_word_gemv_compiles_to_fewer_instructions_than_the_block_gemv(pdl, tmp_p
         assert sum(i < wait for i, line in enumerate(lines) if re.search(r"\sLDG\.E\.128\b", line)) == 4
 
 
-def test_word_gate_up_compiles_as_two_word_gemvs(tmp_path):
+@pytest.mark.parametrize("stage", [False, True], ids=["slots", "staged"])
+def test_word_gate_up_compiles_as_two_word_gemvs(stage, tmp_path):
     """The experts' gate/up launch in the word layout at the 35B expert shapes (8 rows of gate and of up,
-    K 2,048 in one tile, 2 warps, the shared expert riding along, PDL): every block's codes one 16-byte
-    load, no int-to-float conversion and no spills, the router's ids waited for before any weight is
-    loaded, and at most 2.5 times the word GEMV's instructions for the same tile (two row sets, the
-    routing and the shared gate: 2,896 against 1,248 when written)."""
+    K 2,048 in one tile, 2 warps, the shared expert riding along, PDL; with and without a stage stack):
+    every block's codes one 16-byte load, no int-to-float conversion and no spills, the router's ids waited
+    for before any weight is loaded, and at most 2.5 times the word GEMV's instructions for the same tile
+    (two row sets, the routing and the shared gate: 2,896 against 1,248 when written)."""
     types = {"x_ptr": "*bf16", "g_ptr": "*u8", "u_ptr": "*u8", "ids_ptr": "*i32", "act_ptr": "*bf16",
-             "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32", "w_ptr": "*u8", "out_ptr": "*bf16"}
+             "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32", "tg_ptr": "*u8", "tu_ptr": "*u8",
+             "w_ptr": "*u8", "out_ptr": "*bf16"}
     tile = {"K": 2048, "BLOCK_N": 8, "BLOCK_K": 2048, "SPLIT_AT": 1024, "WARPS": 2, "PDL": True}
-    sass = _sass("_moe_gate_up_words_kernel", types, {**tile, "TOP_K": 8, "HAS_SHARED": True, "BLOCK_H": 2048,
-                                                      "WAIT_FIRST": False}, 2,
+    sass = _sass("_moe_gate_up_words_kernel", types, {**tile, "TOP_K": 8, "HAS_SHARED": True, "HAS_STAGE": stage,
+                                                      "BLOCK_H": 2048, "WAIT_FIRST": False}, 2,
                  tmp_path, module="engine.kernels.quant.words")
     gemv = _sass("_gemv_words_kernel", types, tile, 2, tmp_path, module="engine.kernels.quant.words")
     ops = _instructions(sass)
@@ -283,7 +289,7 @@ def _before_wait(sass: str, pattern: str) -> tuple[int, int]:
      {"T": 1, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": False, "BLOCK_DV": 128, "PDL": True}, 4),
     ("engine.kernels.quant.triton", "_moe_down_pairs_kernel", DOWN_PAIRS_TYPES,
      {"FFN": 512, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 16, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 256,
-      "HAS_SHARED": True, "PDL": True}, 2),
+      "HAS_SHARED": True, "HAS_STAGE": True, "PDL": True}, 2),
 ], ids=["router", "delta_rule", "down_per_pair"])
 def test_prefetching_kernels_load_before_their_wait(module, name, types, consts, least, prefetch, tmp_path):
     """With ``PREFETCH`` (``engine.kernels.pdl``) the router's weight rows, the delta rule's state and the
@@ -302,9 +308,9 @@ def test_word_gate_up_waits_before_the_down_launch_may_start(wait_first, tmp_pat
     """``WAIT_FIRST``: the gate/up launch's wait (ACQBULK) comes before it lets the next kernel launch
     (PREEXIT), so the down launch starts after the router has completed; otherwise the other way round."""
     types = {"x_ptr": "*bf16", "g_ptr": "*u8", "u_ptr": "*u8", "ids_ptr": "*i32", "act_ptr": "*bf16",
-             "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32"}
+             "sgu_ptr": "*u8", "gi_ptr": "*fp32", "sgate_ptr": "*fp32", "tg_ptr": "*u8", "tu_ptr": "*u8"}
     consts = {"K": 2048, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT_AT": 1024, "WARPS": 2, "PDL": True, "TOP_K": 8,
-              "HAS_SHARED": True, "BLOCK_H": 2048, "WAIT_FIRST": wait_first}
+              "HAS_SHARED": True, "HAS_STAGE": False, "BLOCK_H": 2048, "WAIT_FIRST": wait_first}
     lines = _sass("_moe_gate_up_words_kernel", types, consts, 2, tmp_path, module="engine.kernels.quant.words")
     lines = lines.split("\n")
     (wait,) = [i for i, line in enumerate(lines) if "ACQBULK" in line]

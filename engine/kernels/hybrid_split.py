@@ -1,0 +1,109 @@
+"""One launch that splits a decode-sized call's routed pairs between the three places an expert is computed
+with ``cold_device="gpu"`` (``engine.hybrid``), so that the experts' two launches read every pair the device
+computes from one id tensor:
+
+- a hot pair keeps its device slot (id >= 0);
+- a cold pair the bus carries gets ``-2 - p`` (p its pair index): ``engine.kernels.gather.gather_stacks``
+  copies its expert into row ``p`` of the stage stacks, which the expert launches read for such ids;
+- a cold pair the CPU threads compute (``engine.kernels.host_experts``) gets -1 here and is handed to them
+  in the same launch: the mailbox's ids, weights and token rows, then its sequence number (system-scope
+  release), as ``host_share_triton``'s publish does.
+
+Of a call's ``c`` cold pairs the threads take the last ``floor(c * share + 1/2)`` in pair order (the router
+orders each token's pairs by weight; which ones does not change the cost: every cold expert is the same
+bytes), the bus the others, so each layer's two sides get their share of this call's pairs rather than of
+the experts' routed mass on average. With none for the threads nothing is published and ``pending`` says so:
+``host_share_triton.collect_into`` then waits for nothing. The layer's hot pairs are added to its hit counter.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.fused import check_device
+from engine.kernels.host_experts import HEADER
+from engine.kernels.host_share_triton import _fence_sys, _store_release_sys
+
+if TYPE_CHECKING:
+    from engine.kernels.host_experts import HostShare
+
+BLOCK = 1024  # token-row floats a loop step of the mailbox's copy
+
+
+@triton.jit
+def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_ptr, hits_ptr, pending_ptr, mb_i, mb_f, seq_ptr, x_ptr,
+                  w_ptr, layer, T, N, share, P: tl.constexpr, K: tl.constexpr, MAX_PAIRS: tl.constexpr,
+                  HEADER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr, PUBLISH: tl.constexpr):
+    p = tl.arange(0, BLOCK_P)
+    pm = p < P
+    e = tl.load(ids_ptr + p, mask=pm, other=-1)
+    slot = tl.load(slot_ptr + tl.maximum(e, 0), mask=pm & (e >= 0), other=-1)
+    hot = slot >= 0
+    cold = (pm & (e >= 0) & (slot < 0)).to(tl.int32)
+    c = tl.sum(cold, axis=0)
+    if PUBLISH:
+        n_cpu = tl.floor(c.to(tl.float32) * share + 0.5).to(tl.int32)
+    else:
+        n_cpu = c * 0
+    rank = tl.cumsum(cold, axis=0) - cold  # cold pairs before this one
+    cpu = (cold != 0) & (rank >= c - n_cpu)
+    bus = (cold != 0) & (rank < c - n_cpu)
+    codes = tl.where(hot, slot, tl.where(bus, -2 - p, -1))
+    tl.store(codes_ptr + p, codes.to(codes_ptr.dtype.element_ty), mask=pm)
+    tl.store(stage_ptr + p, tl.where(bus, e, -1).to(stage_ptr.dtype.element_ty), mask=pm)
+    tl.atomic_add(hits_ptr, tl.sum(hot.to(tl.int64), axis=0))
+    if PUBLISH:
+        if n_cpu > 0:
+            s = tl.load(seq_ptr) + 1
+            s = tl.where(s < 0, 1, s)  # the host side's numbers stay positive
+            tl.store(mb_i + 16, layer)
+            tl.store(mb_i + 17, T)
+            tl.store(mb_i + 18, K)
+            tl.store(mb_i + HEADER + p, tl.where(cpu, e, -1).to(tl.int32), mask=pm)
+            tl.store(mb_f + HEADER + MAX_PAIRS + p, tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32), mask=pm)
+            for off in range(0, N, BLOCK):
+                o = off + tl.arange(0, BLOCK)
+                m = o < N
+                tl.store(mb_f + HEADER + 2 * MAX_PAIRS + o, tl.load(x_ptr + o, mask=m, other=0.0).to(tl.float32),
+                         mask=m)
+            _fence_sys(s)  # every thread's payload visible to the host before any thread's sequence number
+            tl.debug_barrier()
+            tl.store(seq_ptr, s)
+            _store_release_sys(mb_i, s)
+            tl.store(pending_ptr, 1)
+        else:
+            tl.store(pending_ptr, 0)
+
+
+def split_pairs(ids: torch.Tensor, slot_of: torch.Tensor, hits: torch.Tensor, codes: torch.Tensor,
+                stage_ids: torch.Tensor, *, share: "HostShare | None" = None, fraction: float = 0.0, layer: int = 0,
+                x: torch.Tensor | None = None, w: torch.Tensor | None = None) -> None:
+    """Split ``ids`` [T, k] (-1: unrouted) by ``slot_of`` [E] (a device slot, -1 where cold) into ``codes``
+    [T, k] (the slot; ``-2 - p`` for a cold pair the bus carries, copied by ``stage_ids[p]`` = its expert;
+    -1 for the threads' pairs and unrouted ones) and ``stage_ids`` [T k] (-1 where nothing is copied);
+    ``hits`` (a one-element int64 tensor) gains the hot pairs. With ``share`` (CUDA), ``fraction`` of the
+    cold pairs go to its threads, published with ``x`` [T, H] and ``w`` [T, k] for ``layer``."""
+    check_device(ids, "split_pairs")
+    T, k = ids.shape
+    P = T * k
+    if codes.shape != ids.shape or stage_ids.numel() < P or hits.dtype != torch.int64 or hits.numel() != 1:
+        raise ValueError(f"split_pairs writes codes {tuple(ids.shape)}, {P} stage ids and an int64 counter, got "
+                         f"{tuple(codes.shape)}, {stage_ids.numel()} and {hits.dtype} [{hits.numel()}]")
+    ids = ids.contiguous()
+    publish = share is not None and fraction > 0
+    if publish:
+        if not share.fits(T, k) or x is None or w is None:
+            raise ValueError(f"{T} tokens of {k} pairs do not fit the mailbox, or x or w is missing")
+        x, w = x.contiguous(), w.contiguous()
+        mb, seq, pending, n = share.mailbox_dev, share.seq, share.pending, T * share.hidden
+        max_pairs = share.max_pairs
+    else:
+        mb, seq, pending, n, max_pairs = codes, hits, hits, 0, 1  # unread without publishing
+        x = w = ids
+    _split_kernel[(1,)](ids, slot_of, codes, stage_ids, hits, pending, mb, mb.view(torch.float32) if publish else mb,
+                        seq, x, w, layer, T, n, float(fraction), P=P, K=k, MAX_PAIRS=max_pairs, HEADER=HEADER,
+                        BLOCK_P=triton.next_power_of_2(max(P, 16)), BLOCK=BLOCK, PUBLISH=publish, num_warps=4)

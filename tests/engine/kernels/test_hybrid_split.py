@@ -1,0 +1,120 @@
+"""The split launch of a decode-sized call's pairs (``engine.kernels.hybrid_split``) and the three-stack
+gather (``engine.kernels.gather.gather_stacks``) against plain torch, on the CPU through Triton's
+interpreter; the threads' share of the cold pairs and its publication on CUDA."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
+
+pytest.importorskip("triton")
+from engine.kernels.gather import gather_stacks  # noqa: E402
+from engine.kernels.hybrid_split import split_pairs  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def case(T, k, E, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[0, -1] = -1  # an unrouted pair
+    hot = torch.randperm(E, generator=g)[:E // 2]
+    slot_of = torch.full((E,), -1, dtype=torch.int64)
+    slot_of[hot] = torch.arange(hot.numel())
+    return ids.to(DEVICE), slot_of.to(DEVICE)
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 8, 16), (3, 5, 13), (2, 1, 4)])
+def test_split_keeps_hot_slots_and_stages_every_cold_pair(T, k, E):
+    """With no CPU share: a hot pair's slot, ``-2 - p`` and its expert to copy for each cold pair, -1 for an
+    unrouted one; the layer's counter gains the hot pairs, and a second call adds to it."""
+    ids, slot_of = case(T, k, E, seed=T * 10 + k)
+    hits = torch.full((1,), 5, dtype=torch.int64, device=DEVICE)
+    codes = torch.empty((T, k), dtype=torch.int32, device=DEVICE)
+    stage = torch.empty(T * k, dtype=torch.int32, device=DEVICE)
+    split_pairs(ids, slot_of, hits, codes, stage)
+    flat = ids.reshape(-1).cpu()
+    slots = torch.where(flat >= 0, slot_of.cpu()[flat.clamp(min=0)], -1)
+    cold = (flat >= 0) & (slots < 0)
+    p = torch.arange(T * k)
+    want = torch.where(slots >= 0, slots, torch.where(cold, -2 - p, -1))
+    assert torch.equal(codes.reshape(-1).cpu().long(), want)
+    assert torch.equal(stage.cpu().long(), torch.where(cold, flat, -1))
+    n_hot = int((slots >= 0).sum())
+    assert int(hits) == 5 + n_hot
+    split_pairs(ids, slot_of, hits, codes, stage)
+    assert int(hits) == 5 + 2 * n_hot
+
+
+def test_split_refuses_wrong_outputs():
+    ids, slot_of = case(1, 4, 8, seed=0)
+    with pytest.raises(ValueError, match="int64 counter"):
+        split_pairs(ids, slot_of, torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                    torch.empty((1, 4), dtype=torch.int32, device=DEVICE), torch.empty(4, dtype=torch.int32,
+                                                                                       device=DEVICE))
+
+
+@pytest.mark.parametrize("shapes", [((5, 12), (5, 12), (12, 5)), ((3, 7), (2, 9), (4, 4))], ids=["expert", "odd"])
+def test_gather_stacks_copies_three_stacks_at_once(shapes):
+    """Each routed pair's slab of all three stacks (word and byte slabs, unequal sizes, more blocks than one
+    program's), untouched rows where the id is -1."""
+    import engine.kernels.gather as gather
+
+    old = gather.BLOCK
+    gather.BLOCK = 16  # several blocks a slab at these sizes
+    try:
+        g = torch.Generator().manual_seed(3)
+        srcs = tuple(torch.randint(0, 255, (6, *s), generator=g, dtype=torch.uint8).to(DEVICE) for s in shapes)
+        dsts = tuple(torch.zeros((4, *s), dtype=torch.uint8, device=DEVICE) for s in shapes)
+        ids = torch.tensor([4, -1, 0, 5], dtype=torch.int32, device=DEVICE)
+        gather_stacks(srcs, dsts, ids)
+        for src, dst in zip(srcs, dsts):
+            for p, e in enumerate(ids.tolist()):
+                assert torch.equal(dst[p], src[e] if e >= 0 else torch.zeros_like(dst[p]))
+    finally:
+        gather.BLOCK = old
+    with pytest.raises(ValueError, match="three stacks"):
+        gather_stacks(srcs[:2], dsts[:2], ids)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fraction,cold,n_cpu", [(0.5, 4, 2), (0.5, 3, 2), (0.4, 1, 0), (1.0, 3, 3)])
+def test_cuda_split_hands_the_threads_their_share_of_the_cold_pairs(fraction, cold, n_cpu):
+    """One token of 8 pairs with ``cold`` of them cold: the threads get ``floor(cold * fraction + 1/2)`` of
+    them (the last in pair order) in the mailbox, the bus the others; with none for the threads nothing is
+    published (the sequence number unchanged) and ``pending`` is 0."""
+    from engine.kernels.host_experts import HEADER, HostShare
+
+    E, k, H = 16, 8, 64
+    share = HostShare([None] * 2, hidden=H, ffn=32, threads=1, device="cuda")
+    try:
+        ids = torch.arange(k, device="cuda").view(1, k)
+        slot_of = torch.full((E,), -1, dtype=torch.int64, device="cuda")
+        slot_of[cold:k] = torch.arange(k - cold, device="cuda")  # experts 0 .. cold-1 are cold
+        hits = torch.zeros(1, dtype=torch.int64, device="cuda")
+        codes = torch.empty((1, k), dtype=torch.int32, device="cuda")
+        stage = torch.empty(k, dtype=torch.int32, device="cuda")
+        x = torch.randn(1, H, device="cuda")
+        w = torch.rand(1, k, device="cuda")
+        seq0 = int(share.seq)
+        split_pairs(ids, slot_of, hits, codes, stage, share=share, fraction=fraction, layer=1, x=x, w=w)
+        torch.cuda.synchronize()
+        bus = cold - n_cpu
+        assert codes.view(-1).tolist() == [-2 - p for p in range(bus)] + [-1] * n_cpu + list(range(k - cold))
+        assert stage.tolist() == list(range(bus)) + [-1] * (k - bus)
+        assert int(hits) == k - cold and int(share.pending) == (n_cpu > 0)
+        if n_cpu:
+            assert int(share.seq) == seq0 + 1 and int(share.mailbox[0]) == seq0 + 1
+            mb = share.mailbox[HEADER:HEADER + k].tolist()
+            assert mb == [-1] * bus + list(range(bus, cold)) + [-1] * (k - cold)
+            xs = share.mailbox.view(torch.float32)[HEADER + 2 * share.max_pairs:HEADER + 2 * share.max_pairs + H]
+            assert torch.equal(xs, x.view(-1).cpu())
+        else:
+            assert int(share.seq) == seq0
+    finally:
+        share.close()
