@@ -67,6 +67,7 @@ HOT_FORMATS = ("dense", "quantized")
 COLD_DEVICES = ("cpu", "gpu")
 STREAM_EXPERTS = 32  # cold experts copied to the device at once for a long call with cold_device="gpu"
 STAGED_ENV = "LUCE_TUNE_HYBRID_STAGED"  # 0: decode-sized calls with cold experts take the launches of __call__
+OVERLAP_ENV = "LUCE_TUNE_HYBRID_OVERLAP"  # 0: the staged path's bus copies on the compute stream, one expert launch
 COLD_GATHER_ENV = "LUCE_TUNE_COLD_GATHER"  # 0: decode-sized calls read the cold experts in place
 # None: decode-sized calls gather the cold experts on CUDA (unless LUCE_TUNE_COLD_GATHER=0); True: off CUDA
 # too (tests, with TRITON_INTERPRET=1); False: never.
@@ -393,6 +394,7 @@ class HybridExperts:
             self._stream_buffers_by_layout: dict[Any, tuple[torch.Tensor, ...]] = {}
             self._pair_rows: dict[tuple[int, int], torch.Tensor] = {}
             self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
+            self._stream: torch.cuda.Stream | None = None  # the staged path's second stream (CUDA)
             # pairs taken off by ``discount`` (device scalars); the pairs counted are ``_host_pairs``
             self._pairs = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
         # Routed pairs per layer, counted on the host: a call's count is its shape's, so a captured step
@@ -622,13 +624,15 @@ class HybridExperts:
 
     def _staged_moe(self, layer_idx: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                     shared: "SharedExpertWeights") -> torch.Tensor | None:
-        """A layer with cold experts in a decode-sized call on CUDA with ``cold_device="gpu"``, in five
-        launches: the pairs split between the device slots, the bus and the CPU threads (and the threads'
-        job published: ``engine.kernels.hybrid_split``), the bus's experts copied into the stage stacks
-        (``gather_stacks``), the experts' two launches over slots and stage with the shared expert riding
-        along, and with a CPU share the threads' sum added (``collect_into``). None where it does not apply
-        (then ``__call__`` and the caller's shared expert: about 30 launches a layer);
-        ``LUCE_TUNE_HYBRID_STAGED=0`` switches it off."""
+        """A layer with cold experts in a decode-sized call with ``cold_device="gpu"`` (CUDA, or the
+        interpreter's tests), in a handful of launches: the pairs split between the device slots, the bus and
+        the CPU threads (and the threads' job published: ``engine.kernels.hybrid_split``), the bus's experts
+        copied into the stage stacks (``gather_stacks``), the experts' launches over slots and stage with the
+        shared expert riding along, and the sums (with a CPU share, the threads' too) added by one launch
+        (``collect_into``). On CUDA the copies and the stage's expert launches run on a second stream while
+        the slots' run on this one (``LUCE_TUNE_HYBRID_OVERLAP=0``: one stream, one pair of expert launches
+        over slots and stage together). None where it does not apply (then ``__call__`` and the caller's
+        shared expert: about 30 launches a layer); ``LUCE_TUNE_HYBRID_STAGED=0`` switches it off."""
         layer = self._layers[layer_idx]
         T, k = ids.shape
         if (self.impl != "triton" or self.cold_device != "gpu" or not (x.is_cuda or COLD_GATHER) or not layer.n_hot
@@ -653,23 +657,47 @@ class HybridExperts:
         from engine.kernels.gather import gather_stacks
         from engine.kernels.hybrid_split import split_pairs
 
+        from engine.kernels.host_share_triton import collect_into
+
         pool = self._host_share if self.cpu_share and self._host_share is not None and x.is_cuda else None
         pool = pool if pool is not None and pool.fits(T, k) else None
         self._host_pairs[layer_idx] += ids.numel()
         codes = torch.empty((T, k), dtype=torch.int32, device=x.device)
         stage_ids = torch.empty(T * k, dtype=torch.int32, device=x.device)
+        stacks = tuple(b[:T * k] for b in buffers)
+        args = (shared.gate_up, shared.down, shared.gate_inp)
+        if x.is_cuda and os.environ.get(OVERLAP_ENV, "1") != "0":
+            # the bus's copies and their experts on a second stream while the hot pairs and the shared
+            # expert run on this one (a graph captures the fork and the join)
+            stage_codes = torch.empty((T, k), dtype=torch.int32, device=x.device)
+            split_pairs(ids, layer.slot_of, self._hot_hits[layer_idx:layer_idx + 1], codes, stage_ids, share=pool,
+                        fraction=self.cpu_share, layer=layer_idx, x=x, w=w, stage_codes=stage_codes)
+            main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                gather_stacks(sources, stacks, stage_ids)
+                staged = quantized_moe_triton(x, gate, up, down, stage_codes, w, stage=tuple(stage),
+                                              out_dtype=torch.float32)
+            hot = quantized_moe_triton(x, gate, up, down, codes, w, shared=args, out_dtype=torch.float32)
+            main.wait_stream(side)
+            dst = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            collect_into(pool, hot, dst, staged)
+            return dst
         split_pairs(ids, layer.slot_of, self._hot_hits[layer_idx:layer_idx + 1], codes, stage_ids, share=pool,
                     fraction=self.cpu_share, layer=layer_idx, x=x, w=w)
-        gather_stacks(sources, tuple(b[:T * k] for b in buffers), stage_ids)
-        out = quantized_moe_triton(x, gate, up, down, codes, w, shared=(shared.gate_up, shared.down, shared.gate_inp),
-                                   stage=tuple(stage), out_dtype=torch.float32 if pool is not None else None)
+        gather_stacks(sources, stacks, stage_ids)
+        out = quantized_moe_triton(x, gate, up, down, codes, w, shared=args, stage=tuple(stage),
+                                   out_dtype=torch.float32 if pool is not None else None)
         if pool is None:
             return out
-        from engine.kernels.host_share_triton import collect_into
-
         dst = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         collect_into(pool, out, dst)
         return dst
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_w: torch.Tensor) -> torch.Tensor:

@@ -81,10 +81,15 @@ def _collect_kernel(reply_i, reply_f, seq_ptr, out_ptr, N, SPINS: tl.constexpr, 
 
 
 @triton.jit
-def _collect_into_kernel(reply_i, reply_f, seq_ptr, pending_ptr, acc_ptr, dst_ptr, N, SPINS: tl.constexpr,
-                         REPLY_HEADER: tl.constexpr, BLOCK: tl.constexpr):
-    """``dst = acc + the threads' sum`` where the split launch published a job (``pending``), else ``acc``."""
-    pending = tl.load(pending_ptr)
+def _collect_into_kernel(reply_i, reply_f, seq_ptr, pending_ptr, acc_ptr, acc2_ptr, dst_ptr, N: tl.constexpr,
+                         SPINS: tl.constexpr,
+                         REPLY_HEADER: tl.constexpr, BLOCK: tl.constexpr, POOL: tl.constexpr, TWO: tl.constexpr):
+    """``dst = acc (+ acc2 with TWO) + the threads' sum`` where the split launch published a job (``pending``,
+    with ``POOL``)."""
+    if POOL:
+        pending = tl.load(pending_ptr)
+    else:
+        pending = 0
     if pending != 0:
         s = tl.load(seq_ptr)
         d = _load_acquire_sys(reply_i)
@@ -98,6 +103,8 @@ def _collect_into_kernel(reply_i, reply_f, seq_ptr, pending_ptr, acc_ptr, dst_pt
         o = off + tl.arange(0, BLOCK)
         m = o < N
         y = tl.load(acc_ptr + o, mask=m, other=0.0)
+        if TWO:
+            y += tl.load(acc2_ptr + o, mask=m, other=0.0)
         if pending != 0:
             y += tl.load(reply_f + REPLY_HEADER + o, mask=m, other=0.0, cache_modifier=".cv")
         tl.store(dst_ptr + o, y.to(dst_ptr.dtype.element_ty), mask=m)
@@ -120,13 +127,18 @@ def collect(share: "HostShare", out: torch.Tensor) -> None:
                           SPINS=host_experts.TIMEOUT_SPINS, REPLY_HEADER=REPLY_HEADER, BLOCK=BLOCK, num_warps=4)
 
 
-def collect_into(share: "HostShare", acc: torch.Tensor, dst: torch.Tensor) -> None:
-    """``dst = acc`` plus the threads' sum when ``engine.kernels.hybrid_split.split_pairs`` handed them a job
-    (``share.pending``): acc float32 [T, H], dst [T, H] of any float dtype, both contiguous."""
-    if (acc.dtype != torch.float32 or not acc.is_contiguous() or not dst.is_contiguous() or acc.shape != dst.shape
-            or acc.shape[-1] != share.hidden):
-        raise ValueError(f"collect_into reads a contiguous float32 [T, {share.hidden}] tensor into one of its shape, "
-                         f"got {acc.dtype} {tuple(acc.shape)} and {dst.dtype} {tuple(dst.shape)}")
-    _collect_into_kernel[(1,)](share.reply_dev, share.reply_dev.view(torch.float32), share.seq, share.pending, acc,
+def collect_into(share: "HostShare | None", acc: torch.Tensor, dst: torch.Tensor,
+                 acc2: torch.Tensor | None = None) -> None:
+    """``dst = acc (+ acc2)`` plus the threads' sum when ``engine.kernels.hybrid_split.split_pairs`` handed
+    ``share`` a job (``share.pending``; None: no threads): acc and acc2 float32 [T, H], dst [T, H] of any float
+    dtype, all contiguous."""
+    for a in (acc, acc2) if acc2 is not None else (acc,):
+        if (a.dtype != torch.float32 or not a.is_contiguous() or not dst.is_contiguous() or a.shape != dst.shape
+                or (share is not None and a.shape[-1] != share.hidden)):
+            raise ValueError(f"collect_into reads contiguous float32 [T, H] tensors into one of their shape, got "
+                             f"{a.dtype} {tuple(a.shape)} and {dst.dtype} {tuple(dst.shape)}")
+    reply = share.reply_dev if share is not None else acc
+    _collect_into_kernel[(1,)](reply, reply.view(torch.float32), share.seq if share is not None else acc,
+                               share.pending if share is not None else acc, acc, acc2 if acc2 is not None else acc,
                                dst, acc.numel(), SPINS=host_experts.TIMEOUT_SPINS, REPLY_HEADER=REPLY_HEADER,
-                               BLOCK=BLOCK, num_warps=4)
+                               BLOCK=BLOCK, POOL=share is not None, TWO=acc2 is not None, num_warps=4)

@@ -35,9 +35,10 @@ BLOCK = 1024  # token-row floats a loop step of the mailbox's copy
 
 
 @triton.jit
-def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_ptr, hits_ptr, pending_ptr, mb_i, mb_f, seq_ptr, x_ptr,
-                  w_ptr, layer, T, N, share, P: tl.constexpr, K: tl.constexpr, MAX_PAIRS: tl.constexpr,
-                  HEADER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr, PUBLISH: tl.constexpr):
+def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_codes_ptr, stage_ptr, hits_ptr, pending_ptr, mb_i, mb_f,
+                  seq_ptr, x_ptr, w_ptr, layer, T, N, share, P: tl.constexpr, K: tl.constexpr,
+                  MAX_PAIRS: tl.constexpr, HEADER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
+                  PUBLISH: tl.constexpr, APART: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     e = tl.load(ids_ptr + p, mask=pm, other=-1)
@@ -52,8 +53,12 @@ def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_ptr, hits_ptr, pending_ptr
     rank = tl.cumsum(cold, axis=0) - cold  # cold pairs before this one
     cpu = (cold != 0) & (rank >= c - n_cpu)
     bus = (cold != 0) & (rank < c - n_cpu)
-    codes = tl.where(hot, slot, tl.where(bus, -2 - p, -1))
-    tl.store(codes_ptr + p, codes.to(codes_ptr.dtype.element_ty), mask=pm)
+    staged = tl.where(bus, -2 - p, -1)
+    if APART:  # the slots' ids and the stage's in two tensors
+        tl.store(codes_ptr + p, tl.where(hot, slot, -1).to(codes_ptr.dtype.element_ty), mask=pm)
+        tl.store(stage_codes_ptr + p, staged.to(stage_codes_ptr.dtype.element_ty), mask=pm)
+    else:
+        tl.store(codes_ptr + p, tl.where(hot, slot, staged).to(codes_ptr.dtype.element_ty), mask=pm)
     tl.store(stage_ptr + p, tl.where(bus, e, -1).to(stage_ptr.dtype.element_ty), mask=pm)
     tl.atomic_add(hits_ptr, tl.sum(hot.to(tl.int64), axis=0))
     if PUBLISH:
@@ -81,16 +86,20 @@ def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_ptr, hits_ptr, pending_ptr
 
 def split_pairs(ids: torch.Tensor, slot_of: torch.Tensor, hits: torch.Tensor, codes: torch.Tensor,
                 stage_ids: torch.Tensor, *, share: "HostShare | None" = None, fraction: float = 0.0, layer: int = 0,
-                x: torch.Tensor | None = None, w: torch.Tensor | None = None) -> None:
+                x: torch.Tensor | None = None, w: torch.Tensor | None = None,
+                stage_codes: torch.Tensor | None = None) -> None:
     """Split ``ids`` [T, k] (-1: unrouted) by ``slot_of`` [E] (a device slot, -1 where cold) into ``codes``
     [T, k] (the slot; ``-2 - p`` for a cold pair the bus carries, copied by ``stage_ids[p]`` = its expert;
     -1 for the threads' pairs and unrouted ones) and ``stage_ids`` [T k] (-1 where nothing is copied);
     ``hits`` (a one-element int64 tensor) gains the hot pairs. With ``share`` (CUDA), ``fraction`` of the
-    cold pairs go to its threads, published with ``x`` [T, H] and ``w`` [T, k] for ``layer``."""
+    cold pairs go to its threads, published with ``x`` [T, H] and ``w`` [T, k] for ``layer``. With
+    ``stage_codes`` [T, k] the ids come apart: ``codes`` the slots (-1 elsewhere), ``stage_codes`` the stage's
+    ``-2 - p`` (-1 elsewhere), for expert launches of their own."""
     check_device(ids, "split_pairs")
     T, k = ids.shape
     P = T * k
-    if codes.shape != ids.shape or stage_ids.numel() < P or hits.dtype != torch.int64 or hits.numel() != 1:
+    if (codes.shape != ids.shape or stage_ids.numel() < P or hits.dtype != torch.int64 or hits.numel() != 1
+            or (stage_codes is not None and stage_codes.shape != ids.shape)):
         raise ValueError(f"split_pairs writes codes {tuple(ids.shape)}, {P} stage ids and an int64 counter, got "
                          f"{tuple(codes.shape)}, {stage_ids.numel()} and {hits.dtype} [{hits.numel()}]")
     ids = ids.contiguous()
@@ -104,6 +113,8 @@ def split_pairs(ids: torch.Tensor, slot_of: torch.Tensor, hits: torch.Tensor, co
     else:
         mb, seq, pending, n, max_pairs = codes, hits, hits, 0, 1  # unread without publishing
         x = w = ids
-    _split_kernel[(1,)](ids, slot_of, codes, stage_ids, hits, pending, mb, mb.view(torch.float32) if publish else mb,
-                        seq, x, w, layer, T, n, float(fraction), P=P, K=k, MAX_PAIRS=max_pairs, HEADER=HEADER,
-                        BLOCK_P=triton.next_power_of_2(max(P, 16)), BLOCK=BLOCK, PUBLISH=publish, num_warps=4)
+    _split_kernel[(1,)](ids, slot_of, codes, stage_codes if stage_codes is not None else codes, stage_ids, hits,
+                        pending, mb, mb.view(torch.float32) if publish else mb, seq, x, w, layer, T, n,
+                        float(fraction), P=P, K=k, MAX_PAIRS=max_pairs, HEADER=HEADER,
+                        BLOCK_P=triton.next_power_of_2(max(P, 16)), BLOCK=BLOCK, PUBLISH=publish,
+                        APART=stage_codes is not None, num_warps=4)

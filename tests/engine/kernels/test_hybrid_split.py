@@ -50,6 +50,40 @@ def test_split_keeps_hot_slots_and_stages_every_cold_pair(T, k, E):
     assert int(hits) == 5 + 2 * n_hot
 
 
+def test_split_apart_gives_the_slots_and_the_stage_their_own_ids():
+    """With ``stage_codes`` the slots' ids and the stage's come in two tensors that add up to the one of
+    ``codes`` alone (each -1 where the other has the pair)."""
+    ids, slot_of = case(2, 6, 12, seed=9)
+    outs = []
+    for apart in (False, True):
+        hits = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        codes = torch.empty((2, 6), dtype=torch.int32, device=DEVICE)
+        stage_codes = torch.empty((2, 6), dtype=torch.int32, device=DEVICE) if apart else None
+        stage = torch.empty(12, dtype=torch.int32, device=DEVICE)
+        split_pairs(ids, slot_of, hits, codes, stage, stage_codes=stage_codes)
+        outs.append((codes.cpu(), stage_codes.cpu() if apart else None, stage.cpu(), int(hits)))
+    (together, _, stage_a, hits_a), (slots, staged, stage_b, hits_b) = outs
+    assert torch.equal(stage_a, stage_b) and hits_a == hits_b
+    assert torch.equal(slots, torch.where(together >= 0, together, -1))
+    assert torch.equal(staged, torch.where(together <= -2, together, -1))
+
+
+def test_collect_into_adds_the_sums_without_threads():
+    """``collect_into`` with no threads: ``dst = acc (+ acc2)`` in dst's dtype."""
+    from engine.kernels.host_share_triton import collect_into
+
+    g = torch.Generator().manual_seed(2)
+    acc, acc2 = (torch.randn(3, 40, generator=g).to(DEVICE) for _ in range(2))
+    dst = torch.empty(3, 40, device=DEVICE)
+    collect_into(None, acc, dst, acc2)
+    assert torch.equal(dst, acc + acc2)
+    half = torch.empty(3, 40, dtype=torch.bfloat16, device=DEVICE)
+    collect_into(None, acc, half)
+    assert torch.allclose(half.float(), acc, rtol=2 ** -7, atol=0)  # one bf16 rounding
+    with pytest.raises(ValueError, match="contiguous float32"):
+        collect_into(None, acc.bfloat16(), dst)
+
+
 def test_split_refuses_wrong_outputs():
     ids, slot_of = case(1, 4, 8, seed=0)
     with pytest.raises(ValueError, match="int64 counter"):
