@@ -499,7 +499,9 @@ class HybridExperts:
 
     def set_cpu_share(self, share: float, *, int8: bool | None = None, threads: int | None = None) -> None:
         """Hand ``share`` (0 to 1) of each layer's cold routed mass to CPU threads in decode-sized calls
-        (``engine.kernels.host_experts``), the bus carrying the rest; 0 stops handing any. Needs
+        (``engine.kernels.host_experts``), the bus carrying the rest; 0 stops handing any. The staged path
+        (``_staged_moe``) hands the threads that share of each call's cold pairs; the launches apart, the
+        layer's CPU set of experts (``_assign_layer``). Needs
         ``cold_device="gpu"`` and Q4_0 or Q8_0 cold experts held as host blocks. The threads start with
         the first share above 0 (``threads`` of them, else one per core but one). ``int8`` (None: as set)
         picks 8-bit activations for the threads (ggml's Q8_0 rounding of the token rows and the inner
