@@ -110,6 +110,9 @@ class SearchConfig:
     pflash_keep_ratio: tuple[float, float] = (0.05, 0.5)
     pflash: bool = True  # search PFlash when a drafter and long prompts are configured
     pflash_threshold: int | None = None  # compress prompts longer than this; None: engine default
+    # share of the cold experts' pairs CPU threads compute beside the bus (cold_device = "gpu" with quantized
+    # experts); [0, 0] leaves it out of the search
+    cold_cpu_share: tuple[float, float] = (0.0, 0.8)
 
     def __post_init__(self) -> None:
         if self.expert_budget_step_mb < 1:
@@ -125,6 +128,9 @@ class SearchConfig:
         if not 0.0 < lo <= hi <= 1.0:
             raise ValueError(f"pflash_keep_ratio: expected [low, high] with 0 < low <= high <= 1, "
                              f"found [{lo}, {hi}]")
+        lo, hi = self.cold_cpu_share
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"cold_cpu_share: expected [low, high] with 0 <= low <= high <= 1, found [{lo}, {hi}]")
 
 
 @dataclass(frozen=True)
@@ -428,7 +434,8 @@ _SECTIONS: dict[str, tuple[type, dict[str, Reader]]] = {
     "engine": (EngineConfig, {"weights": _str, "experts": _str, "cuda_graph": _bool, "cold_device": _str}),
     "search": (SearchConfig, {
         "expert_budget_step_mb": _int, "expert_budget_max_mb": _live_mb, "spec_len": _int_pair,
-        "pflash_keep_ratio": _float_pair, "pflash": _bool, "pflash_threshold": _auto_int}),
+        "pflash_keep_ratio": _float_pair, "pflash": _bool, "pflash_threshold": _auto_int,
+        "cold_cpu_share": _float_pair}),
     "workload": (WorkloadConfig, {
         "code_prompts": _int, "long_form_prompts": _int, "niah_cases": _int,
         "long_prompt_tokens": _int, "max_new_tokens": _int, "warmup": _int, "repeats": _int,

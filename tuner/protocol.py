@@ -45,6 +45,7 @@ class Measure:
     expert_budget_mb: int | None = None
     spec_len: int | None = None
     pflash_keep_ratio: float | None = None
+    cold_cpu_share: float | None = None  # set before measuring (Engine.set_cold_cpu_share); None: leave at 0
     warmup: int = 1
     repeats: int = 1
     seed: int = 0

@@ -2,7 +2,8 @@
 
 Dimensions appear only where they mean something: the expert budget only with a GPU, the
 draft only with compatible candidates, spec_len only with a draft, PFlash only with a
-compatible drafter and long prompts, its keep ratio only when it is on.
+compatible drafter and long prompts, its keep ratio only when it is on, the cold experts' CPU
+share only with ``cold_device = "gpu"``, quantized experts and a budget that leaves some cold.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ class TrialParams:
     draft: str | None = None  # a candidate's file name
     spec_len: int | None = None
     pflash_keep_ratio: float | None = None
+    cold_cpu_share: float | None = None  # share of the cold pairs CPU threads compute; None: not searched
 
     def __post_init__(self) -> None:
+        if self.cold_cpu_share is not None and not 0.0 <= self.cold_cpu_share <= 1.0:
+            raise ValueError(f"cold_cpu_share {self.cold_cpu_share} is outside [0, 1]")
         if self.spec_len is not None and self.draft is None:
             raise ValueError(f"spec_len {self.spec_len} is set without a draft")
         if self.draft is not None and self.spec_len is None:
@@ -39,6 +43,8 @@ class TrialParams:
             parts.append(f"budget {self.expert_budget_mb} MB")
         parts.append(f"draft {self.draft} x{self.spec_len}" if self.draft else "no draft")
         parts.append(f"pflash {self.pflash_keep_ratio:.3f}" if self.pflash_keep_ratio else "no pflash")
+        if self.cold_cpu_share is not None:
+            parts.append(f"cpu share {self.cold_cpu_share:.2f}")
         return ", ".join(parts)
 
 
@@ -50,6 +56,7 @@ class SearchSpace:
     spec_len: tuple[int, int]
     keep_ratio: tuple[float, float] | None  # None: no PFlash dimension
     full_model_mb: int | None = None  # the budget that holds every expert, when it fits
+    cpu_share: tuple[float, float] | None = None  # None: no CPU-share dimension
 
     def __post_init__(self) -> None:
         if self.budget_max_mb is not None and self.budget_max_mb % self.budget_step_mb:
@@ -80,9 +87,13 @@ class SearchSpace:
         threshold = search.pflash_threshold
         long_enough = threshold is None or config.workload.long_prompt_tokens > threshold
         pflash = search.pflash and drafter_ok and config.workload.has_long_prompts and long_enough
+        share = search.cold_cpu_share
+        cpu_share = share if (hardware.gpu is not None and config.engine.cold_device == "gpu"
+                              and config.engine.experts == "quantized" and share[1] > 0) else None
         return cls(budget_max_mb=budget_max, budget_step_mb=search.expert_budget_step_mb,
                    drafts=tuple(p.name for p in drafts), spec_len=search.spec_len,
-                   keep_ratio=search.pflash_keep_ratio if pflash else None, full_model_mb=full)
+                   keep_ratio=search.pflash_keep_ratio if pflash else None, full_model_mb=full,
+                   cpu_share=cpu_share)
 
     @property
     def is_empty(self) -> bool:
@@ -97,6 +108,10 @@ class SearchSpace:
             if self.budget_max_mb > 0:
                 budget = trial.suggest_int("expert_budget_mb", 0, self.budget_max_mb,
                                            step=self.budget_step_mb)
+        share = None
+        if self.shares_cold(budget):
+            lo, hi = self.cpu_share
+            share = trial.suggest_float("cold_cpu_share", lo, hi) if hi > lo else lo
         draft = spec_len = None
         if self.drafts:
             choice = trial.suggest_categorical("draft", [NO_DRAFT, *self.drafts])
@@ -108,7 +123,13 @@ class SearchSpace:
             if trial.suggest_categorical("pflash", ["off", "on"]) == "on":
                 keep = trial.suggest_float("pflash_keep_ratio", *self.keep_ratio, log=True)
         return TrialParams(expert_budget_mb=budget, draft=draft, spec_len=spec_len,
-                           pflash_keep_ratio=keep)
+                           pflash_keep_ratio=keep, cold_cpu_share=share)
+
+    def shares_cold(self, budget: int | None) -> bool:
+        """Whether a point at ``budget`` has a CPU share to choose: the dimension is on and the
+        budget leaves experts cold (below the full model's, or any budget when that is unknown)."""
+        return (self.cpu_share is not None and budget is not None
+                and (self.full_model_mb is None or budget < self.full_model_mb))
 
     def params_of(self, stored: Mapping[str, Any]) -> TrialParams:
         """The point an Optuna trial's stored params describe."""
@@ -119,7 +140,9 @@ class SearchSpace:
             draft=None if draft == NO_DRAFT else draft,
             spec_len=int(stored["spec_len"]) if draft != NO_DRAFT else None,
             pflash_keep_ratio=(float(stored["pflash_keep_ratio"])
-                               if stored.get("pflash") == "on" else None))
+                               if stored.get("pflash") == "on" else None),
+            cold_cpu_share=(float(stored.get("cold_cpu_share", self.cpu_share[0]))
+                            if self.shares_cold(int(budget) if budget is not None else None) else None))
 
     def to_params(self, p: TrialParams) -> dict[str, Any]:
         """The inverse of ``params_of``: what ``enqueue_trial`` takes."""
@@ -134,6 +157,8 @@ class SearchSpace:
             out["pflash"] = "on" if p.pflash_keep_ratio else "off"
             if p.pflash_keep_ratio:
                 out["pflash_keep_ratio"] = p.pflash_keep_ratio
+        if self.shares_cold(p.expert_budget_mb) and self.cpu_share[1] > self.cpu_share[0]:
+            out["cold_cpu_share"] = p.cold_cpu_share if p.cold_cpu_share is not None else self.cpu_share[0]
         return out
 
     def warm_start(self) -> list[TrialParams]:
@@ -151,7 +176,13 @@ class SearchSpace:
         if self.budget_max_mb:
             half = self.budget_max_mb // 2 // self.budget_step_mb * self.budget_step_mb
             if half != top:
-                points.append(TrialParams(expert_budget_mb=half))
+                if self.shares_cold(half):  # the bus alone, then the middle of the threads' share
+                    lo, hi = self.cpu_share
+                    points += [TrialParams(expert_budget_mb=half, cold_cpu_share=lo)]
+                    if hi > lo:
+                        points.append(TrialParams(expert_budget_mb=half, cold_cpu_share=(lo + hi) / 2))
+                else:
+                    points.append(TrialParams(expert_budget_mb=half))
         return points
 
     def coarse_grid(self, budget_points: int = 4) -> list[TrialParams]:
@@ -171,11 +202,18 @@ class SearchSpace:
         if self.keep_ratio is not None:
             k_lo, k_hi = self.keep_ratio
             keeps += [k_lo, math.sqrt(k_lo * k_hi), k_hi]
-        return [TrialParams(expert_budget_mb=b, draft=d, spec_len=n, pflash_keep_ratio=k)
-                for b in budgets for d, n in drafts for k in keeps]
+        def shares(b: int | None) -> list[float | None]:
+            if not self.shares_cold(b):
+                return [None]
+            lo, hi = self.cpu_share
+            return sorted({lo, (lo + hi) / 2, hi})
+
+        return [TrialParams(expert_budget_mb=b, draft=d, spec_len=n, pflash_keep_ratio=k, cold_cpu_share=s)
+                for b in budgets for s in shares(b) for d, n in drafts for k in keeps]
 
     def describe(self) -> dict[str, Any]:
         """A JSON form stored with the study: resuming with another space is refused."""
         return {"budget_max_mb": self.budget_max_mb, "budget_step_mb": self.budget_step_mb,
                 "drafts": list(self.drafts), "spec_len": list(self.spec_len),
-                "keep_ratio": list(self.keep_ratio) if self.keep_ratio else None}
+                "keep_ratio": list(self.keep_ratio) if self.keep_ratio else None,
+                **({"cpu_share": list(self.cpu_share)} if self.cpu_share else {})}

@@ -203,6 +203,7 @@ class _EngineHost:
         self.engine: Any = None
         self.spec: LoadSpec | None = None
         self.budget_mb: int | None = None
+        self.cpu_share = 0.0  # the loaded engine's cold experts' CPU share
         self.load_s = 0.0
 
     @property
@@ -225,12 +226,21 @@ class _EngineHost:
         self.engine = self._load(spec.target, device=spec.device,
                                  **{k: v for k, v in options.items() if v is not None})
         self.load_s = time.perf_counter() - t0
-        self.spec, self.budget_mb = spec, budget_mb
+        self.spec, self.budget_mb, self.cpu_share = spec, budget_mb, 0.0
         return True
+
+    def share(self, share: float | None) -> None:
+        """Set the cold experts' CPU share (None: 0) where it differs from the engine's, and after a budget
+        change (which places the experts anew)."""
+        share = share or 0.0
+        if share or self.cpu_share:
+            self.engine.set_cold_cpu_share(share)
+        self.cpu_share = share
 
     def measure(self, m: Measure) -> Measured:
         if self.ensure(m.spec, m.expert_budget_mb):
             self._conn.send(Loaded(load_s=self.load_s, device=self.device))
+        self.share(m.cold_cpu_share)
         if m.hang_s > 0:
             time.sleep(m.hang_s)
         tok = self.engine.tokenizer

@@ -59,13 +59,14 @@ class FakeEngine:
         self.draft = draft
         self.drafter = drafter
         self.budget_mb = 0
+        self.cpu_share = 0.0
         self.set_expert_budget(budget_mb or 0)
 
     @classmethod
     def from_gguf(cls, path: str | Path, *, device: str = "auto", dtype: str | None = None,
                   threads: int | None = None, expert_budget_mb: int | None = None,
                   draft: str | None = None, drafter: str | None = None,
-                  pflash_threshold: int | None = None) -> "FakeEngine":
+                  pflash_threshold: int | None = None, **options: Any) -> "FakeEngine":
         sidecar = Path(f"{path}.fake.json")
         behaviour = json.loads(sidecar.read_text()) if sidecar.exists() else {}
         if behaviour.get("crash_on_load"):
@@ -81,6 +82,9 @@ class FakeEngine:
             raise OutOfMemoryError(f"CUDA out of memory: tried to place {mb} MB of experts")
         self.budget_mb = mb
 
+    def set_cold_cpu_share(self, share: float) -> None:
+        self.cpu_share = share
+
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop: Any = None,
                  ignore_eos: bool = False, spec_len: int | None = None, pflash_keep_ratio: float | None = None) -> Generation:
@@ -93,6 +97,7 @@ class FakeEngine:
             new[-1] = (new[-1] + 1) % vocab
         ms = float(self.behaviour.get("ms_per_token", 2.0))
         ms /= 1.0 + self.budget_mb / 1024.0
+        ms *= 1.0 - 0.3 * self.cpu_share  # CPU threads beside the bus: faster cold experts
         if spec_len and self.draft:
             ms /= 1.0 + 0.1 * spec_len
         prompt = len(ids) * (pflash_keep_ratio or 1.0)
@@ -102,7 +107,8 @@ class FakeEngine:
         timings = Timings(prompt_tokens=len(ids), new_tokens=max_new_tokens, prefill_s=prefill_s,
                           decode_s=decode_s, decode_tok_s=(max_new_tokens - 1) / decode_s,
                           peak_mem_mb=100.0 + self.budget_mb,
-                          extra={"acceptance_length": 1.0 + spec_len / 2} if spec_len else {})
+                          extra={**({"acceptance_length": 1.0 + spec_len / 2} if spec_len else {}),
+                                 **({"cold_cpu_share": self.cpu_share} if self.cpu_share else {})})
         return Generation(ids=new, text=self.tokenizer.decode(new), timings=timings,
                           stop_reason="length")
 

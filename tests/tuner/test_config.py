@@ -48,6 +48,7 @@ def test_minimal_config_takes_defaults(tmp_path):
     ("[search]\nspec_len = [8, 2]\n", r"search\.spec_len: expected \[low, high\] with 1 <= low <= high, found \[8, 2\]"),
     ("[search]\nspec_len = 4\n", r"search\.spec_len: expected \[low, high\], two integers, found 4"),
     ("[search]\npflash_keep_ratio = [0.0, 0.5]\n", r"search\.pflash_keep_ratio: .*0 < low"),
+    ("[search]\ncold_cpu_share = [0.5, 1.2]\n", r"search\.cold_cpu_share: .*0 <= low <= high <= 1"),
     ("[hardware]\nvram_cap_mb = \"lots\"\n", r"hardware\.vram_cap_mb: expected \"live\" or a whole number of MB, found 'lots'"),
     ("[hardware]\ndevice = \"tpu\"\n", r"hardware\.device: expected one of auto, cpu, cuda, cuda:N, found 'tpu'"),
     ("[hardware]\nthreads = 0\n", r"hardware\.threads: expected at least 1"),

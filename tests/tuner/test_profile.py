@@ -75,16 +75,18 @@ def test_torn_and_tampered_profiles_are_refused(tmp_path, profile):
 
 
 def test_engine_formats_and_graph_travel_to_the_load(tmp_path, profile):
-    """The config's [engine] settings are load options of the published profile."""
+    """The config's [engine] settings and the searched CPU share are load options of the published profile."""
     from dataclasses import replace
 
     p = replace(profile, engine=dict(profile.engine, weights="quantized", cold_format="quantized",
-                                     hot_format="quantized", cuda_graph=True))
+                                     hot_format="quantized", cuda_graph=True, cold_device="gpu",
+                                     cold_cpu_share=0.45))
     path = tmp_path / "p.toml"
     write_profile(path, p)
     loaded = load_profile(path)
     assert loaded.load_options() == {"device": "cpu", "expert_budget_mb": 2048, "weights": "quantized",
                                      "cold_format": "quantized", "hot_format": "quantized", "cuda_graph": True,
+                                     "cold_device": "gpu", "cold_cpu_share": 0.45,
                                      "draft": profile.models["draft"].path}
 
 
@@ -102,3 +104,25 @@ def test_the_version_falls_back_to_the_source_tree(monkeypatch):
 
     expected = tomllib.loads((Path(publish.__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert publish.luce_tune_version() == expected["project"]["version"] + "+source"
+
+
+def test_the_searched_cpu_share_is_published(tmp_path):
+    """A winner's CPU share of the cold experts lands in the profile's engine settings beside the config's
+    [engine] ones, and is a load option at boot."""
+    from tuner.config import load_config
+    from tuner.publish import build_profile
+    from tuner.space import TrialParams
+
+    target = tmp_path / "t.gguf"
+    target.write_bytes(os.urandom(100))
+    (tmp_path / "appliance.toml").write_text('[models]\ntarget = "t.gguf"\ndrafts = []\ndrafter = ""\n'
+                                             '[engine]\nexperts = "quantized"\ncold_device = "gpu"\n'
+                                             '[study]\ntrials = 2\n[publish]\nprofile = "p.toml"\n')
+    cfg = load_config(tmp_path / "appliance.toml")
+    files = {"target": {"path": str(target), "size": 100, "sha256": "0" * 64}}
+    p = build_profile(cfg, files, 2, TrialParams(expert_budget_mb=1024, cold_cpu_share=0.45), {}, "cuda",
+                      FINGERPRINT)
+    assert p.engine["cold_cpu_share"] == 0.45 and p.engine["cold_device"] == "gpu"
+    assert p.load_options()["cold_cpu_share"] == 0.45 and p.load_options()["expert_budget_mb"] == 1024
+    bare = build_profile(cfg, files, 2, TrialParams(expert_budget_mb=1024), {}, "cuda", FINGERPRINT)
+    assert "cold_cpu_share" not in bare.engine

@@ -155,3 +155,51 @@ def test_the_budget_bound_is_the_experts_size_as_the_engine_holds_them(tmp_path)
     assert bf16 == experts_mb(q4, experts="dense", dtype="bfloat16", gpu=True)
     assert abs(f32 - 2 * bf16) <= 1
     assert f32 >= 5 * blocks and blocks <= q4.stat().st_size / 2**20 < bf16  # dequantized experts outgrow the file
+
+
+def test_cold_cpu_share_is_searched_only_where_experts_are_cold_on_the_bus(tmp_path):
+    """The CPU share of the cold experts is a dimension only with a GPU, ``cold_device = "gpu"`` and quantized
+    experts, and in a point only where its budget leaves experts cold; warm start tries the bus alone and the
+    middle share at half the budget; the coarse grid three shares below the full budget; every point
+    round-trips through Optuna's parameters; a space without it describes itself as before."""
+    gpu = "[engine]\ncold_device = \"gpu\"\nexperts = \"quantized\"\n"
+    space = SearchSpace.build(_config(tmp_path, gpu), H200, drafts=(), drafter_ok=False, experts_mb=2000)
+    assert space.cpu_share == (0.0, 0.8) and space.full_model_mb == 2048
+    seen = []
+    for p, params in _sample(space, 60):
+        if p.expert_budget_mb < 2048:
+            assert 0.0 <= p.cold_cpu_share <= 0.8 and params["cold_cpu_share"] == p.cold_cpu_share
+            seen.append(p.cold_cpu_share)
+        else:
+            assert p.cold_cpu_share is None and "cold_cpu_share" not in params
+        assert space.params_of(params) == p
+    assert len(seen) > 10 and max(seen) - min(seen) > 0.3
+    points = space.warm_start()
+    assert points == [TrialParams(expert_budget_mb=2048), TrialParams(expert_budget_mb=1024, cold_cpu_share=0.0),
+                      TrialParams(expert_budget_mb=1024, cold_cpu_share=0.4)]
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    for p in points:
+        study.enqueue_trial(space.to_params(p))
+    for p in points:
+        trial = study.ask()
+        assert space.suggest(trial) == p
+        study.tell(trial, [1.0, 1.0])
+    grid = space.coarse_grid(budget_points=3)
+    assert {(p.expert_budget_mb, p.cold_cpu_share) for p in grid} == {
+        (0, 0.0), (0, 0.4), (0, 0.8), (1024, 0.0), (1024, 0.4), (1024, 0.8), (2048, None)}
+    for p in grid:
+        assert space.params_of(space.to_params(p)) == p
+    assert "cpu_share" in space.describe() and space.describe()["cpu_share"] == [0.0, 0.8]
+    for extra, hardware in (("", H200), (gpu, CPU_ONLY), ("[engine]\ncold_device = \"gpu\"\n", H200),
+                            (gpu + "[search]\ncold_cpu_share = [0.0, 0.0]\n", H200)):
+        off = SearchSpace.build(_config(tmp_path, extra), hardware, drafts=(), drafter_ok=False, experts_mb=2000)
+        assert off.cpu_share is None and "cpu_share" not in off.describe()
+        assert all(p.cold_cpu_share is None for p, _ in _sample(off, 5))
+    fixed = SearchSpace.build(_config(tmp_path, gpu + "[search]\ncold_cpu_share = [0.5, 0.5]\n"), H200, drafts=(),
+                              drafter_ok=False, experts_mb=2000)
+    for p, params in _sample(fixed, 10):
+        assert "cold_cpu_share" not in params
+        assert p.cold_cpu_share == (0.5 if p.expert_budget_mb < 2048 else None)
+        assert fixed.params_of(params) == p
+    with pytest.raises(ValueError, match="cold_cpu_share 1.5 is outside"):
+        TrialParams(cold_cpu_share=1.5)

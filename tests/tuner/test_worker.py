@@ -96,3 +96,32 @@ def test_engine_options_reach_the_loader():
     assert seen == [("t.gguf", {"device": "auto", "expert_budget_mb": 512, "cold_format": "quantized",
                                 "cuda_graph": True, "hot_format": "quantized"})]
     assert host.ensure(LoadSpec(target="t.gguf"), 512) and seen[-1][1] == {"device": "auto", "expert_budget_mb": 512}
+
+
+def test_the_cold_cpu_share_is_set_before_measuring_and_put_back_after():
+    """A Measure's CPU share reaches the engine before its generations, again after each (a budget change
+    places the experts anew), and 0 once a Measure carries none; a fresh load starts from 0."""
+    from types import SimpleNamespace
+
+    from tuner.worker import _EngineHost
+
+    calls = []
+    engine = SimpleNamespace(device="cpu", set_cold_cpu_share=calls.append)
+    host = _EngineHost(lambda path, **kw: engine, SimpleNamespace(send=lambda message: None))
+    host.ensure(LoadSpec(target="t.gguf"), 512)
+    host.share(None)
+    assert calls == []
+    host.share(0.5)
+    host.share(0.5)
+    host.share(None)
+    host.share(None)
+    assert calls == [0.5, 0.5, 0.0]
+
+
+def test_the_cold_cpu_share_reaches_the_worker_engine(target):
+    spec = LoadSpec(target=target())
+    with EngineWorker(FAKE) as w:
+        m = w.request(Measure(spec=spec, jobs=JOBS, cold_cpu_share=0.5), timeout_s=30, load_timeout_s=60)
+        assert all(o.timings["cold_cpu_share"] == 0.5 for o in m.outputs)
+        m = w.request(Measure(spec=spec, jobs=JOBS), timeout_s=30, load_timeout_s=60)
+        assert all("cold_cpu_share" not in o.timings for o in m.outputs)
