@@ -63,17 +63,21 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int32) if flat.shape[1] % 4 == 0 else flat
 
 
-def gather_experts(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
-    """``dst[p] = src[ids[p]]`` for every ``p`` with ``ids[p] >= 0`` (``dst[p]`` untouched otherwise): src
-    [E, ...] (a mapped view of host memory, or any device tensor), dst [P', ...] of its dtype and expert
-    shape with P' >= len(ids), both contiguous; ids [P] int on dst's device."""
-    check_device(dst, "gather_experts")
+def _check(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, what: str) -> None:
+    check_device(dst, what)
     if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:] or not (src.is_contiguous() and dst.is_contiguous()):
-        raise ValueError(f"gather_experts copies experts of one dtype and shape between contiguous stacks, got "
+        raise ValueError(f"{what} copies experts of one dtype and shape between contiguous stacks, got "
                          f"{src.dtype} {tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
     if ids.dim() != 1 or ids.shape[0] > dst.shape[0] or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be an int vector of at most {dst.shape[0]} pairs, got {ids.dtype} "
                          f"{tuple(ids.shape)}")
+
+
+def gather_experts(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
+    """``dst[p] = src[ids[p]]`` for every ``p`` with ``ids[p] >= 0`` (``dst[p]`` untouched otherwise): src
+    [E, ...] (a mapped view of host memory, or any device tensor), dst [P', ...] of its dtype and expert
+    shape with P' >= len(ids), both contiguous; ids [P] int on dst's device."""
+    _check(src, dst, ids, "gather_experts")
     if ids.numel() == 0:
         return
     s, d = _words(src), _words(dst)
@@ -87,14 +91,7 @@ def gather_stacks(srcs: tuple[torch.Tensor, ...], dsts: tuple[torch.Tensor, ...]
     if len(srcs) != 3 or len(dsts) != 3:
         raise ValueError(f"gather_stacks copies three stacks, got {len(srcs)} and {len(dsts)}")
     for src, dst in zip(srcs, dsts):
-        check_device(dst, "gather_stacks")
-        if (src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]
-                or not (src.is_contiguous() and dst.is_contiguous())):
-            raise ValueError(f"gather_stacks copies experts of one dtype and shape between contiguous stacks, got "
-                             f"{src.dtype} {tuple(src.shape)} and {dst.dtype} {tuple(dst.shape)}")
-        if ids.dim() != 1 or ids.shape[0] > dst.shape[0] or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"ids must be an int vector of at most {dst.shape[0]} pairs, got {ids.dtype} "
-                             f"{tuple(ids.shape)}")
+        _check(src, dst, ids, "gather_stacks")
     if ids.numel() == 0:
         return
     views = [(_words(s), _words(d)) for s, d in zip(srcs, dsts)]

@@ -63,8 +63,9 @@ def _publish_kernel(mb_i, mb_f, seq_ptr, x_ptr, ids_ptr, w_ptr, mine_ptr, layer,
 
 
 @triton.jit
-def _collect_kernel(reply_i, reply_f, seq_ptr, out_ptr, N, SPINS: tl.constexpr, REPLY_HEADER: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def _wait_reply(reply_i, seq_ptr, SPINS: tl.constexpr):
+    """Acquire loads of the reply's number until it is the last one published, at most ``SPINS``; past
+    them the reply's status marks a timeout (the host's check raises; this call's sum is not the threads')."""
     s = tl.load(seq_ptr)
     d = _load_acquire_sys(reply_i)
     i = 0
@@ -72,7 +73,13 @@ def _collect_kernel(reply_i, reply_f, seq_ptr, out_ptr, N, SPINS: tl.constexpr, 
         d = _load_acquire_sys(reply_i)
         i += 1
     if d != s:
-        tl.store(reply_i + 1, -1)  # the host's check raises; the output of this call is not the threads'
+        tl.store(reply_i + 1, -1)
+
+
+@triton.jit
+def _collect_kernel(reply_i, reply_f, seq_ptr, out_ptr, N, SPINS: tl.constexpr, REPLY_HEADER: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    _wait_reply(reply_i, seq_ptr, SPINS)
     for off in range(0, N, BLOCK):
         o = off + tl.arange(0, BLOCK)
         m = o < N
@@ -91,14 +98,7 @@ def _collect_into_kernel(reply_i, reply_f, seq_ptr, pending_ptr, acc_ptr, acc2_p
     else:
         pending = 0
     if pending != 0:
-        s = tl.load(seq_ptr)
-        d = _load_acquire_sys(reply_i)
-        i = 0
-        while (d != s) & (i < SPINS):
-            d = _load_acquire_sys(reply_i)
-            i += 1
-        if d != s:
-            tl.store(reply_i + 1, -1)  # the host's check raises; the output of this call is not the threads'
+        _wait_reply(reply_i, seq_ptr, SPINS)
     for off in range(0, N, BLOCK):
         o = off + tl.arange(0, BLOCK)
         m = o < N

@@ -42,6 +42,17 @@ def _sample(space, n=40, seed=0):
     return points
 
 
+def _assert_enqueued_as_given(space, points):
+    """Enqueued through ``to_params``, each point comes back from ``suggest`` as it was."""
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    for p in points:
+        study.enqueue_trial(space.to_params(p))
+    for p in points:
+        trial = study.ask()
+        assert space.suggest(trial) == p
+        study.tell(trial, [1.0, 1.0])
+
+
 def test_cpu_only_without_draft_or_drafter_has_no_dimension(tmp_path):
     space = SearchSpace.build(_config(tmp_path), CPU_ONLY, drafts=(), drafter_ok=False, experts_mb=100)
     assert space.budget_max_mb is None and space.drafts == () and space.keep_ratio is None
@@ -107,13 +118,7 @@ def test_warm_start_points_are_enqueued_as_given(tmp_path):
     assert points[1] == TrialParams(expert_budget_mb=2048, draft="luce-draft.gguf", spec_len=5)
     assert points[2].pflash_keep_ratio == pytest.approx((0.05 * 0.5) ** 0.5)
     assert points[3] == TrialParams(expert_budget_mb=1024)
-    study = optuna.create_study(directions=["maximize", "minimize"])
-    for p in points:
-        study.enqueue_trial(space.to_params(p))
-    for p in points:
-        trial = study.ask()
-        assert space.suggest(trial) == p
-        study.tell(trial, [1.0, 1.0])
+    _assert_enqueued_as_given(space, points)
 
 
 def test_trial_params_refuse_inconsistent_points():
@@ -177,13 +182,7 @@ def test_cold_cpu_share_is_searched_only_where_experts_are_cold_on_the_bus(tmp_p
     points = space.warm_start()
     assert points == [TrialParams(expert_budget_mb=2048), TrialParams(expert_budget_mb=1024, cold_cpu_share=0.0),
                       TrialParams(expert_budget_mb=1024, cold_cpu_share=0.4)]
-    study = optuna.create_study(directions=["maximize", "minimize"])
-    for p in points:
-        study.enqueue_trial(space.to_params(p))
-    for p in points:
-        trial = study.ask()
-        assert space.suggest(trial) == p
-        study.tell(trial, [1.0, 1.0])
+    _assert_enqueued_as_given(space, points)
     grid = space.coarse_grid(budget_points=3)
     assert {(p.expert_budget_mb, p.cold_cpu_share) for p in grid} == {
         (0, 0.0), (0, 0.4), (0, 0.8), (1024, 0.0), (1024, 0.4), (1024, 0.8), (2048, None)}

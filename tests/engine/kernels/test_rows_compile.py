@@ -316,3 +316,27 @@ def test_word_gate_up_waits_before_the_down_launch_may_start(wait_first, tmp_pat
     (wait,) = [i for i, line in enumerate(lines) if "ACQBULK" in line]
     (launch,) = [i for i, line in enumerate(lines) if re.search(r"\bPREEXIT\b", line)]
     assert (wait < launch) == wait_first
+
+
+@pytest.mark.parametrize("name, module, types, consts", [
+    ("_collect_into_kernel", "engine.kernels.host_share_triton",
+     {"reply_i": "*i32", "reply_f": "*fp32", "seq_ptr": "*i32", "pending_ptr": "*i32", "acc_ptr": "*fp32",
+      "acc2_ptr": "*fp32", "dst_ptr": "*bf16"},
+     {"N": 2048, "SPINS": 1 << 24, "REPLY_HEADER": 16, "BLOCK": 1024, "POOL": True, "TWO": True}),
+    ("_collect_kernel", "engine.kernels.host_share_triton",
+     {"reply_i": "*i32", "reply_f": "*fp32", "seq_ptr": "*i32", "out_ptr": "*fp32"},
+     {"SPINS": 1 << 24, "REPLY_HEADER": 16, "BLOCK": 1024}),
+    ("_split_kernel", "engine.kernels.hybrid_split",
+     {"ids_ptr": "*i64", "slot_ptr": "*i64", "codes_ptr": "*i32", "stage_codes_ptr": "*i32", "stage_ptr": "*i32",
+      "hits_ptr": "*i64", "pending_ptr": "*i32", "mb_i": "*i32", "mb_f": "*fp32", "seq_ptr": "*i32", "x_ptr": "*bf16",
+      "w_ptr": "*fp32", "share": "fp32"},
+     {"P": 8, "K": 8, "MAX_PAIRS": 128, "HEADER": 32, "BLOCK_P": 16, "BLOCK": 1024, "PUBLISH": True, "APART": True}),
+], ids=["collect_into", "collect", "split_publish"])
+def test_host_share_launches_compile_with_system_scope_accesses(name, module, types, consts, tmp_path):
+    """The launches that talk to the CPU threads build for sm_90 (they run only on CUDA): the wait's acquire
+    loads and the publication's fence and release store at system scope, in the PTX."""
+    out = _sass(name, types, consts, 4, tmp_path, module=module, ptx=True)
+    if name == "_split_kernel":
+        assert "fence.sc.sys" in out and "st.release.sys" in out
+    else:
+        assert "ld.acquire.sys" in out
