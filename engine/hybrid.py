@@ -631,9 +631,9 @@ class HybridExperts:
         the CPU threads (and the threads' job published: ``engine.kernels.hybrid_split``), the bus's experts
         copied into the stage stacks (``gather_stacks``), the experts' launches over slots and stage with the
         shared expert riding along, and the sums (with a CPU share, the threads' too) added by one launch
-        (``collect_into``). On CUDA the copies and the stage's expert launches run on a second stream while
-        the slots' run on this one (``LUCE_TUNE_HYBRID_OVERLAP=0``: one stream, one pair of expert launches
-        over slots and stage together). None where it does not apply (then ``__call__`` and the caller's
+        (``collect_into``). With a CPU share (CUDA) the copies and the stage's expert launches run on a second
+        stream while the slots' run on this one (``LUCE_TUNE_HYBRID_OVERLAP=0``, and without threads: one
+        stream, one pair of expert launches over slots and stage together). None where it does not apply (then ``__call__`` and the caller's
         shared expert: about 30 launches a layer); ``LUCE_TUNE_HYBRID_STAGED=0`` switches it off."""
         layer = self._layers[layer_idx]
         T, k = ids.shape
@@ -668,9 +668,10 @@ class HybridExperts:
         stage_ids = torch.empty(T * k, dtype=torch.int32, device=x.device)
         stacks = tuple(b[:T * k] for b in buffers)
         args = (shared.gate_up, shared.down, shared.gate_inp)
-        if x.is_cuda and os.environ.get(OVERLAP_ENV, "1") != "0":
+        if pool is not None and os.environ.get(OVERLAP_ENV, "1") != "0":
             # the bus's copies and their experts on a second stream while the hot pairs and the shared
-            # expert run on this one (a graph captures the fork and the join)
+            # expert run on this one (a graph captures the fork and the join); with no threads to wait
+            # for, one stream measured faster (docs/benchmarks.md, 2026-12-04 fourth round)
             stage_codes = torch.empty((T, k), dtype=torch.int32, device=x.device)
             split_pairs(ids, layer.slot_of, self._hot_hits[layer_idx:layer_idx + 1], codes, stage_ids, share=pool,
                         fraction=self.cpu_share, layer=layer_idx, x=x, w=w, stage_codes=stage_codes)
