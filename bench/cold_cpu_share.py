@@ -85,7 +85,8 @@ def main() -> None:
                "same_tokens_as_first": same,
                "cpu_jobs": eng.hybrid._host_share.jobs if eng.hybrid._host_share else 0,
                "cold_hit_rate": out.timings.extra.get("cold_hit_rate"), "peak_mem_mb": out.timings.peak_mem_mb,
-               "decode_path": out.timings.extra.get("decode_path"), "warm_up_path": warm.timings.extra.get("decode_path")}
+               "decode_path": out.timings.extra.get("decode_path"),
+               "warm_up_path": warm.timings.extra.get("decode_path")}
         rows.append(row)
         step_ms = 1e3 / statistics.median(rates)
         print(f"share {share:.2f} {act if share else '':7s} {row['threads']:2d} threads: decode "

@@ -633,8 +633,9 @@ class HybridExperts:
         shared expert riding along, and the sums (with a CPU share, the threads' too) added by one launch
         (``collect_into``). With a CPU share (CUDA) the copies and the stage's expert launches run on a second
         stream while the slots' run on this one (``LUCE_TUNE_HYBRID_OVERLAP=0``, and without threads: one
-        stream, one pair of expert launches over slots and stage together). None where it does not apply (then ``__call__`` and the caller's
-        shared expert: about 30 launches a layer); ``LUCE_TUNE_HYBRID_STAGED=0`` switches it off."""
+        stream, one pair of expert launches over slots and stage together). None where it does not apply
+        (then ``__call__`` and the caller's shared expert: about 30 launches a layer);
+        ``LUCE_TUNE_HYBRID_STAGED=0`` switches it off."""
         layer = self._layers[layer_idx]
         T, k = ids.shape
         if (self.impl != "triton" or self.cold_device != "gpu" or not (x.is_cuda or COLD_GATHER) or not layer.n_hot
@@ -643,6 +644,9 @@ class HybridExperts:
                 or not isinstance(layer.slot_experts[0], QuantExperts)
                 or not isinstance(shared.gate_up, QuantMatrix) or not isinstance(shared.down, QuantMatrix)):
             return None
+        from engine.kernels.gather import gather_stacks
+        from engine.kernels.host_share_triton import collect_into
+        from engine.kernels.hybrid_split import split_pairs
         from engine.kernels.quant.triton import QuantKernelConfig, quantized_moe_triton, shared_fits
         from engine.kernels.quant.words import stage_fits
 
@@ -656,11 +660,6 @@ class HybridExperts:
         stage = layer.host.as_experts(tuple(b[:T * k] for b in buffers))
         if not all(isinstance(st, QuantExperts) and stage_fits(sl, st) for sl, st in zip(layer.slot_experts, stage)):
             return None
-        from engine.kernels.gather import gather_stacks
-        from engine.kernels.hybrid_split import split_pairs
-
-        from engine.kernels.host_share_triton import collect_into
-
         pool = self._host_share if self.cpu_share and self._host_share is not None and x.is_cuda else None
         pool = pool if pool is not None and pool.fits(T, k) else None
         self._host_pairs[layer_idx] += ids.numel()

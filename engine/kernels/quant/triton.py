@@ -1023,6 +1023,6 @@ def quantized_moe_triton(x: torch.Tensor, gate: QuantExperts, up: QuantExperts, 
         act, down.raw, ids, w, out, sd_raw, sgate, t_d, down.n, n_routed, down.k, top_k,
         act.stride(0), down.raw.stride(0), down.raw.stride(1), out.stride(0), sd_stride,
         QTYPE=_CODE[down.qtype], BLOCK_N=bn, BLOCK_K=bk, BLOCKWISE=_blockwise(down.qtype, bk),
-        SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, HAS_STAGE=stage is not None, num_warps=c_down.gemv_num_warps,
-        **launch(x.device, T, "experts"))
+        SPLIT_AT=down.split_at, HAS_SHARED=shared is not None, HAS_STAGE=stage is not None,
+        num_warps=c_down.gemv_num_warps, **launch(x.device, T, "experts"))
     return out
