@@ -2,7 +2,8 @@
 
     python bench/cold_cpu_share.py --model /tmp/q35.gguf [--budget-mb 8640] [--shares 0,0.25,0.4,0.5]
                                    [--activations int8,float32] [--threads 15,12] [--new-tokens 128] [--repeats 3]
-                                   [--timeline] [--json out.json]
+                                   [--timeline] [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_CHUNK1=16"]
+                                   [--json out.json]
 
 One engine (Q4_0 projections and experts, cold experts in pinned host memory read by the GPU, decoding
 from the captured step); for each share, ``Engine.set_cold_cpu_share`` re-splits every layer's cold
@@ -16,13 +17,15 @@ rounding, 8-bit activations a little more, so they usually agree; a difference i
 with ``LUCE_TUNE_HOST_EXPERTS_CFLAGS=-DLT_STATS=1`` each row also reports the threads' own time a layer's
 job (from the first thread's look to the reply) over the timed generations, and ``--timeline`` prints
 each row's captured step as kernels in device order (``bench/profile_decode.py``'s): the collect launch's
-time is the device's wait for the threads.
+time is the device's wait for the threads. ``--cflags`` repeats the rows with threads per build of the pool
+(``;`` between builds, as ``LUCE_TUNE_HOST_EXPERTS_CFLAGS`` takes them), restarting the threads for each.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import commit, machine, spread  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.kernels.host_experts import CFLAGS_ENV  # noqa: E402
 
 
 def main() -> None:
@@ -46,6 +50,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt", default="def fibonacci(n):")
+    ap.add_argument("--cflags", default=None, help="builds of the pool for the rows with threads, ';' between them")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     shares = [float(s) for s in args.shares.split(",")]
@@ -58,9 +63,15 @@ def main() -> None:
     rows, first = [], None
     acts = args.activations.split(",")
     counts = [int(t) for t in args.threads.split(",") if t] or [None]
-    runs = [(share, act, None) for share in shares if not share for act in acts[:1]]  # no threads: one row
-    runs += [(share, act, n) for n in counts for act in acts for share in shares if share]
-    for share, act, n in runs:
+    builds = args.cflags.split(";") if args.cflags is not None else [os.environ.get(CFLAGS_ENV, "")]
+    runs = [(share, act, None, builds[0]) for share in shares if not share for act in acts[:1]]  # no threads: one row
+    runs += [(share, act, n, b) for b in builds for n in counts for act in acts for share in shares if share]
+    for share, act, n, build in runs:
+        if build != os.environ.get(CFLAGS_ENV, "") and eng.hybrid._host_share is not None:
+            eng.set_cold_cpu_share(0.0)  # the threads restart with the next share, built with these flags
+            eng.hybrid._host_share.close()
+            eng.hybrid._host_share = None
+        os.environ[CFLAGS_ENV] = build
         eng.set_cold_cpu_share(share, int8=act == "int8", threads=n)
         warm = eng.generate(ids, 16, ignore_eos=True)
         pool = eng.hybrid._host_share
@@ -80,6 +91,7 @@ def main() -> None:
         first = first if first is not None else out.ids
         same = out.ids == first
         row = {"share": share, "activations": act if share else None, "threads": pool.threads if share else 0,
+               "cflags": build if share else None,
                "decode_tok_s": spread(rates), "runs": rates, "pool_job_us": job_us,
                "prefill_tokens": args.prefill, "prefill_tok_s": prefill,
                "same_tokens_as_first": same,
@@ -89,7 +101,8 @@ def main() -> None:
                "warm_up_path": warm.timings.extra.get("decode_path")}
         rows.append(row)
         step_ms = 1e3 / statistics.median(rates)
-        print(f"share {share:.2f} {act if share else '':7s} {row['threads']:2d} threads: decode "
+        print((f"[{build}] " if share and len(builds) > 1 else "")
+              + f"share {share:.2f} {act if share else '':7s} {row['threads']:2d} threads: decode "
               f"{statistics.median(rates):7.1f} tok/s [{min(rates):.1f}-{max(rates):.1f}] ({row['decode_path']}), "
               f"step {step_ms:.2f} ms, same tokens as the first row: {same}, peak {out.timings.peak_mem_mb:,.0f} MB, "
               f"CPU jobs so far {row['cpu_jobs']:,}"

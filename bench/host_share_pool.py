@@ -3,21 +3,25 @@ gate/up [512, 2048], down [2048, 512], split layout), the mailbox written and re
 CPU device, per thread count; GB/s of expert blocks read per job.
 
     python bench/host_share_pool.py [--threads 1,8,15] [--pairs 2,4,8] [--jobs 200] [--pinned]
-        [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_PIN=1"]
+        [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_PIN=1"] [--bus] [--json out.json]
 
 Each job picks new random experts among 128 per layer over 40 layers (5.1 GB of blocks, far over the
 caches), as decode does. Median of ``--jobs`` jobs after 20 warm-up jobs; the Python side's write and
 wait (a few microseconds) are inside the time. ``--cflags`` builds the pool once per variant (``;``
 between them); a build with ``-DLT_STATS=1`` also reports the pool's own time a job (from the first
 thread's look at the mailbox to its reply) and the threads' mean time in gate/up, in the wait after
-it and in down, with the slowest thread's gate/up.
+it and in down, with the slowest thread's gate/up. ``--bus`` keeps host -> device copies of 256 MiB of
+other pinned memory running the whole time (needs CUDA), as the bus's share reads beside the threads in the
+half-cold step.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +30,7 @@ from gguf import GGMLQuantizationType as Q
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import commit, machine  # noqa: E402
 from engine.kernels.host_experts import HostShare  # noqa: E402
 
 H, FFN, E, LAYERS, K = 2048, 512, 128, 40, 8
@@ -39,8 +44,14 @@ def main() -> None:
     ap.add_argument("--pinned", action="store_true", help="pinned host memory, as the cold tier holds it (needs CUDA)")
     ap.add_argument("--cflags", default="", help="build variants of the pool, separated by ';'")
     ap.add_argument("--activations", default="float32", help="float32, int8 or both (comma-separated)")
+    ap.add_argument("--bus", action="store_true", help="host -> device copies running beside the threads (needs CUDA)")
+    ap.add_argument("--json", type=Path, default=None, help="the rows, for scripts that pick a build")
     args = ap.parse_args()
+    rows = []
     g = torch.Generator().manual_seed(0)
+    stop_bus = threading.Event()
+    if args.bus:
+        threading.Thread(target=bus_copies, args=(stop_bus,), daemon=True).start()
     rb_in, rb_down = H // 32 * 18, FFN // 32 * 18
 
     def stack(rows, rb):
@@ -74,14 +85,35 @@ def main() -> None:
             line = (f"[{cflags or 'default'}] {act} threads {threads:2d} (simd {share.simd}), {pairs} pairs: "
                     f"{med * 1e6:8.1f} us a job, {pairs * per_pair / med / 1e9:6.1f} GB/s")
             stats = share.stats()
+            row = {"cflags": cflags, "activations": act, "threads": threads, "pairs": pairs, "job_us": med * 1e6}
             if stats is not None:
-                line += phases(before, stats, pairs * per_pair)
+                line += phases(before, stats, pairs * per_pair, row)
+            rows.append(row)
             print(line, flush=True)
         share.close()
+    stop_bus.set()
+    if args.json is not None:
+        args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "bus": args.bus, "rows": rows},
+                                        indent=1))
 
 
-def phases(before: dict, after: dict, nbytes: int) -> str:
-    """The pool's own time a job and its phases over the jobs between two ``HostShare.stats()``."""
+def bus_copies(stop: threading.Event) -> None:
+    """Host -> device copies of 256 MiB of pinned memory back to back on a stream of their own until ``stop``;
+    prints their rate when stopped."""
+    src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    stream, n, t0 = torch.cuda.Stream(), 0, time.perf_counter()
+    with torch.cuda.stream(stream):
+        while not stop.is_set():
+            dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+            n += 1
+    print(f"bus copies beside the threads: {n * src.numel() / (time.perf_counter() - t0) / 1e9:.1f} GB/s", flush=True)
+
+
+def phases(before: dict, after: dict, nbytes: int, row: dict) -> str:
+    """The pool's own time a job and its phases over the jobs between two ``HostShare.stats()`` (also into
+    ``row``)."""
     jobs = after["jobs"] - before["jobs"]
 
     def mean(get) -> float:
@@ -90,6 +122,7 @@ def phases(before: dict, after: dict, nbytes: int) -> str:
     job = mean(lambda s: s["job_us"])
     per = [[mean(lambda s, i=i, j=j: s["threads"][i][j]) for j in range(3)] for i in range(len(after["threads"]))]
     avg = [statistics.mean(t[j] for t in per) for j in range(3)]
+    row.update(pool_us=job, gate_up_us=avg[0], wait_us=avg[1], down_us=avg[2])
     return (f" | pool {job:7.1f} us ({nbytes / job / 1e3:5.1f} GB/s): gate/up {avg[0]:6.1f} (slowest "
             f"{max(t[0] for t in per):6.1f}), wait {avg[1]:6.1f}, down {avg[2]:6.1f}")
 

@@ -58,6 +58,10 @@
                        the pinned copies sit in 4 KiB pages, at whose edges the hardware's prefetchers stop */
 #endif
 
+#ifndef LT_PF8
+#define LT_PF8 0  /* the same for the 8-bit loop (vpdpbusd), a group of 16 blocks at a time (0: none) */
+#endif
+
 #ifndef LT_STATS
 #define LT_STATS 0  /* 1: time each job's phases per thread (lt_stats), for the benchmarks */
 #endif
@@ -92,8 +96,6 @@ typedef struct {
     matrix_t *mats;  /* [nlayers * 3]: gate, up, down */
     float *h;        /* [max_pairs * ffn] */
     int int8;        /* activations in 8 bits (x and h quantized per 32-block), or float32 */
-    int8_t *hq;      /* int8 mode: h's codes [max_pairs * ffn] (pair order, below), scales and scale * sum */
-    float *hd, *hc;  /* [max_pairs * ffn / 32] */
     uint64_t work[2];  /* phase 1 and phase 2 (W_* below) */
     int64_t jobs;
     int32_t start_seq;  /* the mailbox's number when the pool started: a thread scheduled late still sees the first job */
@@ -112,6 +114,10 @@ typedef struct {
     int8_t *xq;      /* int8 mode: the job's token rows in 8 bits [max_tokens * hidden], made on first use */
     float *xd, *xc;  /* [max_tokens * hidden / 32] */
     int32_t *xtag;   /* [max_tokens]: the job whose row a token's codes hold */
+    int8_t *hq;      /* int8 mode: the pairs' h in 8 bits [max_pairs * ffn] (pair order, below), made by each thread for
+                        the pairs its down rows need, once phase 1 is done: gate/up's chunks need not hold whole blocks */
+    float *hd, *hc;  /* [max_pairs * ffn / 32] */
+    int32_t *htag;   /* [max_pairs]: the job whose h a pair's codes hold */
 } worker_t;
 
 static inline float half_to_float(uint16_t h) {
@@ -311,6 +317,13 @@ static float row_dot8_vnni(const matrix_t *m, const uint8_t *row, const int8_t *
     const __m256i mask = _mm256_set1_epi8(0x0f);
     __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps();
     for (int g = 0; g < nb; g += 16) {
+#if LT_PF8
+        {  /* the lines LT_PF8 bytes ahead of this group's codes (16 blocks) and scales */
+            const char *ahead = (const char *)codes + (int64_t)g * (m->split ? code : size) + LT_PF8;
+            for (int l = 0; l < 16 * (m->split ? code : size); l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+            if (m->split) _mm_prefetch((const char *)scales + 2 * g + LT_PF8, _MM_HINT_T0);
+        }
+#endif
         uint16_t hb[16];
         if (m->split) memcpy(hb, scales + 2 * g, 32);
         else for (int i = 0; i < 16; i++) memcpy(&hb[i], scales + (int64_t)(g + i) * size, 2);
@@ -472,17 +485,6 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
                 float g = row_dot8(gate, row_of(gate, e, r), xq, xd, xc), u = row_dot8(up, row_of(up, e, r), xq, xd, xc);
                 h[r] = g / (1.0f + expf(-g)) * u;
             }
-            /* this chunk's whole 32-blocks of h in 8 bits, for down (c1 is a multiple of 32) */
-            for (int r = r0; r < r1; r += 32) {
-                const int nbf = ffn / 32, b = r / 32;
-                float d, cc;
-                int8_t q32[32];
-                quantize_row8(h + r, 32, q32, &d, &cc);
-                int8_t *hq = p->hq + (int64_t)pair * ffn;
-                for (int j = 0; j < 32; j++) hq[perm_index(b, j, nbf)] = q32[j];
-                p->hd[(int64_t)pair * nbf + b] = d;
-                p->hc[(int64_t)pair * nbf + b] = cc;
-            }
         } else {
             for (int r = r0; r < r1; r++) {
                 float g = row_dot(gate, row_of(gate, e, r), xt), u = row_dot(up, row_of(up, e, r), xt);
@@ -510,8 +512,13 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
                     if (e < 0) continue;
                     if (p->int8) {
                         const int nbf = ffn / 32;
-                        s += w[pair] * row_dot8(down, row_of(down, e, r), p->hq + (int64_t)pair * ffn,
-                                                p->hd + (int64_t)pair * nbf, p->hc + (int64_t)pair * nbf);
+                        if (wk->htag[pair] != seq) {
+                            quantize_row8(p->h + (int64_t)pair * ffn, ffn, wk->hq + (int64_t)pair * ffn,
+                                          wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
+                            wk->htag[pair] = seq;
+                        }
+                        s += w[pair] * row_dot8(down, row_of(down, e, r), wk->hq + (int64_t)pair * ffn,
+                                                wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
                     } else {
                         s += w[pair] * row_dot(down, row_of(down, e, r), p->h + (int64_t)pair * ffn);
                     }
@@ -567,8 +574,15 @@ static void *worker_main(void *arg) {
         wk->xd = (float *)malloc(n / 32 * sizeof(float));
         wk->xc = (float *)malloc(n / 32 * sizeof(float));
         wk->xtag = (int32_t *)malloc((size_t)p->max_tokens * sizeof(int32_t));
-        if (!wk->xq || !wk->xd || !wk->xc || !wk->xtag) goto done;  /* this thread takes no chunks */
+        const size_t nh = (size_t)p->max_pairs * p->ffn;
+        wk->hq = (int8_t *)malloc(nh);
+        wk->hd = (float *)malloc(nh / 32 * sizeof(float));
+        wk->hc = (float *)malloc(nh / 32 * sizeof(float));
+        wk->htag = (int32_t *)malloc((size_t)p->max_pairs * sizeof(int32_t));
+        if (!wk->xq || !wk->xd || !wk->xc || !wk->xtag || !wk->hq || !wk->hd || !wk->hc || !wk->htag)
+            goto done;  /* this thread takes no chunks */
         for (int t = 0; t < p->max_tokens; t++) wk->xtag[t] = p->start_seq;
+        for (int i = 0; i < p->max_pairs; i++) wk->htag[i] = p->start_seq;
     }
     int32_t last = p->start_seq;
     int64_t idle_since = now_ns();
@@ -594,6 +608,7 @@ static void *worker_main(void *arg) {
     }
 done:
     free(wk->xq); free(wk->xd); free(wk->xc); free(wk->xtag);
+    free(wk->hq); free(wk->hd); free(wk->hc); free(wk->htag);
     free(wk);
     return NULL;
 }
@@ -615,12 +630,7 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
     p->h = (float *)calloc((size_t)max_pairs * ffn, sizeof(float));
     p->threads = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
     p->int8 = int8 != 0;
-    if (p->int8) {
-        p->hq = (int8_t *)calloc((size_t)max_pairs * ffn, 1);
-        p->hd = (float *)calloc((size_t)max_pairs * ffn / 32, sizeof(float));
-        p->hc = (float *)calloc((size_t)max_pairs * ffn / 32, sizeof(float));
-    }
-    if (!p->mats || !p->h || !p->threads || (p->int8 && (!p->hq || !p->hd || !p->hc))) goto fail;
+    if (!p->mats || !p->h || !p->threads) goto fail;
     for (int i = 0; i < nthreads; i++) {
         worker_t *wk = (worker_t *)calloc(1, sizeof(worker_t));
         if (!wk) { p->nthreads = i; goto fail; }
@@ -631,7 +641,7 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
 fail:
     p->stop = 1;
     for (int i = 0; p->threads && i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
-    free(p->mats); free(p->h); free(p->hq); free(p->hd); free(p->hc); free(p->threads); free(p);
+    free(p->mats); free(p->h); free(p->threads); free(p);
     return NULL;
 }
 
@@ -697,5 +707,5 @@ void lt_stop(void *pool) {
     if (!p) return;
     p->stop = 1;
     for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
-    free(p->mats); free(p->h); free(p->hq); free(p->hd); free(p->hc); free(p->threads); free(p);
+    free(p->mats); free(p->h); free(p->threads); free(p);
 }

@@ -130,13 +130,20 @@ def test_more_tokens_than_the_mailbox_holds_are_refused():
         share.close()
 
 
-def test_any_thread_count_gives_the_same_bits_over_many_jobs():
+# chunks of gate/up rows that are not whole 32-blocks of h, and short chunks of output rows, prefetching in the
+# 8-bit loop: the small jobs' settings that the benchmarks try (bench/host_share_pool.py --cflags)
+FINE = ["-DLT_CHUNK1=8", "-DLT_CHUNK2=16", "-DLT_PF8=1024"]
+
+
+@pytest.mark.parametrize("int8,cflags", [(False, None), (True, None), (True, FINE)])
+def test_any_thread_count_gives_the_same_bits_over_many_jobs(int8, cflags):
     """Chunks go to whichever thread takes them, and each output row is still summed in pair order: 1 and 6
-    threads (more threads than some jobs have chunks) give identical sums over 60 back-to-back jobs."""
+    threads (more threads than some jobs have chunks) give identical sums over 60 back-to-back jobs. In 8-bit
+    mode each thread rounds h itself for the pairs its output rows need: the same codes whoever makes them."""
     hidden, ffn, experts, k = 64, 96, 5, 4
     layers = [layer(Q.Q4_0, "split", experts, hidden, ffn, seed=40 + i)[0] for i in range(3)]
-    shares = [HostShare(layers, hidden=hidden, ffn=ffn, threads=t, device="cpu", max_tokens=4, max_pairs=16)
-              for t in (1, 6)]
+    shares = [HostShare(layers, hidden=hidden, ffn=ffn, threads=t, device="cpu", max_tokens=4, max_pairs=16,
+                        int8=int8, cflags=cflags) for t in (1, 6)]
     try:
         g = torch.Generator().manual_seed(7)
         for job in range(60):
@@ -211,14 +218,15 @@ def reference8(x, ids, w, mine, gate, up, down):
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
 @pytest.mark.parametrize("layout", ["ggml", "split"])
 @pytest.mark.parametrize("hidden,ffn", [(96, 64), (512, 512)])
-def test_int8_threads_sum_as_the_quantized_reference(qtype, layout, hidden, ffn):
+@pytest.mark.parametrize("cflags", [None, FINE], ids=["default", "fine"])
+def test_int8_threads_sum_as_the_quantized_reference(qtype, layout, hidden, ffn, cflags):
     """Whole jobs in 8-bit mode (3 threads; 512 x 512 takes the VNNI loop where built): within float32 rounding of
     the reference that rounds x and h to 8 bits, and several times closer to it than to the float32 reference
     (the rounding to 8 bits is there, and is all that differs)."""
     experts, k = 5, 3
     layers = [layer(qtype, layout, experts, hidden, ffn, seed=20 + 10 * i) for i in range(2)]
     share = HostShare([m for m, _ in layers], hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=3,
-                      max_pairs=9, int8=True)
+                      max_pairs=9, int8=True, cflags=cflags)
     try:
         g = torch.Generator().manual_seed(hidden)
         for job, (li, T) in enumerate([(0, 1), (1, 3), (0, 2)]):
