@@ -2,16 +2,20 @@
 
     python bench/cold_cpu_share.py --model /tmp/q35.gguf [--budget-mb 8640] [--shares 0,0.25,0.4,0.5]
                                    [--activations int8,float32] [--threads 15,12] [--new-tokens 128] [--repeats 3]
-                                   [--timeline] [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_CHUNK1=16"]
+                                   [--feed random|greedy] [--also-greedy] [--timeline]
+                                   [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_CHUNK1=16"]
                                    [--json out.json]
 
 One engine (Q4_0 projections and experts, cold experts in pinned host memory read by the GPU, decoding
 from the captured step); for each share, ``Engine.set_cold_cpu_share`` re-splits every layer's cold
 experts between the bus and the threads, a warm-up generation captures the step, then ``--repeats``
 generations of ``--new-tokens`` tokens are timed (median and spread of decode tok/s), for each of the
-threads' activation widths (``--activations``: 8-bit rounding with integer products, or float32). Each
-row's greedy tokens are compared with the first row's: float32 sums differ from the device's only in
-rounding, 8-bit activations a little more, so they usually agree; a difference is reported, not hidden.
+threads' activation widths (``--activations``: 8-bit rounding with integer products, or float32). The
+timed steps decode random tokens (``--feed random``, as llama-bench does): the random-weight model's greedy
+output repeats one token, routed the same way every step, so that the host's caches could keep the
+threads' experts from one step to the next (``--feed greedy`` times that). Each row's warm-up (16 greedy
+tokens) is compared with the first row's: float32 sums differ from the device's only in rounding, 8-bit
+activations a little more, so they usually agree; a difference is reported, not hidden.
 
 ``--threads`` repeats each share per thread count (default: one per core but one). With the pool built
 with ``LUCE_TUNE_HOST_EXPERTS_CFLAGS=-DLT_STATS=1`` each row also reports the threads' own time a layer's
@@ -30,6 +34,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,6 +56,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt", default="def fibonacci(n):")
+    ap.add_argument("--feed", choices=("random", "greedy"), default="random",
+                    help="decode random tokens fed to each step, as llama-bench does (default), or the greedy output")
+    ap.add_argument("--also-greedy", action="store_true",
+                    help="with --feed random, also time each row on the greedy output (the routing repeated)")
     ap.add_argument("--cflags", default=None, help="builds of the pool for the rows with threads, ';' between them")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -61,6 +71,7 @@ def main() -> None:
           f"{eng.hybrid.placement.cold_count} cold experts", flush=True)
     ids = eng.tokenizer.encode(args.prompt)
     rows, first = [], None
+    gen = torch.Generator().manual_seed(0)
     acts = args.activations.split(",")
     counts = [int(t) for t in args.threads.split(",") if t] or [None]
     builds = args.cflags.split(";") if args.cflags is not None else [os.environ.get(CFLAGS_ENV, "")]
@@ -78,9 +89,15 @@ def main() -> None:
         before = pool.stats() if share and pool is not None else None
         rates, out = [], None
         for _ in range(args.repeats):
-            out = eng.generate(ids, args.new_tokens, ignore_eos=True)
+            feed = (torch.randint(0, eng.config.vocab, (args.new_tokens,), generator=gen).tolist()
+                    if args.feed == "random" else None)
+            out = eng.generate(ids, args.new_tokens, ignore_eos=True, feed=feed)
             rates.append(out.timings.decode_tok_s)
         job_us = job_time(before, pool.stats()) if before is not None else None
+        greedy = None
+        if args.also_greedy and args.feed == "random":
+            greedy = spread([eng.generate(ids, args.new_tokens, ignore_eos=True).timings.decode_tok_s
+                             for _ in range(args.repeats)])
         prefill = None
         if args.prefill:
             long_ids = [(i * 7919) % (eng.config.vocab - 1) + 1 for i in range(args.prefill)]
@@ -88,11 +105,11 @@ def main() -> None:
                 eng.generate(long_ids, 1, ignore_eos=True)
             prefill = spread([args.prefill / eng.generate(long_ids, 1, ignore_eos=True).timings.prefill_s
                               for _ in range(args.repeats)])
-        first = first if first is not None else out.ids
-        same = out.ids == first
-        row = {"share": share, "activations": act if share else None, "threads": pool.threads if share else 0,
+        first = first if first is not None else warm.ids  # the warm-up's greedy tokens
+        same = warm.ids == first
+        row = {"feed": args.feed, "share": share, "activations": act if share else None, "threads": pool.threads if share else 0,
                "cflags": build if share else None,
-               "decode_tok_s": spread(rates), "runs": rates, "pool_job_us": job_us,
+               "decode_tok_s": spread(rates), "runs": rates, "greedy_decode_tok_s": greedy, "pool_job_us": job_us,
                "prefill_tokens": args.prefill, "prefill_tok_s": prefill,
                "same_tokens_as_first": same,
                "cpu_jobs": eng.hybrid._host_share.jobs if eng.hybrid._host_share else 0,
@@ -108,6 +125,7 @@ def main() -> None:
               f"CPU jobs so far {row['cpu_jobs']:,}"
               + (f", the threads' job {job_us:.1f} us (x {eng.config.n_layers} layers: "
                  f"{job_us * eng.config.n_layers / 1e3:.2f} ms)" if job_us is not None else "")
+              + (f", greedy (routing repeated) {greedy['median']:.1f} tok/s" if greedy else "")
               + (f", prefill {args.prefill}: {prefill['median']:,.1f} tok/s" if prefill else ""), flush=True)
         if args.timeline:
             captured_timeline(eng, ids)

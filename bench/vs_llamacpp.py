@@ -135,7 +135,10 @@ def tests_for(args: argparse.Namespace, ncmoe: int) -> list[BenchTest]:
 
 def time_ours(eng: Engine, test: BenchTest, repeats: int, gen: torch.Generator) -> Ours:
     """Prefill: prompt tokens over time to first token. Decode: ``n_gen`` single-token steps
-    after a prompt of ``depth`` tokens (one token at depth 0), tokens over decode time."""
+    after a prompt of ``depth`` tokens (one token at depth 0), tokens over decode time, each step
+    fed a random token as llama-bench's are (``Engine.generate(feed=)``): a random-weight model's
+    greedy output repeats one token, routed the same way at every step, which would let the
+    host's caches hold the CPU's share of the cold experts from one step to the next."""
     vocab = eng.config.vocab
     if test.n_prompt:
         ids = torch.randint(0, vocab, (test.n_prompt,), generator=gen).tolist()
@@ -143,8 +146,12 @@ def time_ours(eng: Engine, test: BenchTest, repeats: int, gen: torch.Generator) 
         runs = [eng.generate(ids, 1, ignore_eos=True).timings for _ in range(repeats)]
         return Ours([test.n_prompt / t.prefill_s for t in runs], max(t.peak_mem_mb for t in runs))
     ids = torch.randint(0, vocab, (max(test.depth, 1),), generator=gen).tolist()
-    eng.generate(ids, test.n_gen + 1, ignore_eos=True)
-    runs = [eng.generate(ids, test.n_gen + 1, ignore_eos=True).timings for _ in range(repeats)]
+
+    def feed() -> list[int]:
+        return torch.randint(0, vocab, (test.n_gen + 1,), generator=gen).tolist()
+
+    eng.generate(ids, test.n_gen + 1, ignore_eos=True, feed=feed())
+    runs = [eng.generate(ids, test.n_gen + 1, ignore_eos=True, feed=feed()).timings for _ in range(repeats)]
     return Ours([t.decode_tok_s for t in runs], max(t.peak_mem_mb for t in runs))
 
 

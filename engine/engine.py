@@ -370,7 +370,8 @@ class Engine:
                  stop: Sequence[str] | None = None, ignore_eos: bool = False,
                  pflash_keep_ratio: float | None = None, spec_len: int | None = None,
                  spec_fallback: float | str | None = None,
-                 on_token: Callable[[int, str], None] | None = None) -> Generation:
+                 on_token: Callable[[int, str], None] | None = None,
+                 feed: Sequence[int] | None = None) -> Generation:
         """Prefill ``ids`` and decode up to ``max_new_tokens`` new tokens.
 
         Stops early at an end-of-sequence token (unless ``ignore_eos``, as benchmarks want) or
@@ -383,15 +384,24 @@ class Engine:
         ``spec_fallback``: the acceptance length under which plain decoding takes a stretch of the
         generation before speculation is tried again (default 1.2; 0: speculate throughout;
         ``"auto"``: where speculation commits tokens more slowly than timed plain steps).
+        ``feed`` (benchmarks): decode these tokens in place of the sampled ones, each step still computing
+        and sampling its logits; the output's ids are the fed tokens. llama-bench times decoding this way on
+        random tokens, whose routing changes at every step where a random-weight model's greedy output
+        repeats one token and routes it the same way every step.
         """
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if feed is not None:
+            if len(feed) < max_new_tokens:
+                raise ConfigError(f"feed holds {len(feed)} tokens for {max_new_tokens} new tokens")
         if pflash_keep_ratio is None:
             pflash_keep_ratio = self.defaults.get("pflash_keep_ratio")
         if spec_len is None and self.draft is not None:
             spec_len = self.defaults.get("spec_len")
         if spec_len is not None and self.draft is None:
             raise ConfigError("spec_len needs a DFlash draft: load the engine with draft=PATH")
+        if feed is not None and spec_len is not None:
+            raise ConfigError("feed and spec_len do not go together: speculation commits the target's own tokens")
         from engine.dflash.speculative import DEFAULT_FALLBACK, check_fallback
 
         if spec_fallback is None:
@@ -452,6 +462,10 @@ class Engine:
                     state = self.model.new_state(len(ids) + max_new_tokens)
                 last_logits = self._prefill_chunked(prompt, state, extra)
         token = sample(last_logits, params, gen)
+        fed = None
+        if feed is not None:
+            fed = torch.tensor(list(feed[:max_new_tokens]), dtype=torch.long, device=self.device)
+            token = fed[0]
         new = [int(token)]  # the first token: read at once (time to first token)
         t1 = time.perf_counter()
         stream = _TextStream(self.tokenizer, on_token)
@@ -469,6 +483,8 @@ class Engine:
             else:
                 logits = self.model.forward(token.reshape(1), state, logits="last").logits[-1]
             token = sample(logits, params, gen)
+            if fed is not None:
+                token = fed[len(new) + (pending is not None)]
             slot = reader.put(token)
             if pending is not None:
                 reason, last = self._take(reader.get(pending), new, stream, eos, stop, last)

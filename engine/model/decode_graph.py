@@ -122,10 +122,14 @@ class DecodeGraph:
             self._tail = torch.arange(cfg.conv_kernel - 1, device=dev)
             self._keys = torch.arange(state.max_len, device=dev)
             self.records: dict[int, GDNRecord] | None = None
+            self._windows: torch.Tensor | None = None  # [n_gdn, conv_dim, kernel - 1 + T]: the records' conv windows
             self._start: torch.Tensor | None = None  # [n_gdn, v_heads, head_k, head_v]: states before the step
             if rollback and state.recurrent:
-                self.records = {i: GDNRecord.empty(cfg, tokens, device=dev, dtype=model.dtype)
-                                for i in state.recurrent}
+                # the conv windows side by side: a restore selects every layer's in one launch
+                self._windows = torch.zeros(len(state.recurrent), cfg.gdn_conv_dim, cfg.conv_kernel - 1 + tokens,
+                                            device=dev, dtype=model.dtype)
+                self.records = {i: GDNRecord.empty(cfg, tokens, device=dev, dtype=model.dtype, window=self._windows[j])
+                                for j, i in enumerate(state.recurrent)}
                 self._start = torch.stack([state.recurrent[i] for i in self.records])
         self.graph: torch.cuda.CUDAGraph | None = None
         self._replay_counts: list[int] | None = None  # the executor's host counts one replay adds
@@ -250,25 +254,26 @@ class DecodeGraph:
             raise ValueError("this decode step was built without rollback=True")
         if not self.records:
             return
-        state, cfg = self.state, self.model.cfg
         live = (self._offsets < keep).float()[:, None]  # [T, 1]
-        inputs = [(r.q, r.k, r.v, r.g * live, r.beta * live) for r in self.records.values()]
-        s = replay_prefix(self._replay_rule, self._start, inputs, self.tokens, cfg.gdn_head_k ** -0.5)
-        window = keep + self._tail
-        for j, (i, r) in enumerate(self.records.items()):
-            state.recurrent[i].copy_(s[j])
-            state.conv[i].copy_(r.window.index_select(1, window))
+        inputs = [(r.q, r.k, r.v, r.g, r.beta) for r in self.records.values()]
+        s = replay_prefix(self._replay_rule, self._start, inputs, self.tokens, self.model.cfg.gdn_head_k ** -0.5,
+                          live=live)
+        self._put_states(s, self._windows.index_select(2, keep + self._tail))
 
     def _restore(self, keep: int) -> None:
         """The GDN layers' states after the first ``keep`` tokens of the last step, from what the
         step recorded; reads only the records and the start states, so running it twice is harmless."""
-        state, cfg = self.state, self.model.cfg
+        cfg = self.model.cfg
         inputs = [(r.q, r.k, r.v, r.g, r.beta) for r in self.records.values()]
         s = replay_prefix(self._replay_rule, self._start, inputs, keep, cfg.gdn_head_k ** -0.5)
-        tail = cfg.conv_kernel - 1
-        for j, (i, r) in enumerate(self.records.items()):
-            state.recurrent[i].copy_(s[j])
-            state.conv[i].copy_(r.window[:, keep:keep + tail])
+        self._put_states(s, self._windows[:, :, keep:keep + cfg.conv_kernel - 1])
+
+    def _put_states(self, recurrent: torch.Tensor, conv: torch.Tensor) -> None:
+        """The GDN layers' recurrent [n_gdn, ...] and conv [n_gdn, conv_dim, kernel - 1] states into the state's
+        tensors, each kind in one multi-tensor launch rather than one copy per layer."""
+        state = self.state
+        torch._foreach_copy_([state.recurrent[i] for i in self.records], list(recurrent.unbind(0)))
+        torch._foreach_copy_([state.conv[i] for i in self.records], list(conv.unbind(0)))
 
     def _cache_length(self) -> int:
         lengths = {c.length for c in self.state.kv.values()}

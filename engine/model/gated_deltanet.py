@@ -271,25 +271,35 @@ class GDNRecord:
     beta: torch.Tensor  # [T, v_heads] float32
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, tokens: int, *, device: torch.device | str, dtype: torch.dtype) -> "GDNRecord":
+    def empty(cls, cfg: ModelConfig, tokens: int, *, device: torch.device | str, dtype: torch.dtype,
+              window: torch.Tensor | None = None) -> "GDNRecord":
+        """Zeroed buffers; ``window``: a contiguous [conv_dim, kernel - 1 + tokens] buffer to use (a layer's row of
+        one stacked buffer, so that a restore selects every layer's conv window in one launch)."""
         hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
         f32 = dict(device=device, dtype=torch.float32)
-        return cls(window=torch.zeros(cfg.gdn_conv_dim, cfg.conv_kernel - 1 + tokens, device=device, dtype=dtype),
+        shape = (cfg.gdn_conv_dim, cfg.conv_kernel - 1 + tokens)
+        if window is not None and (tuple(window.shape) != shape or not window.is_contiguous()):
+            raise ValueError(f"a record's window must be a contiguous {shape} buffer, got {tuple(window.shape)}")
+        return cls(window=torch.zeros(shape, device=device, dtype=dtype) if window is None else window,
                    q=torch.zeros(tokens, hv, dk, **f32), k=torch.zeros(tokens, hv, dk, **f32),
                    v=torch.zeros(tokens, hv, dv, device=device, dtype=dtype),
                    g=torch.zeros(tokens, hv, **f32), beta=torch.zeros(tokens, hv, **f32))
 
 
 def replay_prefix(delta_rule: DeltaRuleFn, start: torch.Tensor, inputs: "list[tuple[torch.Tensor, ...]]", keep: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, live: torch.Tensor | None = None) -> torch.Tensor:
     """The recurrent states of several GDN layers after the first ``keep`` tokens of a step.
 
     ``start`` [layers, v_heads, head_k, head_v] are the states before the step and ``inputs``
     each layer's (q, k, v, g, beta) for the step's tokens. The layers' heads go side by side
-    into one delta-rule call (the rule is independent per head). Returns the new states,
-    shaped like ``start``.
+    into one delta-rule call (the rule is independent per head). ``live`` [keep, 1] (1 or 0 per
+    token) multiplies every layer's g and beta: a token with 0 leaves the states as they were.
+    Returns the new states, shaped like ``start``.
     """
     q, k, v, g, beta = (torch.cat([x[j][:keep] for x in inputs], dim=1) for j in range(5))
+    if live is not None:
+        g.mul_(live)
+        beta.mul_(live)
     _, s = delta_rule(q, k, v, g, beta, start.reshape(-1, *start.shape[2:]), scale)
     return s.reshape(start.shape)
 

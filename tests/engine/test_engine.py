@@ -159,9 +159,34 @@ def test_timings_are_measured(eng):
     assert t.peak_mem_mb > 0
 
 
+def test_fed_tokens_are_the_steps_inputs(eng):
+    """``feed``: each step decodes the next fed token rather than the sampled one (llama-bench's random tokens):
+    the steps route as a teacher-forced forward over the prompt and the fed tokens does, and the ids returned are
+    the fed ones."""
+    ids = eng.tokenizer.encode("import os\n")
+    greedy = eng.generate(ids, 6, ignore_eos=True).ids
+    feed = [(t * 7 + 11) % eng.config.vocab for t in greedy]
+    assert feed != greedy
+    seen = []
+    eng.model.set_routing_observer(lambda layer, topk: seen.append((layer, topk.clone())))
+    try:
+        g = eng.generate(ids, 6, ignore_eos=True, feed=feed)
+        decode_routes = [t for layer, t in seen if layer == 0][1:]  # after the prompt's prefill
+        seen.clear()
+        eng.logits(list(ids) + feed[:5])
+        forced = [t for layer, t in seen if layer == 0][0]
+    finally:
+        eng.model.set_routing_observer(None)
+    assert g.ids == feed
+    assert len(decode_routes) == 5  # the steps after the first token: feed[0] .. feed[4] decoded
+    for j, route in enumerate(decode_routes):
+        assert sorted(route.reshape(-1).tolist()) == sorted(forced[len(ids) + j].tolist()), j
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"max_new_tokens": 4, "temperature": -1.0}, "temperature"),
+    ({"max_new_tokens": 4, "feed": [1, 2]}, "feed holds 2 tokens"),
 ])
 def test_bad_generate_arguments(eng, kwargs, message):
     with pytest.raises((ConfigError, ValueError), match=message):
