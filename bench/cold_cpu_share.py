@@ -2,7 +2,8 @@
 
     python bench/cold_cpu_share.py --model /tmp/q35.gguf [--budget-mb 8640] [--shares 0,0.25,0.4,0.5]
                                    [--activations int8,float32] [--threads 15,12] [--new-tokens 128] [--repeats 3]
-                                   [--feed random|greedy] [--also-greedy] [--timeline]
+                                   [--placement-units expert,layer] [--feed random|greedy] [--also-greedy]
+                                   [--timeline]
                                    [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_CHUNK1=16"]
                                    [--json out.json]
 
@@ -22,7 +23,9 @@ with ``LUCE_TUNE_HOST_EXPERTS_CFLAGS=-DLT_STATS=1`` each row also reports the th
 job (from the first thread's look to the reply) over the timed generations, and ``--timeline`` prints
 each row's captured step as kernels in device order (``bench/profile_decode.py``'s): the collect launch's
 time is the device's wait for the threads. ``--cflags`` repeats the rows with threads per build of the pool
-(``;`` between builds, as ``LUCE_TUNE_HOST_EXPERTS_CFLAGS`` takes them), restarting the threads for each.
+(``;`` between builds, as ``LUCE_TUNE_HOST_EXPERTS_CFLAGS`` takes them), restarting the threads for each;
+``--placement-units`` repeats every row per placement unit (``Engine.set_expert_budget(unit=)``: the hot set
+grown by experts or by whole layers).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt", default="def fibonacci(n):")
+    ap.add_argument("--placement-units", default="expert",
+                    help="what the hot set grows by, per row: expert, layer or both (comma-separated)")
     ap.add_argument("--feed", choices=("random", "greedy"), default="random",
                     help="decode random tokens fed to each step, as llama-bench does (default), or the greedy output")
     ap.add_argument("--also-greedy", action="store_true",
@@ -75,9 +80,15 @@ def main() -> None:
     acts = args.activations.split(",")
     counts = [int(t) for t in args.threads.split(",") if t] or [None]
     builds = args.cflags.split(";") if args.cflags is not None else [os.environ.get(CFLAGS_ENV, "")]
-    runs = [(share, act, None, builds[0]) for share in shares if not share for act in acts[:1]]  # no threads: one row
-    runs += [(share, act, n, b) for b in builds for n in counts for act in acts for share in shares if share]
-    for share, act, n, build in runs:
+    units = args.placement_units.split(",")
+    runs = [(u, share, act, None, builds[0]) for u in units for share in shares if not share
+            for act in acts[:1]]  # no threads: one row
+    runs += [(u, share, act, n, b) for u in units for b in builds for n in counts for act in acts for share in shares
+             if share]
+    runs.sort(key=lambda r: units.index(r[0]))  # one placement after the other
+    for unit, share, act, n, build in runs:
+        if unit != eng.hybrid.unit:
+            eng.set_expert_budget(args.budget_mb, unit=unit)
         if build != os.environ.get(CFLAGS_ENV, "") and eng.hybrid._host_share is not None:
             eng.set_cold_cpu_share(0.0)  # the threads restart with the next share, built with these flags
             eng.hybrid._host_share.close()
@@ -107,7 +118,7 @@ def main() -> None:
                               for _ in range(args.repeats)])
         first = first if first is not None else warm.ids  # the warm-up's greedy tokens
         same = warm.ids == first
-        row = {"feed": args.feed, "share": share, "activations": act if share else None, "threads": pool.threads if share else 0,
+        row = {"placement_unit": unit, "feed": args.feed, "share": share, "activations": act if share else None, "threads": pool.threads if share else 0,
                "cflags": build if share else None,
                "decode_tok_s": spread(rates), "runs": rates, "greedy_decode_tok_s": greedy, "pool_job_us": job_us,
                "prefill_tokens": args.prefill, "prefill_tok_s": prefill,
@@ -118,7 +129,7 @@ def main() -> None:
                "warm_up_path": warm.timings.extra.get("decode_path")}
         rows.append(row)
         step_ms = 1e3 / statistics.median(rates)
-        print((f"[{build}] " if share and len(builds) > 1 else "")
+        print((f"[{unit}] " if len(units) > 1 else "") + (f"[{build}] " if share and len(builds) > 1 else "")
               + f"share {share:.2f} {act if share else '':7s} {row['threads']:2d} threads: decode "
               f"{statistics.median(rates):7.1f} tok/s [{min(rates):.1f}-{max(rates):.1f}] ({row['decode_path']}), "
               f"step {step_ms:.2f} ms, same tokens as the first row: {same}, peak {out.timings.peak_mem_mb:,.0f} MB, "

@@ -98,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "prefill through the captured padded prefill)")
     ap.add_argument("--cold-device", default="cpu", choices=("cpu", "gpu"),
                     help="our cold experts (--ncmoe): CPU threads, or the GPU reading their pinned host copies")
+    ap.add_argument("--placement-unit", default="expert", choices=("expert", "layer"),
+                    help="our hot set at --ncmoe's budget: the most-routed experts of any layer, or whole layers "
+                         "(llama.cpp's -ncmoe places whole layers)")
     ap.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (cpu: llama.cpp gets -ngl 0)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both")
     ap.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth (default 1024 GPU, 256 CPU)")
@@ -251,12 +254,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if ncmoe:
             budget, info = ncmoe_budget_mb(eng, ncmoe)
             try:
-                placement = eng.set_expert_budget(budget)
+                placement = eng.set_expert_budget(budget, unit=args.placement_unit)
             except EngineError as exc:
                 notes.append(f"ours with the experts of layers {ncmoe}.. on the device ({budget:.0f} MB) "
                              f"could not be placed: {exc}")
                 continue
-            ours_info["ncmoe"] = info | placement.summary()
+            ours_info["ncmoe"] = info | placement.summary() | {"placement_unit": args.placement_unit}
         for test in tests_for(args, ncmoe):
             ours = time_ours(eng, test, args.repeats, gen)
             rows[test.name]["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}

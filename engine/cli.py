@@ -50,6 +50,10 @@ def generate(
         True, "--cold-cpu-int8/--cold-cpu-float32", help="with --cold-cpu-share: the threads round activations to "
         "8 bits per 32 values and multiply in integers, as llama.cpp's CPU experts do (the default), or multiply "
         "in float32"),
+    placement_unit: Optional[str] = typer.Option(
+        None, "--placement-unit", help="with --expert-budget: what the hot set grows by: expert (the most-routed "
+        "experts of any layer; the default) or layer (whole layers, so fewer layers have cold experts, as "
+        "llama.cpp's -ncmoe)"),
     weights: str = typer.Option(
         "dense", "--weights", help="dense (dequantized at load) or quantized (projection matrices kept as GGUF "
         "blocks, dequantized in the matmul kernels)"),
@@ -92,13 +96,16 @@ def generate(
         raise ConfigError(f"--cold-device must be cpu or gpu, got {cold_device!r}")
     if cold_device != "cpu" and expert_budget is None:
         raise ConfigError("--cold-device needs --expert-budget (without it every expert stays on the device)")
+    if placement_unit is not None and expert_budget is None:
+        raise ConfigError("--placement-unit needs --expert-budget (without it every expert stays on the device)")
     if cold_cpu_share is not None and cold_device != "gpu":
         raise ConfigError("--cold-cpu-share needs --cold-device gpu (with --cold-device cpu the threads compute "
                           "every cold expert)")
     eng = Engine.from_gguf(model, device=device, dtype=dtype, threads=threads,
                            expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format,
                            weights=weights, cuda_graph=cuda_graph, hot_format=hot_format, cold_device=cold_device,
-                           cold_cpu_share=cold_cpu_share, cold_cpu_int8=cold_cpu_int8 if cold_cpu_share else None)
+                           cold_cpu_share=cold_cpu_share, cold_cpu_int8=cold_cpu_int8 if cold_cpu_share else None,
+                           placement_unit=placement_unit)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:

@@ -15,6 +15,7 @@ import torch
 from engine.errors import ConfigError, EngineError, GenerationStalled
 from engine.gguf.reader import GGUFFile
 from engine.model.qwen35moe import Qwen35MoE
+from engine.placement import PLACEMENT_UNITS
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.tokenizer import Tokenizer
 
@@ -168,7 +169,8 @@ class Engine:
                   pflash_threshold: int | None = None, draft: str | Path | None = None,
                   cold_format: str = "dense", weights: str = "dense", cuda_graph: bool = True,
                   hot_format: str = "dense", cold_device: str = "cpu", cold_cpu_share: float | None = None,
-                  cold_cpu_int8: bool | None = None, **options: Any) -> "Engine":
+                  cold_cpu_int8: bool | None = None, placement_unit: str | None = None,
+                  **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
@@ -181,7 +183,9 @@ class Engine:
         (``engine.hybrid``), so a step with cold experts needs no host and can be captured, and
         ``cold_cpu_share`` (0 to 1, with it and a budget) hands that share of the cold experts to CPU threads
         working beside the bus in decode-sized calls (``engine.kernels.host_experts``), in 8-bit activations
-        unless ``cold_cpu_int8=False`` (default ``LUCE_TUNE_COLD_CPU_INT8`` or on); ``drafter``
+        unless ``cold_cpu_int8=False`` (default ``LUCE_TUNE_COLD_CPU_INT8`` or on); ``placement_unit`` (default
+        ``LUCE_TUNE_PLACEMENT_UNIT`` or ``"expert"``) is what the hot set grows by: single experts by routed
+        mass, or whole layers (``"layer"``: fewer layers with cold experts, as llama.cpp's ``-ncmoe``); ``drafter``
         loads a PFlash drafter sharing the target's vocabulary;
         ``draft`` attaches a DFlash draft, checked against the target before any tensor loads.
         ``weights="quantized"`` keeps the block-quantized projection matrices (attention, Gated
@@ -209,6 +213,8 @@ class Engine:
             raise ConfigError(f"cold_cpu_share must be between 0 and 1, got {cold_cpu_share}")
         if cold_cpu_share and (cold_device != "gpu" or expert_budget_mb is None):
             raise ConfigError("cold_cpu_share needs cold_device='gpu' and an expert budget")
+        if placement_unit is not None and placement_unit not in PLACEMENT_UNITS:
+            raise ConfigError(f"placement_unit must be one of {', '.join(PLACEMENT_UNITS)}, got {placement_unit!r}")
         if threads is not None:
             if threads < 1:
                 raise ConfigError(f"threads must be at least 1, got {threads}")
@@ -253,7 +259,7 @@ class Engine:
         if draft_file is not None:
             eng.draft = draft_file.load(device=dev, dtype=dt)
         if expert_budget_mb is not None:
-            eng.set_expert_budget(expert_budget_mb)
+            eng.set_expert_budget(expert_budget_mb, unit=placement_unit)
             if cold_cpu_share is not None or cold_cpu_int8 is not None:
                 eng.set_cold_cpu_share(eng.hybrid.cpu_share if cold_cpu_share is None else cold_cpu_share,
                                        int8=cold_cpu_int8)
@@ -287,15 +293,19 @@ class Engine:
         result.engine.defaults = dict(result.generate_options)
         return result.engine
 
-    def set_expert_budget(self, budget_mb: float) -> "Placement":
+    def set_expert_budget(self, budget_mb: float, *, unit: str | None = None) -> "Placement":
         """Place the routed experts for ``budget_mb`` MB of device memory, in place.
 
         The first call takes the experts over into host memory plus device slots; later calls
-        move only the experts that change tier. Returns the placement (hot/cold counts, bytes,
-        expected cold-hit rate).
+        move only the experts that change tier. ``unit`` (None: as set, at first
+        ``LUCE_TUNE_PLACEMENT_UNIT`` or ``"expert"``): what the hot set grows by, single experts or
+        whole layers (``engine.placement.plan_placement``). Returns the placement (hot/cold counts,
+        bytes, expected cold-hit rate).
         """
         if budget_mb < 0:
             raise ConfigError(f"expert budget must be >= 0 MB, got {budget_mb}")
+        if unit is not None and unit not in PLACEMENT_UNITS:
+            raise ConfigError(f"placement unit must be one of {', '.join(PLACEMENT_UNITS)}, got {unit!r}")
         self._graphs.clear()  # they read the device slots about to move; their memory is freed first
         self._prefills.clear()
         if self.hybrid is None:
@@ -304,18 +314,18 @@ class Engine:
 
             stats = load_routing_stats(self.path, self.model.cfg, self.routing_stats_path)
             if self.cold_format == "dense":
-                self.hybrid = attach_hybrid(self.model, budget_mb, stats, cold_device=self.cold_device)
+                self.hybrid = attach_hybrid(self.model, budget_mb, stats, cold_device=self.cold_device, unit=unit)
                 return self.hybrid.placement
             gguf_file = GGUFFile(self.path)  # owned by the executor from here: it views the raw blocks
             try:
                 self.hybrid = attach_hybrid(self.model, budget_mb, stats, cold_format="quantized",
                                             gguf_file=gguf_file, hot_format=self.hot_format,
-                                            cold_device=self.cold_device)
+                                            cold_device=self.cold_device, unit=unit)
             except BaseException:
                 gguf_file.close()
                 raise
             return self.hybrid.placement
-        return self.hybrid.set_budget(budget_mb)
+        return self.hybrid.set_budget(budget_mb, unit)
 
     def set_cold_cpu_share(self, share: float, *, int8: bool | None = None, threads: int | None = None) -> None:
         """Hand ``share`` (0 to 1) of the cold experts to CPU threads working beside the bus in decode-sized

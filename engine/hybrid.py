@@ -54,8 +54,8 @@ from engine.kernels.quant.reference import (SPLIT_QTYPES, QuantExperts, QuantMat
                                             split_layout_on, split_rows)
 from engine.kernels.quant.reference import resolve_impl as resolve_quant_impl
 from engine.model.host_memory import mapped_view
-from engine.placement import (MB, GpuReserve, Placement, RoutingStats, check_fits, gpu_expert_capacity_mb,
-                              plan_placement, state_bytes)
+from engine.placement import (MB, PLACEMENT_UNITS, GpuReserve, Placement, RoutingStats, check_fits,
+                              gpu_expert_capacity_mb, plan_placement, state_bytes)
 
 if TYPE_CHECKING:
     from engine.kernels.moe.triton import MoEKernelConfig
@@ -350,7 +350,7 @@ class HybridExperts:
                  reserve: GpuReserve | None = None, max_expert_mb: float | None = None,
                  threads: int | None = None, impl: str = "auto", kernel_config: "MoEKernelConfig | None" = None,
                  gguf_file: "RawTensorSource | None" = None, cold_device: str = "cpu",
-                 cpu_share: float | None = None, cpu_int8: bool | None = None):
+                 cpu_share: float | None = None, cpu_int8: bool | None = None, unit: str | None = None):
         """``host_experts``: per layer (gate, up, down) in host memory (pinned for CUDA) or a
         ``QuantizedExperts``, placed for ``budget_mb``. ``max_expert_mb`` caps device memory for
         experts below what the live GPU allows; ``threads`` sizes the CPU pool; ``impl`` picks the
@@ -358,7 +358,8 @@ class HybridExperts:
         ``cold_device`` computes the cold experts on CPU threads or on the device (module docstring);
         ``cpu_share`` (with ``cold_device="gpu"``; default ``LUCE_TUNE_COLD_CPU_SHARE`` or 0) hands that share of
         the cold experts' routed mass to CPU threads in decode-sized calls (``set_cpu_share``), whose
-        activations are 8-bit (``cpu_int8``, default ``LUCE_TUNE_COLD_CPU_INT8`` or on) or float32."""
+        activations are 8-bit (``cpu_int8``, default ``LUCE_TUNE_COLD_CPU_INT8`` or on) or float32. ``unit`` (default
+        ``LUCE_TUNE_PLACEMENT_UNIT`` or ``"expert"``): what the hot set grows by (``plan_placement``)."""
         if cold_device not in COLD_DEVICES:
             raise ConfigError(f"cold device must be one of {', '.join(COLD_DEVICES)}, got {cold_device!r}")
         self.cold_device = cold_device
@@ -373,6 +374,9 @@ class HybridExperts:
             raise ValueError(f"threads must be at least 1, got {threads}")
         self.stats = stats
         self.min_hot = min_hot
+        self.unit = _env_unit() if unit is None else unit
+        if self.unit not in PLACEMENT_UNITS:
+            raise ConfigError(f"placement unit must be one of {', '.join(PLACEMENT_UNITS)}, got {self.unit!r}")
         self.reserve = reserve or GpuReserve()
         self.max_expert_mb = max_expert_mb
         self.impl = resolve_impl(impl, self.device)
@@ -457,8 +461,9 @@ class HybridExperts:
         else:
             expert_bytes = [sum(t[0].numel() for t in (ew.gate, ew.up, ew.down)) * ew.gate.element_size()
                             for ew in experts]
+        unit = options.get("unit")
         _checked_placement(stats, expert_bytes, budget_mb, cfg.n_expert_used, torch.device(model.device),
-                           on_gpu, reserve, options.get("max_expert_mb"))
+                           on_gpu, reserve, options.get("max_expert_mb"), _env_unit() if unit is None else unit)
         pin = torch.device(model.device).type == "cuda"
         host: list[Any] = []
         if raws is not None:
@@ -477,11 +482,13 @@ class HybridExperts:
         return cls(host, budget_mb, device=model.device, stats=stats, min_hot=cfg.n_expert_used, reserve=reserve,
                    gguf_file=gguf_file, cold_device=cold_device, **options)
 
-    def set_budget(self, budget_mb: float) -> Placement:
+    def set_budget(self, budget_mb: float, unit: str | None = None) -> Placement:
         """Re-place the experts for ``budget_mb`` in place (only experts that change tier move)
-        and reset the counters."""
+        and reset the counters; ``unit`` (None: as set) is what the hot set grows by."""
         placement = _checked_placement(self.stats, self.expert_bytes, budget_mb, self.min_hot, self.device,
-                                       self.expert_vram_bytes, self.reserve, self.max_expert_mb)
+                                       self.expert_vram_bytes, self.reserve, self.max_expert_mb,
+                                       self.unit if unit is None else unit)
+        self.unit = self.unit if unit is None else unit
         with torch.inference_mode(False):
             # layers that shrink go first, so their memory is free before others grow
             moves = sorted(zip(self._layers, placement.hot), key=lambda lh: len(lh[1]) - lh[0].n_hot)
@@ -858,6 +865,7 @@ class HybridExperts:
 
 COLD_CPU_SHARE_ENV = "LUCE_TUNE_COLD_CPU_SHARE"
 COLD_CPU_INT8_ENV = "LUCE_TUNE_COLD_CPU_INT8"  # 0: the CPU share multiplies in float32
+PLACEMENT_UNIT_ENV = "LUCE_TUNE_PLACEMENT_UNIT"  # expert or layer: what the hot set grows by
 
 
 def _env_int8() -> bool:
@@ -877,10 +885,17 @@ def _env_share() -> float:
         raise ConfigError(f"{COLD_CPU_SHARE_ENV} must be a number between 0 and 1, got {text!r}") from None
 
 
+def _env_unit() -> str:
+    text = os.environ.get(PLACEMENT_UNIT_ENV, "").strip() or "expert"
+    if text not in PLACEMENT_UNITS:
+        raise ConfigError(f"{PLACEMENT_UNIT_ENV} must be one of {', '.join(PLACEMENT_UNITS)}, got {text!r}")
+    return text
+
+
 def _checked_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: float, min_hot: int,
                        device: torch.device, reclaimable_bytes: int, reserve: GpuReserve,
-                       max_expert_mb: float | None) -> Placement:
-    placement = plan_placement(stats, expert_bytes, budget_mb, min_hot)
+                       max_expert_mb: float | None, unit: str = "expert") -> Placement:
+    placement = plan_placement(stats, expert_bytes, budget_mb, min_hot, unit)
     capacity = gpu_expert_capacity_mb(device, reclaimable_bytes, reserve)
     if max_expert_mb is not None:
         capacity = max_expert_mb if capacity is None else min(capacity, max_expert_mb)

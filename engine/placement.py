@@ -234,15 +234,27 @@ def min_nonzero_budget_mb(expert_bytes: Sequence[int], min_hot: int) -> float:
     return min_hot * sum(expert_bytes) / MB
 
 
-def plan_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: float, min_hot: int) -> Placement:
+PLACEMENT_UNITS = ("expert", "layer")
+
+
+def plan_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: float, min_hot: int,
+                   unit: str = "expert") -> Placement:
     """Choose the hot experts for ``budget_mb`` by greedy knapsack on routing mass per byte.
 
     Every layer first gets its ``min_hot`` most-routed experts; the rest are taken in one
-    fixed order (mass per byte, then rank within the layer, then layer) until the next one
-    does not fit. Stopping there, rather than skipping to smaller items, keeps hot sets
-    nested as the budget grows, so ``set_budget`` only ever moves the difference. Budget 0
-    puts every expert on the CPU.
+    fixed order until the next one does not fit. ``unit="expert"``: mass per byte, then rank
+    within the layer, then layer. ``unit="layer"``: whole layers at a time (the layer whose
+    remaining experts carry the most mass per byte first, a later layer first on ties, as
+    llama.cpp's ``-ncmoe`` keeps its last layers' experts on the GPU), each layer's experts
+    by rank; fewer layers then have cold experts, each with more of them, which pays where
+    a layer's cold experts cost a fixed price on top of their bytes (a CPU share's job, a
+    gather's launch), and loses where routing is skewed enough that hot experts spread over
+    every layer catch more of it. Stopping at the first item that does not fit, rather than
+    skipping to smaller ones, keeps hot sets nested as the budget grows, so ``set_budget``
+    only ever moves the difference. Budget 0 puts every expert on the CPU.
     """
+    if unit not in PLACEMENT_UNITS:
+        raise ConfigError(f"placement unit must be one of {', '.join(PLACEMENT_UNITS)}, got {unit!r}")
     L, E = stats.n_layers, stats.n_expert
     if len(expert_bytes) != L or any(b <= 0 for b in expert_bytes):
         raise ValueError(f"expert_bytes must give a positive size for each of {L} layers, got {expert_bytes}")
@@ -266,10 +278,16 @@ def plan_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: 
         rank = torch.argsort(torch.argsort(-p, dim=1, stable=True), dim=1)  # 0 = most routed in its layer
         hot = [torch.nonzero(rank[layer] < min_hot).flatten().tolist() for layer in range(L)]
         used = need
-        rest = [(-float(p[l, e]) / expert_bytes[l], int(rank[l, e]), l, e)
-                for l in range(L) for e in range(E) if rank[l, e] >= min_hot]
+        if unit == "expert":
+            rest = [(-float(p[l, e]) / expert_bytes[l], int(rank[l, e]), l, e)
+                    for l in range(L) for e in range(E) if rank[l, e] >= min_hot]
+        else:
+            per_byte = [float(p[l][rank[l] >= min_hot].sum()) / (max(1, E - min_hot) * expert_bytes[l])
+                        for l in range(L)]
+            rest = [(-per_byte[l], -l, int(rank[l, e]), l, e) for l in range(L) for e in range(E)
+                    if rank[l, e] >= min_hot]
         rest.sort()
-        for _, _, layer, e in rest:
+        for *_, layer, e in rest:
             if used + expert_bytes[layer] > budget:
                 break
             hot[layer].append(e)

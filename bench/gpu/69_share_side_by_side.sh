@@ -10,4 +10,4 @@ echo "side by side with LUCE_TUNE_COLD_CPU_SHARE=$LUCE_TUNE_COLD_CPU_SHARE"
 cat /tmp/llbuild.out; tail -3 /tmp/llbuild/build.log || true
 timeout ${VS_S:-400} python3 bench/vs_llamacpp.py --model /tmp/q35.gguf --llama-bench /tmp/llbuild/cmake/bin/llama-bench \
   --prompts ${PROMPTS:-512,8192} --gen 64 --depths ${DEPTHS:-0,16384} --repeats 3 --ncmoe 20 --weights quantized \
-  --experts quantized --cuda-graph --cold-device gpu --json "$OUT/vs_llamacpp.json" 2>&1 | tee "$OUT/vs_llamacpp.log" | tail -30
+  --experts quantized --cuda-graph --cold-device gpu --placement-unit ${PLACEMENT_UNIT:-expert} --json "$OUT/vs_llamacpp.json" 2>&1 | tee "$OUT/vs_llamacpp.log" | tail -30

@@ -4,7 +4,7 @@
 # (`bench/host_share_pool.py --bus`); then decode at half cold with the builds that the pool ranks first and
 # second and the default build (`bench/cold_cpu_share.py --cflags`, SHARES; random tokens fed to the steps as
 # llama-bench's, and each row again on the greedy output, whose routing repeats every step), the rows to
-# /tmp/cold_variants.json for 77. Starts the llama-bench build at the end when `.snap` is carried (77 waits for it).
+# /tmp/cold_variants.json for 77; each placement unit in UNITS (the hot set grown by experts or by whole layers). Starts the llama-bench build at the end when `.snap` is carried (77 waits for it).
 source "$(dirname "$0")/env.sh"
 start_q35
 [ -z "$maker" ] || wait $maker
@@ -26,8 +26,9 @@ print(";".join(dict.fromkeys([base] + ranked[:2])))
 PY
 ) || DV=$S
 echo "decode builds: $DV"
-timeout ${BENCH_S:-300} python3 bench/cold_cpu_share.py --model /tmp/q35.gguf --shares ${SHARES:-0,0.45,0.55} \
-  --new-tokens 64 --repeats 3 --also-greedy --cflags="$DV" --json "$OUT/cold_variants.json" 2>&1 | grep -v Warn \
+timeout ${BENCH_S:-420} python3 bench/cold_cpu_share.py --model /tmp/q35.gguf --shares ${SHARES:-0,0.45,0.55} \
+  --placement-units ${UNITS:-expert,layer} --new-tokens 64 --repeats 3 --also-greedy --cflags="$DV" \
+  --json "$OUT/cold_variants.json" 2>&1 | grep -v Warn \
   > "$OUT/cold_variants.log" || echo "decode rc=$?"
 grep -E "share" "$OUT/cold_variants.log" || true
 cp "$OUT/cold_variants.json" /tmp/cold_variants.json || true

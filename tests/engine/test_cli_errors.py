@@ -100,3 +100,21 @@ def test_negative_spec_fallback_is_one_clear_error(capsys):
     assert status == 2 and "Traceback" not in err
     assert err.startswith("error:") and "--spec-fallback must be >= 0 (0: no plain stretches) or auto, got '-1'" in err
     assert "loaded" not in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--placement-unit", "layer"], "--placement-unit needs --expert-budget"),
+    (["--placement-unit", "block", "--expert-budget", "1"], "placement_unit must be one of expert, layer, got 'block'"),
+])
+def test_placement_unit_errors_are_one_clear_line(good, extra, message, capsys):
+    status = main(["generate", "--model", str(good), "--prompt", "x", "-n", "2", "--device", "cpu", *extra])
+    err = " ".join(capsys.readouterr().err.split())
+    assert status == 2 and "Traceback" not in err
+    assert err.startswith("error:") and message in err
+
+
+def test_placement_unit_layer_generates(good, capsys):
+    status = main(["generate", "--model", str(good), "--prompt", "def f(x):", "-n", "4", "--device", "cpu",
+                   "--expert-budget", "1000", "--placement-unit", "layer", "--json"])
+    assert status == 0
+    assert '"new_tokens": 4' in capsys.readouterr().out

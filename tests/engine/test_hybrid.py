@@ -216,6 +216,37 @@ def test_engine_generates_the_same_with_calibrated_hybrid_experts(tiny_model_fil
     hybrid.close()
 
 
+def test_engine_places_whole_layers_with_the_layer_unit(tiny_model_file, plain_run, monkeypatch):
+    """``placement_unit="layer"``: past each layer's minimum the budget fills whole layers (one at most partly),
+    the output is the same, the unit stays set for later budgets and ``unit="expert"`` spreads the hot experts."""
+    from engine.engine import Engine
+
+    ids, _, _ = plain_run
+    eng = Engine.from_gguf(tiny_model_file, device="cpu")
+    plain = eng.generate(ids.tolist(), 6, ignore_eos=True).ids
+    L, E, k = eng.config.n_layers, eng.config.n_expert, eng.config.n_expert_used
+    size = eng.set_expert_budget(0, unit="layer").expert_bytes[0]
+    budget = (k * L + 1.5 * (E - k)) * size / MB
+    by_layer = eng.set_expert_budget(budget)
+    assert eng.hybrid.unit == "layer"
+    assert sorted(len(h) for h in by_layer.hot) == [k] * (L - 2) + [k + (E - k) // 2, E]
+    assert eng.generate(ids.tolist(), 6, ignore_eos=True).ids == plain
+    by_expert = eng.set_expert_budget(budget, unit="expert")
+    assert eng.hybrid.unit == "expert" and by_expert.hot_count == by_layer.hot_count
+    assert sorted(len(h) for h in by_expert.hot) != sorted(len(h) for h in by_layer.hot)
+    assert eng.generate(ids.tolist(), 6, ignore_eos=True).ids == plain
+    eng.hybrid.close()
+    with pytest.raises(ConfigError, match="placement_unit must be one of expert, layer"):
+        Engine.from_gguf(tiny_model_file, device="cpu", expert_budget_mb=budget, placement_unit="block")
+    monkeypatch.setenv("LUCE_TUNE_PLACEMENT_UNIT", "block")
+    with pytest.raises(ConfigError, match="LUCE_TUNE_PLACEMENT_UNIT must be one of"):
+        Engine.from_gguf(tiny_model_file, device="cpu", expert_budget_mb=budget)
+    monkeypatch.setenv("LUCE_TUNE_PLACEMENT_UNIT", "layer")
+    eng = Engine.from_gguf(tiny_model_file, device="cpu", expert_budget_mb=budget)
+    assert eng.hybrid.unit == "layer" and eng.hybrid.placement.hot == by_layer.hot
+    eng.hybrid.close()
+
+
 @pytest.fixture(scope="module")
 def real_experts():
     """Four layers of experts at the real shapes, bf16 in pinned host memory (6 GiB)."""

@@ -48,12 +48,13 @@ SKEWED = counted(sample_routing(zipf_router(1), 400, seed=2))
 @pytest.mark.parametrize("stats", [SKEWED, RoutingStats.uniform(L, E)], ids=["skewed", "uniform"])
 @pytest.mark.parametrize("expert_bytes", [EXPERT_BYTES, [b * (1 + i % 3) for i, b in enumerate(EXPERT_BYTES)]],
                          ids=["equal", "mixed"])
-def test_knapsack_respects_budget_minimum_and_nesting(stats, expert_bytes):
+@pytest.mark.parametrize("unit", ["expert", "layer"])
+def test_knapsack_respects_budget_minimum_and_nesting(stats, expert_bytes, unit):
     total_mb = E * sum(expert_bytes) / MB
     floor_mb = min_nonzero_budget_mb(expert_bytes, K)
     previous: list[set[int]] | None = None
     for budget in [floor_mb + (total_mb - floor_mb) * f for f in (0.0, 0.1, 0.3, 0.31, 0.5, 0.9, 0.999)]:
-        p = plan_placement(stats, expert_bytes, budget, K)
+        p = plan_placement(stats, expert_bytes, budget, K, unit=unit)
         assert p.hot_bytes <= budget * MB
         assert all(len(h) >= K for h in p.hot)
         assert p.hot_count + p.cold_count == L * E
@@ -64,6 +65,26 @@ def test_knapsack_respects_budget_minimum_and_nesting(stats, expert_bytes):
         if previous is not None:
             assert all(old <= new for old, new in zip(previous, sets))
         previous = sets
+
+
+@pytest.mark.parametrize("stats", [SKEWED, RoutingStats.uniform(L, E)], ids=["skewed", "uniform"])
+def test_layer_unit_leaves_cold_experts_in_as_few_layers_as_fit(stats):
+    """``unit="layer"``: past each layer's minimum, whole layers go hot one at a time, so at most one layer is
+    partly hot and the others hold all their experts or only the minimum; with uniform routing the last layers
+    go first (llama.cpp's ``-ncmoe`` keeps the first layers' experts off the GPU)."""
+    floor_mb = min_nonzero_budget_mb(EXPERT_BYTES, K)
+    budget = floor_mb + 2.5 * (E - K) * EXPERT_BYTES[0] / MB  # room for two and a half layers past the minimum
+    p = plan_placement(stats, EXPERT_BYTES, budget, K, unit="layer")
+    sizes = [len(h) for h in p.hot]
+    assert sorted(sizes) == [K] * (L - 3) + [K + (E - K) // 2, E, E]
+    if not stats.calibrated:
+        assert sizes[-2:] == [E, E] and sizes[-3] == K + (E - K) // 2
+    mixed = plan_placement(stats, EXPERT_BYTES, budget, K, unit="expert")
+    assert sum(K < n < E for n in (len(h) for h in mixed.hot)) > 1  # experts spread over the layers
+    if stats.calibrated:  # skewed routing: spreading the hot experts catches more of it
+        assert mixed.expected_cold_hit_rate < p.expected_cold_hit_rate
+    with pytest.raises(ConfigError, match="placement unit"):
+        plan_placement(stats, EXPERT_BYTES, budget, K, unit="block")
 
 
 def test_budget_extremes():
