@@ -46,6 +46,7 @@ class Measure:
     spec_len: int | None = None
     pflash_keep_ratio: float | None = None
     cold_cpu_share: float | None = None  # set before measuring (Engine.set_cold_cpu_share); None: leave at 0
+    placement_unit: str | None = None  # what the budget's hot set grows by (Engine.set_expert_budget); None: expert
     warmup: int = 1
     repeats: int = 1
     seed: int = 0

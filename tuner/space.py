@@ -3,13 +3,15 @@
 Dimensions appear only where they mean something: the expert budget only with a GPU, the
 draft only with compatible candidates, spec_len only with a draft, PFlash only with a
 compatible drafter and long prompts, its keep ratio only when it is on, the cold experts' CPU
-share only with ``cold_device = "gpu"``, quantized experts and a budget that leaves some cold.
+share only with ``cold_device = "gpu"``, quantized experts and a budget that leaves some cold, the
+placement unit only with more than one unit configured and a budget that leaves some cold (but not
+all).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -28,6 +30,7 @@ class TrialParams:
     spec_len: int | None = None
     pflash_keep_ratio: float | None = None
     cold_cpu_share: float | None = None  # share of the cold pairs CPU threads compute; None: not searched
+    placement_unit: str | None = None  # what the hot set grows by (engine.placement); None: not searched
 
     def __post_init__(self) -> None:
         if self.cold_cpu_share is not None and not 0.0 <= self.cold_cpu_share <= 1.0:
@@ -45,6 +48,8 @@ class TrialParams:
         parts.append(f"pflash {self.pflash_keep_ratio:.3f}" if self.pflash_keep_ratio else "no pflash")
         if self.cold_cpu_share is not None:
             parts.append(f"cpu share {self.cold_cpu_share:.2f}")
+        if self.placement_unit is not None:
+            parts.append(f"by {self.placement_unit}")
         return ", ".join(parts)
 
 
@@ -57,6 +62,7 @@ class SearchSpace:
     keep_ratio: tuple[float, float] | None  # None: no PFlash dimension
     full_model_mb: int | None = None  # the budget that holds every expert, when it fits
     cpu_share: tuple[float, float] | None = None  # None: no CPU-share dimension
+    units: tuple[str, ...] | None = None  # None: no placement-unit dimension (one unit, the engine's default)
 
     def __post_init__(self) -> None:
         if self.budget_max_mb is not None and self.budget_max_mb % self.budget_step_mb:
@@ -90,10 +96,11 @@ class SearchSpace:
         share = search.cold_cpu_share
         cpu_share = share if (hardware.gpu is not None and config.engine.cold_device == "gpu"
                               and config.engine.experts == "quantized" and share[1] > 0) else None
+        units = search.placement_unit if hardware.gpu is not None and len(search.placement_unit) > 1 else None
         return cls(budget_max_mb=budget_max, budget_step_mb=search.expert_budget_step_mb,
                    drafts=tuple(p.name for p in drafts), spec_len=search.spec_len,
                    keep_ratio=search.pflash_keep_ratio if pflash else None, full_model_mb=full,
-                   cpu_share=cpu_share)
+                   cpu_share=cpu_share, units=units)
 
     @property
     def is_empty(self) -> bool:
@@ -108,6 +115,7 @@ class SearchSpace:
             if self.budget_max_mb > 0:
                 budget = trial.suggest_int("expert_budget_mb", 0, self.budget_max_mb,
                                            step=self.budget_step_mb)
+        unit = trial.suggest_categorical("placement_unit", list(self.units)) if self.places_units(budget) else None
         share = None
         if self.shares_cold(budget):
             lo, hi = self.cpu_share
@@ -123,7 +131,13 @@ class SearchSpace:
             if trial.suggest_categorical("pflash", ["off", "on"]) == "on":
                 keep = trial.suggest_float("pflash_keep_ratio", *self.keep_ratio, log=True)
         return TrialParams(expert_budget_mb=budget, draft=draft, spec_len=spec_len,
-                           pflash_keep_ratio=keep, cold_cpu_share=share)
+                           pflash_keep_ratio=keep, cold_cpu_share=share, placement_unit=unit)
+
+    def places_units(self, budget: int | None) -> bool:
+        """Whether a point at ``budget`` has a placement unit to choose: the dimension is on and the budget
+        holds some experts but not all (at 0 or the full model's the unit changes nothing)."""
+        return (self.units is not None and budget is not None and budget > 0
+                and (self.full_model_mb is None or budget < self.full_model_mb))
 
     def shares_cold(self, budget: int | None) -> bool:
         """Whether a point at ``budget`` has a CPU share to choose: the dimension is on and the
@@ -142,7 +156,9 @@ class SearchSpace:
             pflash_keep_ratio=(float(stored["pflash_keep_ratio"])
                                if stored.get("pflash") == "on" else None),
             cold_cpu_share=(float(stored.get("cold_cpu_share", self.cpu_share[0]))
-                            if self.shares_cold(int(budget) if budget is not None else None) else None))
+                            if self.shares_cold(int(budget) if budget is not None else None) else None),
+            placement_unit=(str(stored.get("placement_unit", self.units[0]))
+                            if self.places_units(int(budget) if budget is not None else None) else None))
 
     def to_params(self, p: TrialParams) -> dict[str, Any]:
         """The inverse of ``params_of``: what ``enqueue_trial`` takes."""
@@ -159,6 +175,8 @@ class SearchSpace:
                 out["pflash_keep_ratio"] = p.pflash_keep_ratio
         if self.shares_cold(p.expert_budget_mb) and self.cpu_share[1] > self.cpu_share[0]:
             out["cold_cpu_share"] = p.cold_cpu_share if p.cold_cpu_share is not None else self.cpu_share[0]
+        if self.places_units(p.expert_budget_mb):
+            out["placement_unit"] = p.placement_unit or self.units[0]
         return out
 
     def warm_start(self) -> list[TrialParams]:
@@ -176,13 +194,17 @@ class SearchSpace:
         if self.budget_max_mb:
             half = self.budget_max_mb // 2 // self.budget_step_mb * self.budget_step_mb
             if half != top:
+                unit = self.units[0] if self.places_units(half) else None
                 if self.shares_cold(half):  # the bus alone, then the middle of the threads' share
                     lo, hi = self.cpu_share
-                    points += [TrialParams(expert_budget_mb=half, cold_cpu_share=lo)]
+                    points += [TrialParams(expert_budget_mb=half, cold_cpu_share=lo, placement_unit=unit)]
                     if hi > lo:
-                        points.append(TrialParams(expert_budget_mb=half, cold_cpu_share=(lo + hi) / 2))
+                        points.append(TrialParams(expert_budget_mb=half, cold_cpu_share=(lo + hi) / 2,
+                                                  placement_unit=unit))
                 else:
-                    points.append(TrialParams(expert_budget_mb=half))
+                    points.append(TrialParams(expert_budget_mb=half, placement_unit=unit))
+                if unit is not None:  # the other units at the last of those points
+                    points += [replace(points[-1], placement_unit=u) for u in self.units[1:]]
         return points
 
     def coarse_grid(self, budget_points: int = 4) -> list[TrialParams]:
@@ -208,12 +230,17 @@ class SearchSpace:
             lo, hi = self.cpu_share
             return sorted({lo, (lo + hi) / 2, hi})
 
-        return [TrialParams(expert_budget_mb=b, draft=d, spec_len=n, pflash_keep_ratio=k, cold_cpu_share=s)
-                for b in budgets for s in shares(b) for d, n in drafts for k in keeps]
+        def units(b: int | None) -> list[str | None]:
+            return list(self.units) if self.places_units(b) else [None]
+
+        return [TrialParams(expert_budget_mb=b, draft=d, spec_len=n, pflash_keep_ratio=k, cold_cpu_share=s,
+                            placement_unit=u)
+                for b in budgets for u in units(b) for s in shares(b) for d, n in drafts for k in keeps]
 
     def describe(self) -> dict[str, Any]:
         """A JSON form stored with the study: resuming with another space is refused."""
         return {"budget_max_mb": self.budget_max_mb, "budget_step_mb": self.budget_step_mb,
                 "drafts": list(self.drafts), "spec_len": list(self.spec_len),
                 "keep_ratio": list(self.keep_ratio) if self.keep_ratio else None,
-                **({"cpu_share": list(self.cpu_share)} if self.cpu_share else {})}
+                **({"cpu_share": list(self.cpu_share)} if self.cpu_share else {}),
+                **({"placement_units": list(self.units)} if self.units else {})}

@@ -314,6 +314,7 @@ class Tuner:
         request = Measure(spec=self._load_spec(params.draft), jobs=self.workload.jobs,
                           expert_budget_mb=params.expert_budget_mb, spec_len=params.spec_len,
                           pflash_keep_ratio=params.pflash_keep_ratio, cold_cpu_share=params.cold_cpu_share,
+                          placement_unit=params.placement_unit,
                           warmup=c.workload.warmup,
                           repeats=repeats, seed=c.workload.seed,
                           hang_s=self.hang.get(number, 0.0) if phase == "trial" else 0.0)
@@ -429,7 +430,7 @@ def _violations(limits: Mapping[str, float]) -> str:
 def _params_dict(p: TrialParams) -> dict[str, Any]:
     return {k: v for k, v in (("expert_budget_mb", p.expert_budget_mb), ("draft", p.draft),
                               ("spec_len", p.spec_len), ("pflash_keep_ratio", p.pflash_keep_ratio),
-                              ("cold_cpu_share", p.cold_cpu_share))
+                              ("cold_cpu_share", p.cold_cpu_share), ("placement_unit", p.placement_unit))
             if v is not None}
 
 

@@ -204,29 +204,37 @@ class _EngineHost:
         self.spec: LoadSpec | None = None
         self.budget_mb: int | None = None
         self.cpu_share = 0.0  # the loaded engine's cold experts' CPU share
+        self.unit = "expert"  # what the loaded engine's hot set grows by
         self.load_s = 0.0
 
     @property
     def device(self) -> str:
         return str(getattr(self.engine, "device", "unknown"))
 
-    def ensure(self, spec: LoadSpec, budget_mb: int | None) -> bool:
-        """Load ``spec`` unless it is what is loaded; set the expert budget in place."""
+    def ensure(self, spec: LoadSpec, budget_mb: int | None, unit: str | None = None) -> bool:
+        """Load ``spec`` unless it is what is loaded; set the expert budget (grown by ``unit``, None: as the
+        engine has it) in place."""
         if self.engine is not None and spec == self.spec:
-            if budget_mb is not None and budget_mb != self.budget_mb:
-                self.engine.set_expert_budget(budget_mb)
+            if budget_mb is not None and (budget_mb != self.budget_mb or (unit is not None and unit != self.unit)):
+                if unit is None:
+                    self.engine.set_expert_budget(budget_mb)
+                else:
+                    self.engine.set_expert_budget(budget_mb, unit=unit)
+                    self.unit = unit
                 self.budget_mb = budget_mb
             return False
         self._conn.send(Loading())
         self.engine = self.spec = None  # free the old engine before loading the next
         options = {"draft": spec.draft, "drafter": spec.drafter, "dtype": spec.dtype,
                    "threads": spec.threads, "expert_budget_mb": budget_mb,
+                   "placement_unit": unit if budget_mb is not None else None,
                    "pflash_threshold": spec.pflash_threshold if spec.drafter else None, **dict(spec.options)}
         t0 = time.perf_counter()
         self.engine = self._load(spec.target, device=spec.device,
                                  **{k: v for k, v in options.items() if v is not None})
         self.load_s = time.perf_counter() - t0
         self.spec, self.budget_mb, self.cpu_share = spec, budget_mb, 0.0
+        self.unit = unit if unit is not None and budget_mb is not None else "expert"
         return True
 
     def share(self, share: float | None) -> None:
@@ -238,7 +246,7 @@ class _EngineHost:
         self.cpu_share = share
 
     def measure(self, m: Measure) -> Measured:
-        if self.ensure(m.spec, m.expert_budget_mb):
+        if self.ensure(m.spec, m.expert_budget_mb, m.placement_unit):
             self._conn.send(Loaded(load_s=self.load_s, device=self.device))
         self.share(m.cold_cpu_share)
         if m.hang_s > 0:

@@ -60,6 +60,7 @@ class FakeEngine:
         self.drafter = drafter
         self.budget_mb = 0
         self.cpu_share = 0.0
+        self.unit = "expert"
         self.set_expert_budget(budget_mb or 0)
 
     @classmethod
@@ -75,12 +76,16 @@ class FakeEngine:
             if other is not None and Path(other).name in behaviour.get("incompatible", []):
                 raise IncompatibleModelError(
                     f"{other}: {role} hidden size 5120 does not match the target's 2048")
-        return cls(Path(path), behaviour, draft, drafter, expert_budget_mb)
+        eng = cls(Path(path), behaviour, draft, drafter, expert_budget_mb)
+        eng.unit = options.get("placement_unit") or "expert"
+        return eng
 
-    def set_expert_budget(self, mb: int) -> None:
+    def set_expert_budget(self, mb: int, *, unit: str | None = None) -> None:
         if mb > self.behaviour.get("oom_above_mb", float("inf")):
             raise OutOfMemoryError(f"CUDA out of memory: tried to place {mb} MB of experts")
         self.budget_mb = mb
+        if unit is not None:
+            self.unit = unit
 
     def set_cold_cpu_share(self, share: float) -> None:
         self.cpu_share = share
@@ -98,6 +103,7 @@ class FakeEngine:
         ms = float(self.behaviour.get("ms_per_token", 2.0))
         ms /= 1.0 + self.budget_mb / 1024.0
         ms *= 1.0 - 0.3 * self.cpu_share  # CPU threads beside the bus: faster cold experts
+        ms *= 0.9 if self.unit == "layer" else 1.0  # fewer layers with cold experts
         if spec_len and self.draft:
             ms /= 1.0 + 0.1 * spec_len
         prompt = len(ids) * (pflash_keep_ratio or 1.0)
@@ -108,7 +114,8 @@ class FakeEngine:
                           decode_s=decode_s, decode_tok_s=(max_new_tokens - 1) / decode_s,
                           peak_mem_mb=100.0 + self.budget_mb,
                           extra={**({"acceptance_length": 1.0 + spec_len / 2} if spec_len else {}),
-                                 **({"cold_cpu_share": self.cpu_share} if self.cpu_share else {})})
+                                 **({"cold_cpu_share": self.cpu_share} if self.cpu_share else {}),
+                                 **({"placement_unit": self.unit} if self.unit != "expert" else {})})
         return Generation(ids=new, text=self.tokenizer.decode(new), timings=timings,
                           stop_reason="length")
 

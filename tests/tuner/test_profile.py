@@ -125,4 +125,7 @@ def test_the_searched_cpu_share_is_published(tmp_path):
     assert p.engine["cold_cpu_share"] == 0.45 and p.engine["cold_device"] == "gpu"
     assert p.load_options()["cold_cpu_share"] == 0.45 and p.load_options()["expert_budget_mb"] == 1024
     bare = build_profile(cfg, files, 2, TrialParams(expert_budget_mb=1024), {}, "cuda", FINGERPRINT)
-    assert "cold_cpu_share" not in bare.engine
+    assert "cold_cpu_share" not in bare.engine and "placement_unit" not in bare.engine
+    by_layer = build_profile(cfg, files, 2, TrialParams(expert_budget_mb=1024, placement_unit="layer"), {}, "cuda",
+                             FINGERPRINT)
+    assert by_layer.engine["placement_unit"] == "layer" and by_layer.load_options()["placement_unit"] == "layer"

@@ -202,3 +202,47 @@ def test_cold_cpu_share_is_searched_only_where_experts_are_cold_on_the_bus(tmp_p
         assert fixed.params_of(params) == p
     with pytest.raises(ValueError, match="cold_cpu_share 1.5 is outside"):
         TrialParams(cold_cpu_share=1.5)
+
+
+def test_placement_unit_is_searched_only_at_budgets_that_leave_some_experts_cold(tmp_path):
+    """With two units configured and a GPU, the unit is a categorical dimension at budgets between 0 and the full
+    model's (where it changes nothing it is left out); warm start tries the half budget by each unit; the coarse
+    grid crosses the units with the CPU shares; points round-trip through Optuna's parameters; one unit (the
+    default) or no GPU leaves the space as before."""
+    both = "[engine]\ncold_device = \"gpu\"\nexperts = \"quantized\"\n[search]\nplacement_unit = [\"expert\", \"layer\"]\n"
+    space = SearchSpace.build(_config(tmp_path, both), H200, drafts=(), drafter_ok=False, experts_mb=2000)
+    assert space.units == ("expert", "layer") and space.describe()["placement_units"] == ["expert", "layer"]
+    seen = set()
+    for p, params in _sample(space, 60):
+        if 0 < p.expert_budget_mb < 2048:
+            assert p.placement_unit in ("expert", "layer") and params["placement_unit"] == p.placement_unit
+            seen.add(p.placement_unit)
+        else:
+            assert p.placement_unit is None and "placement_unit" not in params
+        assert space.params_of(params) == p
+    assert seen == {"expert", "layer"}
+    points = space.warm_start()
+    assert points == [TrialParams(expert_budget_mb=2048),
+                      TrialParams(expert_budget_mb=1024, cold_cpu_share=0.0, placement_unit="expert"),
+                      TrialParams(expert_budget_mb=1024, cold_cpu_share=0.4, placement_unit="expert"),
+                      TrialParams(expert_budget_mb=1024, cold_cpu_share=0.4, placement_unit="layer")]
+    _assert_enqueued_as_given(space, points)
+    grid = space.coarse_grid(budget_points=3)
+    assert {(p.expert_budget_mb, p.placement_unit, p.cold_cpu_share) for p in grid} == {
+        (0, None, 0.0), (0, None, 0.4), (0, None, 0.8), (2048, None, None),
+        *((1024, u, s) for u in ("expert", "layer") for s in (0.0, 0.4, 0.8))}
+    for p in grid:
+        assert space.params_of(space.to_params(p)) == p
+    assert "by layer" in TrialParams(expert_budget_mb=1024, placement_unit="layer").label()
+    for extra, hardware in (("", H200), (both, CPU_ONLY),
+                            ("[search]\nplacement_unit = [\"layer\"]\n", H200)):
+        off = SearchSpace.build(_config(tmp_path, extra), hardware, drafts=(), drafter_ok=False, experts_mb=2000)
+        assert off.units is None and "placement_units" not in off.describe()
+        assert all(p.placement_unit is None for p, _ in _sample(off, 5))
+
+
+def test_the_tuner_knows_the_engine_placement_units():
+    from engine.placement import PLACEMENT_UNITS
+    from tuner.config import PLACEMENT_UNITS as CONFIG_UNITS
+
+    assert CONFIG_UNITS == PLACEMENT_UNITS

@@ -118,6 +118,26 @@ def test_the_cold_cpu_share_is_set_before_measuring_and_put_back_after():
     assert calls == [0.5, 0.5, 0.0]
 
 
+def test_the_placement_unit_reaches_the_budget_and_the_load():
+    """A Measure's placement unit goes to the load's options on a fresh load, and to ``set_expert_budget`` when the
+    budget or the unit changes on a loaded engine; without one the budget is set as before."""
+    from types import SimpleNamespace
+
+    from tuner.worker import _EngineHost
+
+    loads, budgets = [], []
+    engine = SimpleNamespace(device="cpu", set_expert_budget=lambda mb, **kw: budgets.append((mb, kw)))
+    host = _EngineHost(lambda path, **kw: loads.append(kw) or engine, SimpleNamespace(send=lambda message: None))
+    spec = LoadSpec(target="t.gguf")
+    assert host.ensure(spec, 512, "layer") and loads[-1]["placement_unit"] == "layer"
+    assert not host.ensure(spec, 512, "layer") and budgets == []
+    host.ensure(spec, 512, "expert")
+    host.ensure(spec, 768, None)
+    host.ensure(spec, 768, "expert")
+    assert budgets == [(512, {"unit": "expert"}), (768, {})]
+    assert host.ensure(LoadSpec(target="u.gguf"), 512) and "placement_unit" not in loads[-1]
+
+
 def test_the_cold_cpu_share_reaches_the_worker_engine(target):
     spec = LoadSpec(target=target())
     with EngineWorker(FAKE) as w:
@@ -125,3 +145,6 @@ def test_the_cold_cpu_share_reaches_the_worker_engine(target):
         assert all(o.timings["cold_cpu_share"] == 0.5 for o in m.outputs)
         m = w.request(Measure(spec=spec, jobs=JOBS), timeout_s=30, load_timeout_s=60)
         assert all("cold_cpu_share" not in o.timings for o in m.outputs)
+        m = w.request(Measure(spec=spec, jobs=JOBS, expert_budget_mb=256, placement_unit="layer"), timeout_s=30,
+                      load_timeout_s=60)
+        assert all(o.timings["placement_unit"] == "layer" for o in m.outputs)
