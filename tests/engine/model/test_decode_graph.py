@@ -150,6 +150,48 @@ def test_rollback_leaves_the_state_of_the_kept_prefix(engine_model, kernels, kee
     assert rel_err(model.forward(ids[-1:], static, logits="last").logits, a) <= LOGITS_TOL
 
 
+def test_device_restore_launches_do_not_grow_with_the_layers(tmp_path):
+    """``restore_at`` (the device loop's restore, ``keep`` a device value) gives the host restore's states, and the
+    ops it launches besides the delta rule's replay are as many for 6 Gated DeltaNet layers as for 3: the masks go
+    on after the layers' inputs are concatenated, the conv windows are one stacked buffer and the states go back in
+    multi-tensor copies (a CUDA graph replays each launch; 160 of them at the 35B's 30 layers before)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ not in ("view", "unbind", "select", "slice", "alias", "lift_fresh")
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for layers in (4, 8):  # 3 and 6 Gated DeltaNet layers
+        path = make_model(tmp_path / f"l{layers}.gguf", "tiny", n_layers=layers, seed=layers)
+        with GGUFFile(path) as f:
+            model = Qwen35MoE.from_gguf(f, device="cpu")
+        ids = tokens(model.cfg.vocab, 9, seed=layers)
+        host, dev = model.new_state(16), model.new_state(16)
+        with torch.inference_mode():
+            model.forward(ids[:4], host, logits="none")
+            model.forward(ids[:4], dev, logits="none")
+        steps = [DecodeGraph(model, s, tokens=5, rollback=True) for s in (host, dev)]
+        for step in steps:
+            step.step(ids[4:])
+        steps[0].rollback(2)
+        keep = torch.tensor(2)
+        steps[1].restore_at(keep)
+        assert all(torch.equal(host.recurrent[i], dev.recurrent[i]) and torch.equal(host.conv[i], dev.conv[i])
+                   for i in host.recurrent)
+        steps[1]._replay_rule = lambda q, k, v, g, beta, s, scale: (None, s)  # the rule apart: one launch on CUDA
+        with Ops() as ops, torch.inference_mode():
+            steps[1].restore_at(keep)
+        counts.append((len(host.recurrent), ops.n))
+    (n3, ops3), (n6, ops6) = counts
+    assert (n3, n6) == (3, 6) and ops3 == ops6 <= 16, counts
+
+
 def test_a_restore_that_cannot_be_captured_runs_eagerly(engine_model, monkeypatch):
     """A captured step whose rollback restore fails to capture warns once, restores eagerly (the
     state equals an eager forward over the kept tokens) and does not try to capture again."""
