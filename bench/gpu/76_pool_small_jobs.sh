@@ -11,7 +11,7 @@ start_q35
 echo "35B file there after $SECONDS s"
 S=-DLT_STATS=1
 V=${VARIANTS:-"$S;$S -DLT_CHUNK1=16;$S -DLT_CHUNK1=8;$S -DLT_CHUNK1=16 -DLT_CHUNK2=32;$S -DLT_CHUNK1=8 -DLT_CHUNK2=16;$S -DLT_CHUNK1=16 -DLT_CHUNK2=32 -DLT_PF8=1024;$S -DLT_CHUNK1=16 -DLT_CHUNK2=32 -DLT_PF8=2048;$S -DLT_CHUNK1=16 -DLT_CHUNK2=32 -DLT_PIN=1"}
-timeout ${POOL_S:-200} python3 bench/host_share_pool.py --pinned --bus --threads ${THREADS:-15} --pairs ${PAIRS:-1,2,3} \
+timeout ${POOL_S:-200} python3 bench/host_share_pool.py --pinned --bus --threads ${THREADS:-15,16} --pairs ${PAIRS:-1,2,3} \
   --jobs ${JOBS:-200} --activations int8 --cflags="$V" --json "$OUT/pool_small.json" 2>&1 | grep -v Warn \
   | tee "$OUT/pool_small.log" || echo "pool rc=$?"
 DV=$(python3 - "$OUT/pool_small.json" "$S" <<'PY'
