@@ -56,7 +56,7 @@ def reuse_of(steps: list[dict[int, list[int]]], n_layers: int) -> dict:
             "lru_hit_rate": lru}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--prompt", default="def fibonacci(n):")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     eng = Engine.from_gguf(args.model, device=args.device, weights="quantized", cold_format="quantized",
                            expert_budget_mb=0)
     cfg = eng.config
@@ -99,7 +99,8 @@ def main() -> None:
               + ", ".join(f"{n} a layer {h:.3f}" for n, h in r["lru_hit_rate"].items()), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
