@@ -304,8 +304,6 @@ class Engine:
         """
         if budget_mb < 0:
             raise ConfigError(f"expert budget must be >= 0 MB, got {budget_mb}")
-        if unit is not None and unit not in PLACEMENT_UNITS:
-            raise ConfigError(f"placement unit must be one of {', '.join(PLACEMENT_UNITS)}, got {unit!r}")
         self._graphs.clear()  # they read the device slots about to move; their memory is freed first
         self._prefills.clear()
         if self.hybrid is None:

@@ -461,9 +461,10 @@ class HybridExperts:
         else:
             expert_bytes = [sum(t[0].numel() for t in (ew.gate, ew.up, ew.down)) * ew.gate.element_size()
                             for ew in experts]
-        unit = options.get("unit")
+        if options.get("unit") is None:
+            options["unit"] = _env_unit()
         _checked_placement(stats, expert_bytes, budget_mb, cfg.n_expert_used, torch.device(model.device),
-                           on_gpu, reserve, options.get("max_expert_mb"), _env_unit() if unit is None else unit)
+                           on_gpu, reserve, options.get("max_expert_mb"), options["unit"])
         pin = torch.device(model.device).type == "cuda"
         host: list[Any] = []
         if raws is not None:

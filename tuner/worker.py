@@ -216,12 +216,8 @@ class _EngineHost:
         engine has it) in place."""
         if self.engine is not None and spec == self.spec:
             if budget_mb is not None and (budget_mb != self.budget_mb or (unit is not None and unit != self.unit)):
-                if unit is None:
-                    self.engine.set_expert_budget(budget_mb)
-                else:
-                    self.engine.set_expert_budget(budget_mb, unit=unit)
-                    self.unit = unit
-                self.budget_mb = budget_mb
+                self.engine.set_expert_budget(budget_mb, unit=unit)
+                self.budget_mb, self.unit = budget_mb, unit or self.unit
             return False
         self._conn.send(Loading())
         self.engine = self.spec = None  # free the old engine before loading the next

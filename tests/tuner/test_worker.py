@@ -134,7 +134,7 @@ def test_the_placement_unit_reaches_the_budget_and_the_load():
     host.ensure(spec, 512, "expert")
     host.ensure(spec, 768, None)
     host.ensure(spec, 768, "expert")
-    assert budgets == [(512, {"unit": "expert"}), (768, {})]
+    assert budgets == [(512, {"unit": "expert"}), (768, {"unit": None})]
     assert host.ensure(LoadSpec(target="u.gguf"), 512) and "placement_unit" not in loads[-1]
 
 
