@@ -18,7 +18,8 @@ setsid nohup python3 -m tuner.cli train-draft --target models/luce-target.gguf -
   --out /tmp/draft/luce-draft.gguf --layers 3 --features 3 ${LAYER_IDS:+--layer-ids $LAYER_IDS} --block-size 16 --batch 16 --anchors 256 --lr 2e-3 \
   --distill ${DISTILL_N:-16384} --distill-prompt ${DISTILL_PROMPT:-64} --distill-new ${DISTILL_NEW:-96} \
   --distill-batch ${DISTILL_BATCH:-1024} --eval-prompt-tokens ${EVAL_PROMPT:-128} \
-  --steps ${DRAFT_STEPS:-3072} --time-budget ${DRAFT_MINUTES:-6}m --device cuda > /tmp/draft/train.log 2>&1 &
+  --steps ${DRAFT_STEPS:-3072} --time-budget ${DRAFT_MINUTES:-6}m ${HELD_OUT:+--held-out $HELD_OUT} --device cuda \
+  > /tmp/draft/train.log 2>&1 &
 echo "draft training started"
 timeout ${TESTS_S:-200} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p no:cacheprovider \
   tests/engine/dflash/test_gpu.py tests/engine/model/test_decode_graph.py \

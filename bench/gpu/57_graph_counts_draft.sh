@@ -15,7 +15,8 @@ setsid nohup python3 -m tuner.cli train-draft --target models/luce-target.gguf -
   --out /tmp/draft/luce-draft.gguf --layers 3 --features 3 --block-size 16 --batch 16 --anchors 256 --lr 2e-3 \
   --distill ${DISTILL_N:-8192} --distill-prompt ${DISTILL_PROMPT:-512} --distill-new ${DISTILL_NEW:-448} \
   --distill-batch ${DISTILL_BATCH:-1024} --eval-prompt-tokens ${EVAL_PROMPT:-512} \
-  --steps ${DRAFT_STEPS:-6144} --time-budget ${DRAFT_MINUTES:-4}m --device cuda > /tmp/draft/train.log 2>&1 &
+  --steps ${DRAFT_STEPS:-6144} --time-budget ${DRAFT_MINUTES:-4}m ${HELD_OUT:+--held-out $HELD_OUT} --device cuda \
+  > /tmp/draft/train.log 2>&1 &
 echo "draft training started"
 timeout ${TESTS_S:-200} python3 -m pytest -m gpu -o addopts="" -q --tb=short -p no:cacheprovider \
   tests/engine/test_engine_decode_graph.py tests/engine/model/test_prefill_graph.py \

@@ -42,6 +42,10 @@ def train_draft(
     target: Path = typer.Option(..., "--target", help="qwen35moe GGUF the draft is trained for (kept frozen)"),
     corpus: Path = typer.Option(..., "--corpus", help="a text file (documents split at <|endoftext|>) or a "
                                                        "directory of text files"),
+    held_out: Optional[Path] = typer.Option(None, "--held-out", help="text for the acceptance report that the draft "
+                                            "does not train on (a file or directory; default: 5% of the corpus's "
+                                            "documents); text the target never trained on either shows what new "
+                                            "prompts get"),
     out: Path = typer.Option(..., "--out", "-o", help="draft GGUF to write; <out>.ckpt and "
                                                       "<out stem>.acceptance.json go beside it"),
     steps: int = typer.Option(2000, "--steps", help="optimizer steps (the learning-rate schedule spans them)"),
@@ -121,7 +125,7 @@ def train_draft(
                   f"docs/benchmarks.md)[/yellow]")
     with _ProgressBar(err, enabled=progress) as bar:
         report = run(eng.model, eng.tokenizer, cfg, corpus, out, opts, target_name=target.name, target_path=target,
-                     resume=not restart, progress=bar.stage("train-draft"), distill_progress=bar.stage("distill"))
+                     held_out=held_out, resume=not restart, progress=bar.stage("train-draft"), distill_progress=bar.stage("distill"))
     held = report.held_out
     if report.distill is not None:
         d = report.distill
@@ -131,7 +135,7 @@ def train_draft(
                   f"{d['target_passes']} sequences' generated positions")
     err.print(f"wrote {out} after {report.steps} steps ({report.train_s:.0f} s, loss {report.final_loss:.3f}); "
               f"held-out acceptance length {held['acceptance_length']:.2f} at spec_len {held['spec_len']} "
-              f"over {held['prompts']} prompts ({out.with_suffix('.acceptance.json')})")
+              f"over {held['prompts']} prompts of {held['source']} ({out.with_suffix('.acceptance.json')})")
 
 
 class _ProgressBar:

@@ -167,6 +167,21 @@ def split_documents(docs: list[str], held_out_fraction: float) -> tuple[list[str
     return [d for d, h in zip(docs, held) if not h], [d for d, h in zip(docs, held) if h]
 
 
+def training_and_held_out(corpus: str | Path, held_out: str | Path | None,
+                          held_out_fraction: float) -> tuple[list[str], list[str]]:
+    """(training documents, held-out documents): ``held_out``'s documents beside all of ``corpus``'s,
+    or a content-hash split of ``corpus``. A held-out document that is also in the corpus is an error."""
+    docs = read_corpus(corpus)
+    if held_out is None:
+        return split_documents(docs, held_out_fraction)
+    held = read_corpus(held_out)
+    shared = set(docs).intersection(held)
+    if shared:
+        raise ConfigError(f"held-out text {held_out}: {len(shared)} of its {len(held)} documents are also in the "
+                          f"corpus {corpus}; held-out text must be text the draft does not train on")
+    return docs, held
+
+
 @dataclass(frozen=True)
 class TrainReport:
     steps: int
@@ -187,9 +202,16 @@ Progress = Callable[[int, int, dict[str, float]], None]
 
 
 def train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Path, out: str | Path,
-                opts: TrainOptions, *, target_name: str, target_path: str | Path | None = None, resume: bool = True,
-                progress: Progress | None = None, distill_progress: Progress | None = None) -> TrainReport:
+                opts: TrainOptions, *, target_name: str, target_path: str | Path | None = None,
+                held_out: str | Path | None = None, resume: bool = True, progress: Progress | None = None,
+                distill_progress: Progress | None = None) -> TrainReport:
     """Train a draft for ``model``, write it to ``out`` (GGUF) and a held-out report beside it.
+
+    The report's prompts come from ``held_out`` (a file or directory, as ``corpus``; the draft then
+    trains on every document of ``corpus``, none of which may be among them), else from
+    ``opts.held_out_fraction`` of ``corpus``'s documents by content hash. Pass held-out text the
+    target never trained on either to report what a user's new prompts get: a target continues
+    text it learned differently from text it has not seen.
 
     ``progress(step, steps, metrics)`` is called after every step. A checkpoint beside ``out``
     (``<out>.ckpt``) is written every ``ckpt_every`` steps and when the time budget ends the
@@ -204,7 +226,7 @@ def train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pat
     model.executor = pass_executor(model)
     try:
         return _train_draft(model, tokenizer, cfg, corpus, out, opts, target_name=target_name,
-                            target_path=target_path, resume=resume, progress=progress,
+                            target_path=target_path, held_out=held_out, resume=resume, progress=progress,
                             distill_progress=distill_progress)
     finally:
         model.executor = executor
@@ -221,9 +243,11 @@ def pass_executor(model: Qwen35MoE) -> Any:
 
 
 def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Path, out: Path, opts: TrainOptions, *,
-                 target_name: str, target_path: str | Path | None, resume: bool, progress: Progress | None,
-                 distill_progress: Progress | None) -> TrainReport:
-    train_docs, held_docs = split_documents(read_corpus(corpus), opts.held_out_fraction)
+                 target_name: str, target_path: str | Path | None, held_out: str | Path | None, resume: bool,
+                 progress: Progress | None, distill_progress: Progress | None) -> TrainReport:
+    train_docs, held_docs = training_and_held_out(corpus, held_out, opts.held_out_fraction)
+    held_source = (str(held_out) if held_out is not None
+                   else f"{opts.held_out_fraction:g} of the corpus's documents by content hash")
     stream = TokenStream.from_documents(tokenizer.encode(d) for d in train_docs)
     held = TokenStream.from_documents(tokenizer.encode(d) for d in held_docs)
     gamma = opts.gamma or default_gamma(cfg.block_size)
@@ -247,7 +271,8 @@ def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pa
         torch.Generator().manual_seed(opts.seed))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
     ckpt = out.with_name(out.name + ".ckpt")
-    identity = {"target": target_name, "draft": asdict(cfg), "options": _run_identity(opts)}
+    identity = {"target": target_name, "draft": asdict(cfg), "options": _run_identity(opts),
+                "held_out_file": held_out is not None}  # with one, the draft trains on the whole corpus
     step, spent_before = 0, 0.0
     if resume and ckpt.exists():
         state = load_checkpoint(ckpt, {})
@@ -312,9 +337,10 @@ def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pa
     if distilled is not None:
         agree = rows.agreement
         distilled |= {"target_passes": rows.passes, "agreement": None if math.isnan(agree) else round(agree, 4)}
+    held_report = held_out_acceptance(model, DraftFile.open(out), held, cfg, opts) | {"source": held_source}
     report = TrainReport(steps=step, train_s=round(spent, 3), final_loss=loss_value,
                          teacher_forced_acceptance=accept_value, teacher_forced_median_row=accept_median,
-                         held_out=held_out_acceptance(model, DraftFile.open(out), held, cfg, opts), distill=distilled)
+                         held_out=held_report, distill=distilled)
     report_path = out.with_suffix(".acceptance.json")
     report_path.write_text(json.dumps({"target": target_name, "draft": out.name,
                                        "steps_this_run": step - started} | report.as_dict(), indent=2) + "\n")

@@ -13,7 +13,8 @@ from engine.dflash.gguf_io import load_draft
 from engine.dflash import train as train_module
 from engine.dflash.block_loss import default_gamma
 from engine.dflash.distill import cache_path
-from engine.dflash.train import TrainOptions, new_draft_config, read_corpus, split_documents, train_draft
+from engine.dflash.train import (TrainOptions, new_draft_config, read_corpus, split_documents, train_draft,
+                                 training_and_held_out)
 from engine.errors import ConfigError
 from engine.gguf.make_model import preset_config
 from engine.tokenizer import Tokenizer
@@ -73,6 +74,21 @@ def test_corpus_reading_and_split(tmp_path, corpus):
         split_documents(["only"], 0.1)
 
 
+def test_a_held_out_file_leaves_the_whole_corpus_to_training_and_may_not_share_its_documents(tmp_path, corpus):
+    docs = read_corpus(corpus)
+    held_path = tmp_path / "held.txt"
+    held_path.write_text(SEPARATOR.join(["def novel():\n    return 1\n", "class Fresh:\n    pass\n"]))
+    train, held = training_and_held_out(corpus, held_path, 0.1)
+    assert train == docs and held == ["def novel():\n    return 1\n", "class Fresh:\n    pass\n"]
+    assert training_and_held_out(corpus, None, 0.1) == split_documents(docs, 0.1)
+    leaked = tmp_path / "leaked.txt"
+    leaked.write_text(SEPARATOR.join(["class Fresh:\n    pass\n", docs[3], docs[5]]))
+    with pytest.raises(ConfigError, match=r"leaked.txt: 2 of its 3 documents are also in the corpus"):
+        training_and_held_out(corpus, leaked, 0.1)
+    with pytest.raises(ConfigError, match="does not exist"):
+        training_and_held_out(corpus, tmp_path / "missing.txt", 0.1)
+
+
 def _opts(**overrides):
     kw = dict(steps=6, seq_len=48, anchors=8, lr=3e-3, warmup_steps=2, ckpt_every=2, eval_prompts=2,
               eval_prompt_len=16, eval_new_tokens=12, weights="f32", held_out_fraction=0.2)
@@ -116,6 +132,22 @@ def test_training_writes_draft_and_report_and_resumes_exactly(target, tokenizer,
 
     with pytest.raises(ConfigError, match="belongs to another run .* --restart"):
         train_draft(target, tokenizer, _cfg(target), corpus, out_b, _opts(lr=1e-3), target_name="target.gguf")
+    assert data["held_out"]["source"] == "0.2 of the corpus's documents by content hash"
+
+
+def test_held_out_text_of_its_own_feeds_the_report_and_changes_the_run(target, tokenizer, corpus, tmp_path):
+    sources = sorted(Path(pytest.__file__).parent.glob("*.py"))  # code that is not in the corpus
+    held_path = tmp_path / "held.txt"
+    held_path.write_text(SEPARATOR.join(p.read_text(encoding="utf-8")[:2000] for p in sources[:4]))
+    out = tmp_path / "h" / "draft.gguf"
+    report = train_draft(target, tokenizer, _cfg(target), corpus, out, _opts(steps=2), target_name="target.gguf",
+                         held_out=held_path)
+    data = json.loads(out.with_suffix(".acceptance.json").read_text())
+    assert data["held_out"]["source"] == str(held_path) == report.held_out["source"]
+    assert data["held_out"]["prompts"] == 2 and 1.0 <= data["held_out"]["acceptance_length"] <= 4.0
+    # the run trained on the whole corpus: its checkpoint is not that of a split run
+    with pytest.raises(ConfigError, match="belongs to another run"):
+        train_draft(target, tokenizer, _cfg(target), corpus, out, _opts(steps=2), target_name="target.gguf")
 
 
 def _distill_opts(**overrides):
@@ -193,6 +225,11 @@ def test_cli_trains_a_draft(target_path, corpus, tmp_path):
     result = corpus_rows(out, "--features", "2")
     assert result.exit_code == 0, result.output
     assert out.exists() and out.with_suffix(".acceptance.json").exists()
+    assert "prompts of 0.05 of the corpus's documents by content hash" in " ".join(result.output.split())
+    leaked = tmp_path / "leaked.txt"
+    leaked.write_text(read_corpus(corpus)[0])
+    result = corpus_rows(tmp_path / "leak.gguf", "--held-out", str(leaked))
+    assert isinstance(result.exception, ConfigError) and "1 of its 1 documents are also in" in str(result.exception)
     picked = tmp_path / "ids.gguf"
     result = corpus_rows(picked, "--layer-ids", "1,0")
     assert result.exit_code == 0, result.output
