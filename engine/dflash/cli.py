@@ -58,6 +58,9 @@ def train_draft(
     lr: float = typer.Option(6e-4, "--lr"),
     layers: int = typer.Option(5, "--layers", help="draft layers"),
     features: int = typer.Option(5, "--features", help="target layers whose outputs feed the draft"),
+    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="the draft's key/value heads (a divisor of its "
+                                           "heads; default a quarter of them): each layer reads the context through "
+                                           "them"),
     layer_ids: Optional[str] = typer.Option(None, "--layer-ids", help="those target layers by id, comma-separated "
                                             "(for example 1,4,7; overrides --features' evenly spaced choice)"),
     block_size: int = typer.Option(16, "--block-size", help="tokens per drafted block (the largest spec_len)"),
@@ -109,10 +112,10 @@ def train_draft(
     eng = Engine.from_gguf(target, device=device, dtype=dtype)
     ids = parse_layer_ids(layer_ids, eng.model.cfg.n_layers) if layer_ids is not None else None
     cfg = new_draft_config(eng.model.cfg, n_layers=layers, n_features=features, block_size=block_size, layer_ids=ids,
-                           mask_token_id=mask_token_id)
+                           mask_token_id=mask_token_id, n_head_kv=kv_heads)
     err.print(f"[dim]{target.name}: {eng.model.cfg.n_layers} layers, hidden {eng.model.cfg.hidden}, on {eng.device}; "
-              f"draft {cfg.n_layers} layers reading target layers {list(cfg.target_layer_ids)}, "
-              f"block {cfg.block_size}[/dim]")
+              f"draft {cfg.n_layers} layers of {cfg.n_head} heads ({cfg.n_head_kv} key/value) reading target layers "
+              f"{list(cfg.target_layer_ids)}, block {cfg.block_size}[/dim]")
     if distill and (epochs := steps * batch / distill) > MANY_EPOCHS:
         err.print(f"[yellow]{steps} steps of {batch} rows over {distill} distilled sequences is {epochs:.0f} epochs: "
                   f"drafts that see their sequences this often learn them rather than the target (held-out "

@@ -50,9 +50,10 @@ LABELS = ("target", "corpus")
 
 
 def new_draft_config(target: ModelConfig, *, n_layers: int = 5, n_features: int = 5, block_size: int = 16,
-                     mask_token_id: int | None = None, layer_ids: tuple[int, ...] | None = None) -> DraftConfig:
+                     mask_token_id: int | None = None, layer_ids: tuple[int, ...] | None = None,
+                     n_head_kv: int | None = None) -> DraftConfig:
     """A Qwen3-style draft sized for ``target``: heads of 128 (hidden/4 on small targets), a quarter as
-    many KV heads, an FFN three times the hidden size."""
+    many KV heads unless ``n_head_kv`` says (a divisor of the heads), an FFN three times the hidden size."""
     head_dim = 128 if target.hidden >= 1024 else max(8, target.hidden // 4)
     n_head = max(1, target.hidden // head_dim)
     if mask_token_id is None:
@@ -60,7 +61,8 @@ def new_draft_config(target: ModelConfig, *, n_layers: int = 5, n_features: int 
     try:
         return DraftConfig(
             n_layers=n_layers, hidden=target.hidden, ffn=3 * target.hidden, n_head=n_head,
-            n_head_kv=max(1, n_head // 4), head_dim=head_dim, rms_eps=target.rms_eps, rope_theta=target.rope_theta,
+            n_head_kv=max(1, n_head // 4) if n_head_kv is None else n_head_kv, head_dim=head_dim,
+            rms_eps=target.rms_eps, rope_theta=target.rope_theta,
             block_size=block_size, mask_token_id=mask_token_id,
             target_layer_ids=layer_ids or default_layer_ids(target.n_layers, n_features),
             vocab=target.vocab, context_length=min(target.context_length, 262144))

@@ -45,6 +45,9 @@ def test_gamma_and_shape_defaults():
     assert cfg.target_layer_ids == (1, 10, 19, 28, 37) and cfg.mask_token_id == 248070 and cfg.block_size == 16
     with pytest.raises(ConfigError, match="draft shape: draft block_size must be at least 2"):
         new_draft_config(preset_config("tiny", vocab=100), block_size=1)
+    assert new_draft_config(preset_config("qwen3.6-35b-a3b", vocab=248320), n_head_kv=16).n_head_kv == 16
+    with pytest.raises(ConfigError, match="draft shape: draft n_head 16 is not a multiple of n_head_kv 3"):
+        new_draft_config(preset_config("qwen3.6-35b-a3b", vocab=248320), n_head_kv=3)
 
 
 def test_layer_ids_are_parsed_and_checked_against_the_target_depth():
@@ -231,10 +234,10 @@ def test_cli_trains_a_draft(target_path, corpus, tmp_path):
     result = corpus_rows(tmp_path / "leak.gguf", "--held-out", str(leaked))
     assert isinstance(result.exception, ConfigError) and "1 of its 1 documents are also in" in str(result.exception)
     picked = tmp_path / "ids.gguf"
-    result = corpus_rows(picked, "--layer-ids", "1,0")
+    result = corpus_rows(picked, "--layer-ids", "1,0", "--kv-heads", "2")
     assert result.exit_code == 0, result.output
-    assert load_draft(picked).cfg.target_layer_ids == (1, 0)
-    assert "reading target layers [1, 0]" in " ".join(result.output.split())
+    assert load_draft(picked).cfg.target_layer_ids == (1, 0) and load_draft(picked).cfg.n_head_kv == 2
+    assert "4 heads (2 key/value) reading target layers [1, 0]" in " ".join(result.output.split())
     result = CliRunner().invoke(app, [
         "train-draft", "--target", str(target_path), "--corpus", str(corpus), "--out", str(out), "--steps", "2",
         "--distill", "3", "--distill-prompt", "8", "--distill-new", "8", "--distill-batch", "2", "--anchors", "4",
