@@ -170,18 +170,20 @@ def split_documents(docs: list[str], held_out_fraction: float) -> tuple[list[str
 
 
 def training_and_held_out(corpus: str | Path, held_out: str | Path | None,
-                          held_out_fraction: float) -> tuple[list[str], list[str]]:
-    """(training documents, held-out documents): ``held_out``'s documents beside all of ``corpus``'s,
-    or a content-hash split of ``corpus``. A held-out document that is also in the corpus is an error."""
+                          held_out_fraction: float) -> tuple[list[str], list[str], int]:
+    """(training documents, held-out documents, held-out documents left out): ``held_out``'s documents
+    beside all of ``corpus``'s, less any that the corpus also holds (a file both trees ship), or a
+    content-hash split of ``corpus``. A held-out text made only of corpus documents is an error."""
     docs = read_corpus(corpus)
     if held_out is None:
-        return split_documents(docs, held_out_fraction)
-    held = read_corpus(held_out)
-    shared = set(docs).intersection(held)
-    if shared:
-        raise ConfigError(f"held-out text {held_out}: {len(shared)} of its {len(held)} documents are also in the "
-                          f"corpus {corpus}; held-out text must be text the draft does not train on")
-    return docs, held
+        return *split_documents(docs, held_out_fraction), 0
+    given = read_corpus(held_out)
+    seen = set(docs)
+    held = [d for d in given if d not in seen]
+    if not held:
+        raise ConfigError(f"held-out text {held_out}: all {len(given)} of its documents are also in the corpus "
+                          f"{corpus}; held-out text must be text the draft does not train on")
+    return docs, held, len(given) - len(held)
 
 
 @dataclass(frozen=True)
@@ -247,9 +249,10 @@ def pass_executor(model: Qwen35MoE) -> Any:
 def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Path, out: Path, opts: TrainOptions, *,
                  target_name: str, target_path: str | Path | None, held_out: str | Path | None, resume: bool,
                  progress: Progress | None, distill_progress: Progress | None) -> TrainReport:
-    train_docs, held_docs = training_and_held_out(corpus, held_out, opts.held_out_fraction)
-    held_source = (str(held_out) if held_out is not None
-                   else f"{opts.held_out_fraction:g} of the corpus's documents by content hash")
+    train_docs, held_docs, shared = training_and_held_out(corpus, held_out, opts.held_out_fraction)
+    held_source = {"source": str(held_out) if held_out is not None
+                   else f"{opts.held_out_fraction:g} of the corpus's documents by content hash",
+                   "documents": len(held_docs), "left_out_as_in_corpus": shared}
     stream = TokenStream.from_documents(tokenizer.encode(d) for d in train_docs)
     held = TokenStream.from_documents(tokenizer.encode(d) for d in held_docs)
     gamma = opts.gamma or default_gamma(cfg.block_size)
@@ -339,7 +342,7 @@ def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pa
     if distilled is not None:
         agree = rows.agreement
         distilled |= {"target_passes": rows.passes, "agreement": None if math.isnan(agree) else round(agree, 4)}
-    held_report = held_out_acceptance(model, DraftFile.open(out), held, cfg, opts) | {"source": held_source}
+    held_report = held_out_acceptance(model, DraftFile.open(out), held, cfg, opts) | held_source
     report = TrainReport(steps=step, train_s=round(spent, 3), final_loss=loss_value,
                          teacher_forced_acceptance=accept_value, teacher_forced_median_row=accept_median,
                          held_out=held_report, distill=distilled)

@@ -77,16 +77,19 @@ def test_corpus_reading_and_split(tmp_path, corpus):
         split_documents(["only"], 0.1)
 
 
-def test_a_held_out_file_leaves_the_whole_corpus_to_training_and_may_not_share_its_documents(tmp_path, corpus):
+def test_a_held_out_file_leaves_the_whole_corpus_to_training_less_the_documents_they_share(tmp_path, corpus):
     docs = read_corpus(corpus)
     held_path = tmp_path / "held.txt"
-    held_path.write_text(SEPARATOR.join(["def novel():\n    return 1\n", "class Fresh:\n    pass\n"]))
-    train, held = training_and_held_out(corpus, held_path, 0.1)
-    assert train == docs and held == ["def novel():\n    return 1\n", "class Fresh:\n    pass\n"]
-    assert training_and_held_out(corpus, None, 0.1) == split_documents(docs, 0.1)
+    novel = ["def novel():\n    return 1\n", "class Fresh:\n    pass\n"]
+    held_path.write_text(SEPARATOR.join(novel))
+    assert training_and_held_out(corpus, held_path, 0.1) == (docs, novel, 0)
+    assert training_and_held_out(corpus, None, 0.1) == (*split_documents(docs, 0.1), 0)
+    shared = tmp_path / "shared.txt"
+    shared.write_text(SEPARATOR.join([docs[3], novel[1], docs[5]]))
+    assert training_and_held_out(corpus, shared, 0.1) == (docs, [novel[1]], 2)
     leaked = tmp_path / "leaked.txt"
-    leaked.write_text(SEPARATOR.join(["class Fresh:\n    pass\n", docs[3], docs[5]]))
-    with pytest.raises(ConfigError, match=r"leaked.txt: 2 of its 3 documents are also in the corpus"):
+    leaked.write_text(SEPARATOR.join([docs[3], docs[5]]))
+    with pytest.raises(ConfigError, match=r"leaked.txt: all 2 of its documents are also in the corpus"):
         training_and_held_out(corpus, leaked, 0.1)
     with pytest.raises(ConfigError, match="does not exist"):
         training_and_held_out(corpus, tmp_path / "missing.txt", 0.1)
@@ -136,17 +139,20 @@ def test_training_writes_draft_and_report_and_resumes_exactly(target, tokenizer,
     with pytest.raises(ConfigError, match="belongs to another run .* --restart"):
         train_draft(target, tokenizer, _cfg(target), corpus, out_b, _opts(lr=1e-3), target_name="target.gguf")
     assert data["held_out"]["source"] == "0.2 of the corpus's documents by content hash"
+    assert data["held_out"]["left_out_as_in_corpus"] == 0 and data["held_out"]["documents"] > 0
 
 
 def test_held_out_text_of_its_own_feeds_the_report_and_changes_the_run(target, tokenizer, corpus, tmp_path):
-    sources = sorted(Path(pytest.__file__).parent.glob("*.py"))  # code that is not in the corpus
+    sources = [p for p in sorted(Path(typer.__file__).parent.glob("*.py")) if p.stat().st_size > 500]  # not in the corpus
     held_path = tmp_path / "held.txt"
-    held_path.write_text(SEPARATOR.join(p.read_text(encoding="utf-8")[:2000] for p in sources[:4]))
+    held_path.write_text(SEPARATOR.join([read_corpus(corpus)[0]] +
+                                        [p.read_text(encoding="utf-8")[:2000] for p in sources[:4]]))
     out = tmp_path / "h" / "draft.gguf"
     report = train_draft(target, tokenizer, _cfg(target), corpus, out, _opts(steps=2), target_name="target.gguf",
                          held_out=held_path)
     data = json.loads(out.with_suffix(".acceptance.json").read_text())
     assert data["held_out"]["source"] == str(held_path) == report.held_out["source"]
+    assert data["held_out"]["documents"] == 4 and data["held_out"]["left_out_as_in_corpus"] == 1
     assert data["held_out"]["prompts"] == 2 and 1.0 <= data["held_out"]["acceptance_length"] <= 4.0
     # the run trained on the whole corpus: its checkpoint is not that of a split run
     with pytest.raises(ConfigError, match="belongs to another run"):
@@ -232,7 +238,7 @@ def test_cli_trains_a_draft(target_path, corpus, tmp_path):
     leaked = tmp_path / "leaked.txt"
     leaked.write_text(read_corpus(corpus)[0])
     result = corpus_rows(tmp_path / "leak.gguf", "--held-out", str(leaked))
-    assert isinstance(result.exception, ConfigError) and "1 of its 1 documents are also in" in str(result.exception)
+    assert isinstance(result.exception, ConfigError) and "all 1 of its documents are also in" in str(result.exception)
     picked = tmp_path / "ids.gguf"
     result = corpus_rows(picked, "--layer-ids", "1,0", "--kv-heads", "2")
     assert result.exit_code == 0, result.output
