@@ -128,7 +128,8 @@ def train_draft(
                   f"docs/benchmarks.md)[/yellow]")
     with _ProgressBar(err, enabled=progress) as bar:
         report = run(eng.model, eng.tokenizer, cfg, corpus, out, opts, target_name=target.name, target_path=target,
-                     held_out=held_out, resume=not restart, progress=bar.stage("train-draft"), distill_progress=bar.stage("distill"))
+                     held_out=held_out, resume=not restart, progress=bar.stage("train-draft"),
+                     distill_progress=bar.stage("distill"))
     held = report.held_out
     if report.distill is not None:
         d = report.distill

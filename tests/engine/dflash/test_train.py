@@ -143,7 +143,8 @@ def test_training_writes_draft_and_report_and_resumes_exactly(target, tokenizer,
 
 
 def test_held_out_text_of_its_own_feeds_the_report_and_changes_the_run(target, tokenizer, corpus, tmp_path):
-    sources = [p for p in sorted(Path(typer.__file__).parent.glob("*.py")) if p.stat().st_size > 500]  # not in the corpus
+    # code that is not in the corpus
+    sources = [p for p in sorted(Path(typer.__file__).parent.glob("*.py")) if p.stat().st_size > 500]
     held_path = tmp_path / "held.txt"
     held_path.write_text(SEPARATOR.join([read_corpus(corpus)[0]] +
                                         [p.read_text(encoding="utf-8")[:2000] for p in sources[:4]]))
