@@ -7,13 +7,21 @@ the generated part) and, with ``--speculative``, the acceptance of speculative d
 prompt. The two agree when inference matches training; a per-row listing shows which rows carry a
 mean (degenerate loops of the target are accepted almost whole).
 
+The first drafted slot is looked at closely: how often the draft gets it, by how sure the target
+was of that token (its top-1 probability), beside what predictors that read no target features get
+on the same slots: the most frequent follower of the last two tokens in ``--ngram-docs`` documents of
+``--ngram-corpus`` (default: the other side of the split), and the token that followed the last two tokens' latest earlier
+occurrence in the row itself (prompt lookup).
+
     python bench/draft_rows.py --draft D.gguf [--target models/luce-target.gguf] [--corpus train.txt]
-        [--split train|held] [--rows 24] [--prompt 64] [--new 96] [--speculative] [--json OUT]
+        [--split train|held] [--rows 24] [--prompt 64] [--new 96] [--speculative] [--ngram-corpus F]
+        [--ngram-docs 1500] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -46,14 +54,57 @@ def greedy(model: Qwen35MoE, ids: list[int], n: int) -> list[int]:
     return new
 
 
-def teacher_forced(model: Qwen35MoE, draft, row: torch.Tensor, first: int) -> float:
-    """Mean accepted length (the training loss's count) over anchors ``first - 1 ..`` of ``row``."""
+def teacher_forced(model: Qwen35MoE, draft, row: torch.Tensor, first: int) -> torch.Tensor:
+    """Accepted lengths [anchors] (the training loss's count) at anchors ``first - 1 ..`` of ``row``."""
     feats, labels = target_pass(model, row, draft.cfg.target_layer_ids, "target")
     anchors = torch.arange(first - 1, row.shape[0] - 1, device=row.device)
     with torch.no_grad():
         _, acc = block_loss(draft, model.weights.embed, model.weights.output, feats.float(), row, labels, anchors,
                             default_gamma(draft.cfg.block_size))
-    return float(acc.float().mean())
+    return acc
+
+
+@torch.inference_mode()
+def target_top1(model: Qwen35MoE, row: torch.Tensor) -> torch.Tensor:
+    """[L] the target's top-1 probability at each position (for the token after it)."""
+    logits = model.forward(row, model.new_state(row.shape[0]), logits="all").logits
+    return logits.float().softmax(-1).amax(-1)
+
+
+def follower_counts(tokenizer, docs: list[str]) -> dict[tuple[int, int], collections.Counter]:
+    """Counts of the token after each pair of tokens in ``docs``."""
+    counts: dict[tuple[int, int], collections.Counter] = collections.defaultdict(collections.Counter)
+    for doc in docs:
+        ids = tokenizer.encode(doc)
+        for a, b, c in zip(ids, ids[1:], ids[2:]):
+            counts[(a, b)][c] += 1
+    return counts
+
+
+def row_lookup(ids: list[int], a: int) -> int | None:
+    """The token after the latest occurrence of ``ids[a - 1], ids[a]`` before ``a`` (prompt lookup)."""
+    for j in range(a - 1, 0, -1):
+        if ids[j - 1] == ids[a - 1] and ids[j] == ids[a]:
+            return ids[j + 1]
+    return None
+
+
+P1_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0 + 1e-6)
+
+
+def first_slot_summary(slots: list[dict]) -> dict:
+    """Hit rates of the first drafted slot: the draft's overall and by the target's top-1 probability,
+    and the feature-free predictors'."""
+    n = len(slots)
+    out = {"slots": n, "hit": {k: round(sum(s[k] for s in slots) / n, 3)
+                               for k in ("draft", "pair_follower", "row_lookup", "draft_or_row_lookup")}}
+    out["by_target_p1"] = []
+    for lo, hi in zip(P1_EDGES, P1_EDGES[1:]):
+        sel = [s for s in slots if lo <= s["p1"] < hi]
+        if sel:
+            out["by_target_p1"].append({"p1": f"{lo:g}-{min(hi, 1.0):g}", "share": round(len(sel) / n, 3),
+                                        "draft_hit": round(sum(s["draft"] for s in sel) / len(sel), 3)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative", action="store_true", help="also decode each prompt speculatively")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=123)
+    ap.add_argument("--ngram-corpus", default=None,
+                    help="text whose token pairs' followers are counted (default: the split's other side)")
+    ap.add_argument("--ngram-docs", type=int, default=1500, help="documents of it counted (0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -86,12 +140,24 @@ def main(argv: list[str] | None = None) -> int:
         prompts = draw_prompts(stream, args.rows, args.prompt, args.seed)
     else:  # as the held-out report does
         prompts = eval_windows(stream, args.prompt, args.rows * args.prompt)[:args.rows]
-    rows = []
+    counted = (read_corpus(args.ngram_corpus) if args.ngram_corpus
+               else held_docs if args.split == "train" else train_docs)
+    pairs = follower_counts(tokenizer, counted[:args.ngram_docs])
+    rows, slots = [], []
     for prompt in prompts:
         ids = prompt.tolist()
         new = greedy(model, ids, args.new)
         row = torch.tensor(ids + new, device=model.device)
-        found = {"teacher_forced": round(teacher_forced(model, draft, row, len(ids)), 3),
+        acc = teacher_forced(model, draft, row, len(ids))
+        p1, full = target_top1(model, row).tolist(), ids + new
+        for a, accepted in zip(range(len(ids) - 1, len(full) - 1), acc.tolist()):
+            want = full[a + 1]  # greedy rows: the target's own choice after position a
+            follower = pairs.get((full[a - 1], full[a]))
+            look = row_lookup(full, a)
+            slots.append({"p1": p1[a], "draft": accepted >= 2, "row_lookup": look == want,
+                          "pair_follower": bool(follower) and follower.most_common(1)[0][0] == want,
+                          "draft_or_row_lookup": accepted >= 2 or look == want})
+        found = {"teacher_forced": round(float(acc.float().mean()), 3),
                  "distinct_new": len(set(new)), "text": tokenizer.decode(new)[:80]}
         if args.speculative:
             _, stats = speculative_generate(model, draft, ids, args.new, spec_len=draft.cfg.block_size,
@@ -102,8 +168,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"teacher-forced {found['teacher_forced']:5.2f}{spec}  distinct {found['distinct_new']:3d}  "
               f"{found['text']!r}", flush=True)
     tf = [r["teacher_forced"] for r in rows]
-    summary = {"rows": len(rows), "mean": round(statistics.fmean(tf), 3), "median": round(statistics.median(tf), 3)}
+    summary = {"rows": len(rows), "mean": round(statistics.fmean(tf), 3), "median": round(statistics.median(tf), 3),
+               "first_slot": first_slot_summary(slots)}
     print(f"teacher-forced acceptance over {len(rows)} rows: mean {summary['mean']:.2f}, median {summary['median']:.2f}")
+    hit = summary["first_slot"]["hit"]
+    print(f"first drafted slot over {len(slots)} anchors: draft {hit['draft']:.3f}, follower of the last two tokens "
+          f"{hit['pair_follower']:.3f}, row lookup {hit['row_lookup']:.3f}, draft or row lookup "
+          f"{hit['draft_or_row_lookup']:.3f}")
+    for b in summary["first_slot"]["by_target_p1"]:
+        print(f"  target top-1 probability {b['p1']:>8}: {b['share']:.3f} of the slots, draft hit {b['draft_hit']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "rows": rows}, indent=1) + "\n")
     return 0

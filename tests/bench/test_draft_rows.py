@@ -25,3 +25,30 @@ def test_rows_report_both_acceptances_within_a_block(tmp_path, bench_script):
         assert 1 <= row["distinct_new"] <= 12
     tf = [r["teacher_forced"] for r in report["rows"]]
     assert abs(report["summary"]["mean"] - sum(tf) / 2) < 1e-3
+    first = report["summary"]["first_slot"]
+    assert first["slots"] == 2 * 12  # anchors from the prompt's last token to the row's last but one
+    hit = first["hit"]
+    assert all(0.0 <= v <= 1.0 for v in hit.values())
+    assert max(hit["draft"], hit["row_lookup"]) <= hit["draft_or_row_lookup"] <= hit["draft"] + hit["row_lookup"]
+    assert abs(sum(b["share"] for b in first["by_target_p1"]) - 1.0) < 0.01
+
+
+def test_row_lookup_and_pair_followers(bench_script):
+    draft_rows = bench_script("draft_rows")
+    ids = [5, 6, 7, 1, 5, 6, 9, 2, 5, 6]
+    assert draft_rows.row_lookup(ids, 9) == 9  # the latest earlier 5, 6 was followed by 9
+    assert draft_rows.row_lookup(ids, 5) == 7
+    assert draft_rows.row_lookup(ids, 2) is None
+
+    class Chars:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    counts = draft_rows.follower_counts(Chars(), ["abcabd", "abc"])
+    assert counts[(ord("a"), ord("b"))].most_common(1)[0] == (ord("c"), 2)
+    slots = [{"p1": 0.99, "draft": True, "row_lookup": False, "pair_follower": True, "draft_or_row_lookup": True},
+             {"p1": 0.10, "draft": False, "row_lookup": True, "pair_follower": False, "draft_or_row_lookup": True}]
+    summary = draft_rows.first_slot_summary(slots)
+    assert summary["hit"] == {"draft": 0.5, "pair_follower": 0.5, "row_lookup": 0.5, "draft_or_row_lookup": 1.0}
+    assert summary["by_target_p1"] == [{"p1": "0-0.2", "share": 0.5, "draft_hit": 0.0},
+                                       {"p1": "0.95-1", "share": 0.5, "draft_hit": 1.0}]
