@@ -46,6 +46,8 @@ def train_draft(
                                             "does not train on (a file or directory; default: 5% of the corpus's "
                                             "documents); text the target never trained on either shows what new "
                                             "prompts get"),
+    init: Optional[Path] = typer.Option(None, "--init", help="start from this draft's weights (a draft GGUF of the "
+                                        "same shape) instead of random ones"),
     out: Path = typer.Option(..., "--out", "-o", help="draft GGUF to write; <out>.ckpt and "
                                                       "<out stem>.acceptance.json go beside it"),
     steps: int = typer.Option(2000, "--steps", help="optimizer steps (the learning-rate schedule spans them)"),
@@ -128,7 +130,7 @@ def train_draft(
                   f"docs/benchmarks.md)[/yellow]")
     with _ProgressBar(err, enabled=progress) as bar:
         report = run(eng.model, eng.tokenizer, cfg, corpus, out, opts, target_name=target.name, target_path=target,
-                     held_out=held_out, resume=not restart, progress=bar.stage("train-draft"),
+                     held_out=held_out, init=init, resume=not restart, progress=bar.stage("train-draft"),
                      distill_progress=bar.stage("distill"))
     held = report.held_out
     if report.distill is not None:

@@ -32,7 +32,7 @@ from engine.dflash.block_loss import block_loss, default_gamma, rows_per_forward
 from engine.dflash.compat import check_compatible
 from engine.dflash.distill import DistillOptions, cache_path, distill
 from engine.dflash.draft import DFlashDraft, DraftConfig, default_layer_ids
-from engine.dflash.gguf_io import WRITE_TYPES, DraftFile, write_draft_gguf
+from engine.dflash.gguf_io import WRITE_TYPES, DraftFile, load_draft, write_draft_gguf
 from engine.dflash.speculative import speculative_generate
 from engine.dflash.train_rows import CorpusRows, DistilledRows
 from engine.errors import ConfigError
@@ -186,6 +186,15 @@ def training_and_held_out(corpus: str | Path, held_out: str | Path | None,
     return docs, held, len(given) - len(held)
 
 
+def initial_weights(init: str | Path, cfg: DraftConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    """The float32 weights of the draft GGUF ``init``, which must have the shape ``cfg`` describes."""
+    start = load_draft(init, device=device)
+    mine, theirs = asdict(cfg), asdict(start.cfg)
+    if diffs := [f"{k} {theirs[k]} (the draft being trained: {mine[k]})" for k in mine if mine[k] != theirs[k]]:
+        raise ConfigError(f"initial draft {init} is of another shape: {', '.join(diffs)}")
+    return start.state_dict()
+
+
 @dataclass(frozen=True)
 class TrainReport:
     steps: int
@@ -207,8 +216,8 @@ Progress = Callable[[int, int, dict[str, float]], None]
 
 def train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Path, out: str | Path,
                 opts: TrainOptions, *, target_name: str, target_path: str | Path | None = None,
-                held_out: str | Path | None = None, resume: bool = True, progress: Progress | None = None,
-                distill_progress: Progress | None = None) -> TrainReport:
+                held_out: str | Path | None = None, init: str | Path | None = None, resume: bool = True,
+                progress: Progress | None = None, distill_progress: Progress | None = None) -> TrainReport:
     """Train a draft for ``model``, write it to ``out`` (GGUF) and a held-out report beside it.
 
     The report's prompts come from ``held_out`` (a file or directory, as ``corpus``; the draft then
@@ -216,6 +225,9 @@ def train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pat
     ``opts.held_out_fraction`` of ``corpus``'s documents by content hash. Pass held-out text the
     target never trained on either to report what a user's new prompts get: a target continues
     text it learned differently from text it has not seen.
+
+    ``init`` (a draft GGUF of the same shape as ``cfg``) starts training from its weights rather than
+    random ones: a draft adapted to other text, or trained on.
 
     ``progress(step, steps, metrics)`` is called after every step. A checkpoint beside ``out``
     (``<out>.ckpt``) is written every ``ckpt_every`` steps and when the time budget ends the
@@ -230,7 +242,7 @@ def train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pat
     model.executor = pass_executor(model)
     try:
         return _train_draft(model, tokenizer, cfg, corpus, out, opts, target_name=target_name,
-                            target_path=target_path, held_out=held_out, resume=resume, progress=progress,
+                            target_path=target_path, held_out=held_out, init=init, resume=resume, progress=progress,
                             distill_progress=distill_progress)
     finally:
         model.executor = executor
@@ -247,8 +259,9 @@ def pass_executor(model: Qwen35MoE) -> Any:
 
 
 def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Path, out: Path, opts: TrainOptions, *,
-                 target_name: str, target_path: str | Path | None, held_out: str | Path | None, resume: bool,
-                 progress: Progress | None, distill_progress: Progress | None) -> TrainReport:
+                 target_name: str, target_path: str | Path | None, held_out: str | Path | None,
+                 init: str | Path | None, resume: bool, progress: Progress | None,
+                 distill_progress: Progress | None) -> TrainReport:
     train_docs, held_docs, shared = training_and_held_out(corpus, held_out, opts.held_out_fraction)
     held_source = {"source": str(held_out) if held_out is not None
                    else f"{opts.held_out_fraction:g} of the corpus's documents by content hash",
@@ -274,10 +287,13 @@ def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pa
         rows = CorpusRows(model, sampler, opts.seq_len, cfg.target_layer_ids, opts.labels)
     draft = DFlashDraft(cfg, device=device, dtype=torch.float32).init_random(
         torch.Generator().manual_seed(opts.seed))
+    if init is not None:
+        draft.load_state_dict(initial_weights(init, cfg, device))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
     ckpt = out.with_name(out.name + ".ckpt")
     identity = {"target": target_name, "draft": asdict(cfg), "options": _run_identity(opts),
-                "held_out_file": held_out is not None}  # with one, the draft trains on the whole corpus
+                "held_out_file": held_out is not None,  # with one, the draft trains on the whole corpus
+                "init": None if init is None else zlib.crc32(Path(init).read_bytes())}
     step, spent_before = 0, 0.0
     if resume and ckpt.exists():
         state = load_checkpoint(ckpt, {})

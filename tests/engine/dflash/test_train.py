@@ -160,6 +160,29 @@ def test_held_out_text_of_its_own_feeds_the_report_and_changes_the_run(target, t
         train_draft(target, tokenizer, _cfg(target), corpus, out, _opts(steps=2), target_name="target.gguf")
 
 
+def test_training_from_a_draft_starts_at_its_weights_and_refuses_another_shape(target, tokenizer, corpus, tmp_path):
+    first = tmp_path / "first.gguf"
+    train_draft(target, tokenizer, _cfg(target), corpus, first, _opts(steps=3), target_name="target.gguf")
+    again = tmp_path / "again.gguf"  # one step at a learning rate that leaves the weights where they start
+    train_draft(target, tokenizer, _cfg(target), corpus, again, _opts(steps=1, lr=1e-12, warmup_steps=1),
+                target_name="target.gguf", init=first)
+    a, b = dict(load_draft(first).named_parameters()), dict(load_draft(again).named_parameters())
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-7, rtol=0, msg=name)
+    fresh = tmp_path / "fresh.gguf"
+    train_draft(target, tokenizer, _cfg(target), corpus, fresh, _opts(steps=1, lr=1e-12, warmup_steps=1),
+                target_name="target.gguf")
+    assert not torch.equal(dict(load_draft(fresh).named_parameters())["fc"], a["fc"])
+    # a checkpoint of a run from random weights is not resumed from a draft
+    with pytest.raises(ConfigError, match="belongs to another run"):
+        train_draft(target, tokenizer, _cfg(target), corpus, fresh, _opts(steps=1, lr=1e-12, warmup_steps=1),
+                    target_name="target.gguf", init=first)
+    other = new_draft_config(target.cfg, n_layers=1, block_size=4, layer_ids=(1, 3), n_head_kv=2)
+    with pytest.raises(ConfigError, match=r"first.gguf is of another shape: n_head_kv 1 \(the draft being trained: 2"):
+        train_draft(target, tokenizer, other, corpus, tmp_path / "other.gguf", _opts(steps=1),
+                    target_name="target.gguf", init=first)
+
+
 def _distill_opts(**overrides):
     return _opts(**({"distill": 6, "distill_prompt": 12, "distill_new": 20, "distill_batch": 4, "batch": 2}
                     | overrides))
@@ -245,6 +268,11 @@ def test_cli_trains_a_draft(target_path, corpus, tmp_path):
     assert result.exit_code == 0, result.output
     assert load_draft(picked).cfg.target_layer_ids == (1, 0) and load_draft(picked).cfg.n_head_kv == 2
     assert "4 heads (2 key/value) reading target layers [1, 0]" in " ".join(result.output.split())
+    result = corpus_rows(tmp_path / "init.gguf", "--layer-ids", "1,0", "--kv-heads", "2", "--init", str(picked))
+    assert result.exit_code == 0, result.output
+    result = corpus_rows(tmp_path / "init.gguf", "--layer-ids", "1,0", "--init", str(picked), "--restart")
+    assert isinstance(result.exception, ConfigError)
+    assert "n_head_kv 2 (the draft being trained: 1)" in str(result.exception)
     result = CliRunner().invoke(app, [
         "train-draft", "--target", str(target_path), "--corpus", str(corpus), "--out", str(out), "--steps", "2",
         "--distill", "3", "--distill-prompt", "8", "--distill-new", "8", "--distill-batch", "2", "--anchors", "4",
