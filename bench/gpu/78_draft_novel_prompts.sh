@@ -7,6 +7,8 @@
 # text), the draft is trained with 57's recipe (DISTILL_N rows of 512 + 448 tokens, DRAFT_MINUTES) and its
 # report is on the standard library's held-out files. Then bench/draft_rows.py on held-out prompts for
 # the new draft and for bench/drafts/luce-draft-8192x960.gguf (same recipe, training-document prompts).
+# On the CPU, 200 steps adapting the 8192x960 draft on such prompts gained no more than 200 on the training
+# files' (0.416 against 0.413); this is the test at full scale.
 # The draft, its report and logs go to $OUT: copy the draft to bench/drafts/ and run 44 with DRAFT= it.
 source "$(dirname "$0")/env.sh"
 python3 -c "from engine.train.corpus import build_corpus; build_corpus('/tmp/corpus', n_retrieval=0)" > /dev/null
