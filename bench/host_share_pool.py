@@ -50,8 +50,9 @@ def main() -> None:
     rows = []
     g = torch.Generator().manual_seed(0)
     stop_bus = threading.Event()
-    if args.bus:
-        threading.Thread(target=bus_copies, args=(stop_bus,), daemon=True).start()
+    bus = threading.Thread(target=bus_copies, args=(stop_bus,), daemon=True) if args.bus else None
+    if bus is not None:
+        bus.start()
     rb_in, rb_down = H // 32 * 18, FFN // 32 * 18
 
     def stack(rows, rb):
@@ -92,6 +93,8 @@ def main() -> None:
             print(line, flush=True)
         share.close()
     stop_bus.set()
+    if bus is not None:
+        bus.join()  # its rate printed before the rows are written
     if args.json is not None:
         args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "bus": args.bus, "rows": rows},
                                         indent=1))

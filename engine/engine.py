@@ -399,9 +399,10 @@ class Engine:
         """
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if feed is not None:
-            if len(feed) < max_new_tokens:
-                raise ConfigError(f"feed holds {len(feed)} tokens for {max_new_tokens} new tokens")
+        if feed is not None and len(feed) < max_new_tokens:
+            raise ConfigError(f"feed holds {len(feed)} tokens for {max_new_tokens} new tokens")
+        if feed is not None and (bad := [t for t in feed[:max_new_tokens] if not 0 <= t < self.config.vocab]):
+            raise ConfigError(f"feed holds token ids outside the vocabulary of {self.config.vocab}: {bad[:4]}")
         if pflash_keep_ratio is None:
             pflash_keep_ratio = self.defaults.get("pflash_keep_ratio")
         if spec_len is None and self.draft is not None:

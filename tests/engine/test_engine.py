@@ -187,6 +187,7 @@ def test_fed_tokens_are_the_steps_inputs(eng):
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"max_new_tokens": 4, "temperature": -1.0}, "temperature"),
     ({"max_new_tokens": 4, "feed": [1, 2]}, "feed holds 2 tokens"),
+    ({"max_new_tokens": 3, "feed": [1, -1, 2, 10**9]}, r"outside the vocabulary of \d+: \[-1\]"),
 ])
 def test_bad_generate_arguments(eng, kwargs, message):
     with pytest.raises((ConfigError, ValueError), match=message):
