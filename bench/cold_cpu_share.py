@@ -140,11 +140,11 @@ def main() -> None:
               + (f", prefill {args.prefill}: {prefill['median']:,.1f} tok/s" if prefill else ""), flush=True)
         if args.timeline:
             captured_timeline(eng, ids)
-    if args.json is not None:
-        args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model),
-                                         "budget_mb": args.budget_mb, "new_tokens": args.new_tokens,
-                                         "threads": eng.hybrid._host_share.threads if eng.hybrid._host_share else 0,
-                                         "rows": rows}, indent=1))
+        if args.json is not None:  # after every row: a run cut short by its time box keeps the rows it measured
+            args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model),
+                                             "budget_mb": args.budget_mb, "new_tokens": args.new_tokens,
+                                             "threads": eng.hybrid._host_share.threads if eng.hybrid._host_share
+                                             else 0, "rows": rows}, indent=1))
 
 
 def job_time(before: dict, after: dict | None) -> float | None:
