@@ -326,3 +326,92 @@ def test_decode_with_cold_experts_in_five_launches(q4_file, monkeypatch):
     for a, b in zip(staged, apart):
         assert rel_err(a, b) < TOL
     assert snap.cold_hits == ref.cold_hits > 0 and snap.hot_hits == ref.hot_hits > 0
+
+
+def test_set_chunks_groups_the_cold_experts_in_order(monkeypatch):
+    """Each cold expert's code is its group x STREAM_EXPERTS + its row; hot experts have none; a placement
+    gives a new list of groups (a prefetch made for the old one is then stale)."""
+    monkeypatch.setattr(hybrid_module, "STREAM_EXPERTS", 2)
+    layer = hybrid_module._LayerTiers.__new__(hybrid_module._LayerTiers)
+    layer.n_expert, layer.device = 6, torch.device("cpu")
+    layer.chunk_code = torch.full((6,), -1, dtype=torch.int64)
+    layer._set_chunks(torch.tensor([True, False, False, True, False, False]))
+    assert [c.tolist() for c in layer.cold_chunks] == [[1, 2], [4, 5]]
+    assert layer.chunk_code.tolist() == [-1, 0, 1, -1, 2, 3] and layer.chunk_size == 2
+    before = layer.cold_chunks
+    layer._set_chunks(torch.tensor([True] * 6))
+    assert layer.cold_chunks == [] and layer.cold_chunks is not before and layer.chunk_code.tolist() == [-1] * 6
+
+
+@pytest.mark.parametrize("fmt", ["dense", "blocks"])
+def test_long_calls_gather_the_cold_experts_in_groups(q4_file, fmt, monkeypatch):
+    """A prompt's cold experts go to the device in groups of STREAM_EXPERTS (3 here), one gather launch a
+    group, whatever their ids (the placement scatters them): the same logits as the runs of consecutive
+    experts (``COLD_GATHER`` off), and as many gathers per layer as it has groups."""
+    pytest.importorskip("triton")
+    import engine.kernels.gather as gather_module
+
+    monkeypatch.setattr(hybrid_module, "STREAM_EXPERTS", 3)
+    ids = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(8))  # 22 pairs > 16 experts
+    gathers = []
+    real = gather_module.gather_stacks
+
+    def spy(srcs, dsts, experts):
+        gathers.append(experts.tolist())
+        return real(srcs, dsts, experts)
+
+    monkeypatch.setattr(gather_module, "gather_stacks", spy)
+    outs = []
+    for gather in (True, False):
+        monkeypatch.setattr(hybrid_module, "COLD_GATHER", gather)
+        gathers.clear()
+        model = load(q4_file)
+        if fmt == "dense":
+            model, hybrid = attach(q4_file, fmt, 0.5, "gpu", impl="triton")
+        else:
+            with GGUFFile(q4_file) as f:
+                budget = 0.5 * sum(r.data.nbytes for layer in raw_experts(f, model.cfg) for r in layer) / MB
+            hybrid = attach_hybrid(model, budget, None, threads=2, cold_format="quantized", hot_format="quantized",
+                                   gguf_file=GGUFFile(q4_file), cold_dtype=torch.float32, cold_device="gpu",
+                                   impl="triton")
+        state = model.new_state(len(ids))
+        outs.append(model.forward(ids, state, logits="all").logits)
+        if gather:
+            groups = [c.tolist() for layer in hybrid._layers for c in layer.cold_chunks]
+            assert gathers == groups and len(groups) > len(hybrid._layers)
+            assert all(len(g) <= 3 for g in groups)
+            cold = [e for layer in hybrid._layers for e in range(layer.n_expert) if not layer.host_hot[e]]
+            assert sorted(e for g in groups for e in g) == sorted(cold)
+        else:
+            assert gathers == []
+        hybrid.close()
+    assert rel_err(outs[0], outs[1]) < 1e-6
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["dense", "quantized"])
+def test_cuda_long_calls_overlap_groups_and_prefetch_the_next_layer(q4_file, fmt, monkeypatch):
+    """On CUDA the groups' gathers run on the second stream into two buffer sets in turn, and each layer's
+    last gather fetches the next cold layer's first group: the prompt's logits equal those without the
+    prefetch and those of the runs of consecutive experts (``LUCE_TUNE_COLD_GATHER=0``), eagerly and inside a
+    captured 9-token step (18 pairs over 16 experts: a long call), and nothing is left pending after a
+    forward."""
+    monkeypatch.setattr(hybrid_module, "STREAM_EXPERTS", 3)
+    ids = torch.randint(0, 256, (24 + 9,), generator=torch.Generator().manual_seed(9)).cuda()
+    results = []
+    for gather, prefetch in (("1", "1"), ("1", "0"), ("0", "1")):
+        monkeypatch.setenv(hybrid_module.COLD_GATHER_ENV, gather)
+        monkeypatch.setenv(hybrid_module.COLD_PREFETCH_ENV, prefetch)
+        model, hybrid = attach(q4_file, fmt, 0.5, "gpu", device="cuda", impl="triton")
+        assert sum(len(layer.cold_chunks) for layer in hybrid._layers) > len(hybrid._layers)
+        state = model.new_state(len(ids))
+        prompt = model.forward(ids[:24], state, logits="all").logits.clone()
+        assert hybrid._prefetch is None  # the last cold layer fetches nothing ahead
+        step = DecodeGraph(model, state, tokens=9, graph=True, kernels="triton")
+        assert step.captured
+        block = step.step(ids[24:]).clone()
+        results.append((prompt, block))
+        hybrid.close()
+    for prompt, block in results[1:]:
+        assert rel_err(results[0][0], prompt) < 1e-5 and rel_err(results[0][1], block) < 1e-5
