@@ -22,10 +22,8 @@ Where the cold experts are computed is ``cold_device``:
            ``set_cpu_share`` hands a share of each layer's cold experts to native CPU threads in
            decode-sized calls, which compute them from the same pinned copies while the bus carries
            the rest (``engine.kernels.host_experts``; still no host sync, still captured).
-           Longer calls (prefill) copy the layer's cold experts in groups of ``STREAM_EXPERTS``
-           into a device buffer, one gather launch a group, and compute each group there; on CUDA
-           the next group crosses the bus on a second stream meanwhile, and the last one fetches
-           the next cold layer's first group (``LUCE_TUNE_COLD_PREFETCH=0``: not). Nothing
+           Longer calls (prefill) copy the layer's cold experts in
+           runs of ``STREAM_EXPERTS`` into a device buffer and compute each run there. Nothing
            waits for the host, so with the Triton kernels a step with cold experts is captured
            in a CUDA graph like an all-hot one.
 
@@ -71,7 +69,6 @@ STREAM_EXPERTS = 32  # cold experts copied to the device at once for a long call
 STAGED_ENV = "LUCE_TUNE_HYBRID_STAGED"  # 0: decode-sized calls with cold experts take the launches of __call__
 OVERLAP_ENV = "LUCE_TUNE_HYBRID_OVERLAP"  # 0: the staged path's bus copies on the compute stream, one expert launch
 COLD_GATHER_ENV = "LUCE_TUNE_COLD_GATHER"  # 0: decode-sized calls read the cold experts in place
-COLD_PREFETCH_ENV = "LUCE_TUNE_COLD_PREFETCH"  # 0: a long call does not fetch the next cold layer's first group
 # None: decode-sized calls gather the cold experts on CUDA (unless LUCE_TUNE_COLD_GATHER=0); True: off CUDA
 # too (tests, with TRITON_INTERPRET=1); False: never.
 COLD_GATHER: bool | None = None
@@ -264,12 +261,6 @@ class _LayerTiers:
         self.n_mine = 0
         self.mapped: tuple[Any, ...] | None = None  # every expert in host memory, read by the device (cold_device="gpu")
         self.cold_runs = _cold_runs([False] * self.n_expert)  # (first expert, count) of runs of cold experts
-        # long calls' groups of cold experts: the experts of each (device int32, at most STREAM_EXPERTS), and
-        # each cold expert's group x STREAM_EXPERTS + its row in the group (-1 where hot); ``_set_chunks``
-        self.cold_chunks: list[torch.Tensor] = []
-        self.chunk_size = STREAM_EXPERTS
-        self.chunk_code = torch.full((self.n_expert,), -1, dtype=torch.int64, device=device)
-        self._set_chunks(self.host_hot)
 
     @property
     def n_hot(self) -> int:
@@ -307,20 +298,7 @@ class _LayerTiers:
         self.host_hot = slot_of >= 0
         self.cold_of.copy_(torch.where(self.host_hot, -1, torch.arange(self.n_expert)))
         self.cold_runs = _cold_runs(self.host_hot.tolist())
-        self._set_chunks(self.host_hot)
         self.assign_cpu(())
-
-    def _set_chunks(self, hot: torch.Tensor) -> None:
-        """The cold experts (``hot`` False) in groups of ``STREAM_EXPERTS``, in expert order: a new list, so
-        that a prefetch made for the old groups (``HybridExperts._cold_in_chunks``) is seen to be stale."""
-        cold = [e for e, h in enumerate(hot.tolist()) if not h]
-        self.chunk_size = STREAM_EXPERTS
-        code = torch.full((self.n_expert,), -1, dtype=torch.int64)
-        if cold:
-            code[torch.tensor(cold)] = torch.arange(len(cold))  # group g, row r: g * STREAM_EXPERTS + r
-        self.chunk_code.copy_(code)
-        self.cold_chunks = [torch.tensor(cold[a:a + STREAM_EXPERTS], dtype=torch.int32, device=self.device)
-                            for a in range(0, len(cold), STREAM_EXPERTS)]
 
     def assign_cpu(self, experts: Sequence[int]) -> None:
         """Make ``experts`` (cold ones) the layer's CPU set; the bus carries the other cold experts."""
@@ -421,9 +399,6 @@ class HybridExperts:
             self._pair_rows: dict[tuple[int, int], torch.Tensor] = {}
             self._hot_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
             self._stream: torch.cuda.Stream | None = None  # the staged path's second stream (CUDA)
-            # a long call's gather of the next cold layer's first group, on the second stream: (layer index, the
-            # groups it was made for, the buffer set it fills, its event); ``_cold_in_chunks``
-            self._prefetch: tuple[int, list[torch.Tensor], int, torch.cuda.Event] | None = None
             # pairs taken off by ``discount`` (device scalars); the pairs counted are ``_host_pairs``
             self._pairs = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
         # Routed pairs per layer, counted on the host: a call's count is its shape's, so a captured step
@@ -515,7 +490,6 @@ class HybridExperts:
                                        self.expert_vram_bytes, self.reserve, self.max_expert_mb,
                                        self.unit if unit is None else unit)
         self.unit = self.unit if unit is None else unit
-        self._join_prefetch()
         with torch.inference_mode(False):
             # layers that shrink go first, so their memory is free before others grow
             moves = sorted(zip(self._layers, placement.hot), key=lambda lh: len(lh[1]) - lh[0].n_hot)
@@ -691,7 +665,6 @@ class HybridExperts:
         sources = tuple(m.raw if isinstance(m, QuantExperts) else m for m in layer.mapped)
         if any(src.dtype != b.dtype or src.shape[1:] != b.shape[1:] for src, b in zip(sources, buffers)):
             return None
-        self._join_prefetch()
         stage = layer.host.as_experts(tuple(b[:T * k] for b in buffers))
         if not all(isinstance(st, QuantExperts) and stage_fits(sl, st) for sl, st in zip(layer.slot_experts, stage)):
             return None
@@ -752,7 +725,7 @@ class HybridExperts:
             if share is not None:  # the threads start on their pairs while the device computes the others
                 share.publish(layer_idx, x, topk_ids, topk_w, layer.mine)
             out = self._cold_on_device(layer, x, topk_ids, topk_w,
-                                       layer.bus_cold_of if share is not None else layer.cold_of, layer_idx).float()
+                                       layer.bus_cold_of if share is not None else layer.cold_of).float()
             if layer.n_hot:
                 out += layer.hot_moe(x, slots, topk_w, self.impl, self.kernel_config).float()
             if share is not None:
@@ -778,11 +751,9 @@ class HybridExperts:
         return cold.to(x.dtype)
 
     def _cold_on_device(self, layer: _LayerTiers, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                        cold_of: torch.Tensor, index: int | None = None) -> torch.Tensor:
+                        cold_of: torch.Tensor) -> torch.Tensor:
         """The output [T, H] of the cold experts that ``cold_of`` maps (-1: not these) computed by the device
-        from host memory: read in place for short calls (or gathered first), copied to the device in groups of
-        experts for long ones (``_cold_in_chunks``; where the gather does not apply, in runs of consecutive
-        experts). ``index``: the layer's, for the long calls' prefetch of the next cold layer."""
+        from host memory: read in place for short calls, copied to the device in runs of experts for long ones."""
         cold_ids = cold_of[ids]  # [T, k], -1 where the expert is hot (or the CPU threads'
         host, T, k = layer.host, *ids.shape
         if T * k <= layer.n_expert:
@@ -791,10 +762,6 @@ class HybridExperts:
                 return host.moe(x, gathered, torch.where(cold_ids >= 0, self._pair_index(T, k), -1), w, self.impl,
                                 self.kernel_config)
             return host.moe(x, layer.mapped, cold_ids, w, self.impl, self.kernel_config)
-        chunked = self._cold_in_chunks(layer, x, cold_ids, w, index)
-        if chunked is not None:
-            return chunked
-        self._join_prefetch()
         buffers = self._stream_buffers(layer)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for first, n in layer.cold_runs:
@@ -810,130 +777,19 @@ class HybridExperts:
         expert launches take them; None where this does not apply (more pairs than the buffers hold, the
         Triton kernels off, the device slots in another form than the host copies, or
         ``LUCE_TUNE_COLD_GATHER=0``): the caller then reads the experts in place."""
-        if cold_ids.numel() > STREAM_EXPERTS:
-            return None
-        sources = self._gather_sources(layer, cold_ids)
-        if sources is None:
-            return None
-        from engine.kernels.gather import gather_experts
-
-        self._join_prefetch()
-        buffers = self._stream_buffers(layer)
-        flat = cold_ids.reshape(-1)
-        for src, buf in zip(sources, buffers):
-            gather_experts(src, buf, flat)
-        return layer.host.as_experts(tuple(b[:flat.numel()] for b in buffers))
-
-    def _gather_sources(self, layer: _LayerTiers, cold_ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """The layer's host stacks as the gather kernel copies them into the stream buffers; None where the
-        gather does not apply (off CUDA unless ``COLD_GATHER``, ``LUCE_TUNE_COLD_GATHER=0``, the Triton kernels
-        off, or the host copies in another form than the buffers')."""
         on = (cold_ids.is_cuda and os.environ.get(COLD_GATHER_ENV, "1") != "0") if COLD_GATHER is None else COLD_GATHER
-        if not on or self.impl != "triton":
+        if not on or cold_ids.numel() > STREAM_EXPERTS or self.impl != "triton":
             return None
         buffers = self._stream_buffers(layer)
         sources = tuple(m.raw if isinstance(m, QuantExperts) else m for m in layer.mapped)
         if any(s.dtype != b.dtype or s.shape[1:] != b.shape[1:] for s, b in zip(sources, buffers)):
             return None
-        return sources
+        from engine.kernels.gather import gather_experts
 
-    def _cold_in_chunks(self, layer: _LayerTiers, x: torch.Tensor, cold_ids: torch.Tensor, w: torch.Tensor,
-                        index: int | None) -> torch.Tensor | None:
-        """A long call's cold experts [T, H] float32, the layer's cold experts copied to the device in groups of
-        ``STREAM_EXPERTS`` by one gather launch each (``layer.cold_chunks``) and each group's pairs computed
-        there by one pair of expert launches; None where the gather does not apply (``_gather_sources``).
-
-        Under a placement by routing counts the cold experts are scattered, and copying them in runs of
-        consecutive experts took one copy and two expert launches for every one or two experts. On CUDA the
-        gathers run on the second stream into two buffer sets in turn, so that group g + 1 crosses the bus while
-        group g is computed, and the last gather of a call fetches the next cold layer's first group (while that
-        layer's mixer runs); any other use of the buffers joins it first (``_join_prefetch``)."""
-        sources = self._gather_sources(layer, cold_ids)
-        chunks, size = layer.cold_chunks, layer.chunk_size
-        if sources is None or not chunks or size > self._stream_buffers(layer)[0].shape[0]:
-            return None
-        sets = (self._stream_buffers(layer), self._stream_buffers(layer, 1) if x.is_cuda else ())
-        from engine.kernels.gather import gather_stacks
-
-        code = torch.where(cold_ids >= 0, layer.chunk_code[cold_ids.clamp(min=0)], -1)  # [T, k]
-        group, row = torch.div(code, size, rounding_mode="floor"), code.remainder(size)  # -1: group -1
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-
-        def moe(g: int, buffers: tuple[torch.Tensor, ...]) -> None:
-            n = chunks[g].numel()
-            experts = layer.host.as_experts(tuple(b[:n] for b in buffers))
-            out.add_(layer.host.moe(x, experts, torch.where(group == g, row, -1), w, self.impl,
-                                    self.kernel_config).float())
-
-        if not x.is_cuda:  # the interpreter's tests: one stream, one buffer set
-            self._prefetch = None
-            for g, experts in enumerate(chunks):
-                gather_stacks(sources, sets[0], experts)
-                moe(g, sets[0])
-            return out
-        main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
-        ready: list[torch.cuda.Event | None] = [None] * len(chunks)
-        done: list[torch.cuda.Event] = []
-        first, pending = 0, self._prefetch
-        self._prefetch = None
-        if pending is not None:
-            if pending[0] == index and pending[1] is chunks:
-                first, ready[0] = pending[2], pending[3]
-            else:
-                main.wait_event(pending[3])
-        side.wait_stream(main)  # the buffer sets' earlier readers, on this stream, are done first
-
-        def gather(g: int, srcs: tuple[torch.Tensor, ...], experts: torch.Tensor, into: int,
-                   after: torch.cuda.Event | None) -> torch.cuda.Event:
-            with torch.cuda.stream(side):
-                if after is not None:
-                    side.wait_event(after)
-                gather_stacks(srcs, sets[into], experts)
-                event = torch.cuda.Event()
-                event.record(side)
-            return event
-
-        for g in range(min(2, len(chunks))):
-            if ready[g] is None:
-                ready[g] = gather(g, sources, chunks[g], (first + g) % 2, None)
-        for g in range(len(chunks)):
-            main.wait_event(ready[g])
-            moe(g, sets[(first + g) % 2])
-            event = torch.cuda.Event()
-            event.record(main)
-            done.append(event)
-            if g + 2 < len(chunks):
-                ready[g + 2] = gather(g + 2, sources, chunks[g + 2], (first + g) % 2, event)
-        nxt = self._next_cold_layer(index, layer)
-        if nxt is not None:
-            j, other, srcs = nxt
-            into = (first + len(chunks)) % 2  # the set the last group did not use
-            event = gather(0, srcs, other.cold_chunks[0], into, done[-2] if len(done) >= 2 else None)
-            self._prefetch = (j, other.cold_chunks, into, event)
-        return out
-
-    def _next_cold_layer(self, index: int | None, layer: _LayerTiers
-                         ) -> tuple[int, _LayerTiers, tuple[torch.Tensor, ...]] | None:
-        """The next layer after ``index`` with cold experts, when its first group can be fetched ahead: its
-        experts in the same layout as ``layer``'s (the buffer sets are shared) and its gather applying."""
-        if index is None or os.environ.get(COLD_PREFETCH_ENV, "1") == "0":
-            return None
-        for j in range(index + 1, len(self._layers)):
-            other = self._layers[j]
-            if not other.cold_chunks or other.n_hot == other.n_expert:
-                continue
-            same = (other.host.dtype, other.host.expert_shapes) == (layer.host.dtype, layer.host.expert_shapes)
-            srcs = self._gather_sources(other, other.chunk_code) if same else None
-            if srcs is None or other.chunk_size != layer.chunk_size:
-                return None
-            return j, other, srcs
-        return None
-
-    def _join_prefetch(self) -> None:
-        """Make this stream wait for a pending prefetch before the stream buffers are used another way."""
-        if self._prefetch is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._prefetch[3])
-            self._prefetch = None
+        flat = cold_ids.reshape(-1)
+        for src, buf in zip(sources, buffers):
+            gather_experts(src, buf, flat)
+        return layer.host.as_experts(tuple(b[:flat.numel()] for b in buffers))
 
     def _pair_index(self, T: int, k: int) -> torch.Tensor:
         """[T, k]: each pair's row in the gathered buffers (a constant of the shape, made once)."""
@@ -943,10 +799,9 @@ class HybridExperts:
                 self._pair_rows[key] = torch.arange(T * k, device=self.device).view(T, k)
         return self._pair_rows[key]
 
-    def _stream_buffers(self, layer: _LayerTiers, which: int = 0) -> tuple[torch.Tensor, ...]:
-        """Device buffers for ``STREAM_EXPERTS`` experts of ``layer``'s layout, shared by the layers; ``which``
-        1 is a second set, for long calls' gathers in turn (``_cold_in_chunks``)."""
-        key = (layer.host.dtype, layer.host.expert_shapes, which)
+    def _stream_buffers(self, layer: _LayerTiers) -> tuple[torch.Tensor, ...]:
+        """Device buffers for ``STREAM_EXPERTS`` experts of ``layer``'s layout, shared by the layers."""
+        key = (layer.host.dtype, layer.host.expert_shapes)
         if key not in self._stream_buffers_by_layout:
             self._stream_buffers_by_layout[key] = tuple(
                 torch.empty((STREAM_EXPERTS, *shape), dtype=layer.host.dtype, device=self.device)
