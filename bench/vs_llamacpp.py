@@ -4,7 +4,7 @@
         [--build-dir build/llama.cpp] [--cuda auto|on|off] [--cuda-arch 90] [--jobs N] [--cmake-arg -DX=Y]
         [--prompts 512,8192] [--gen 128] [--depths 0,16384] [--repeats 3] [--ncmoe N]
         [--weights dense|quantized] [--experts dense|quantized] [--cuda-graph] [--no-prefill-graph] [--device auto]
-        [--threads N] [--json out.json]
+        [--cold-device cpu|gpu] [--placement-unit expert|layer] [--cold-cpu-share 0.6] [--threads N] [--json out.json]
 
 llama.cpp comes from an existing llama-bench binary, or is built (llama-bench target only,
 CUDA when nvcc and a GPU are there) from a llama.cpp tree or the llama-cpp-python sdist, which
@@ -101,6 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--placement-unit", default="expert", choices=("expert", "layer"),
                     help="our hot set at --ncmoe's budget: the most-routed experts of any layer, or whole layers "
                          "(llama.cpp's -ncmoe places whole layers)")
+    ap.add_argument("--cold-cpu-share", type=float, default=None,
+                    help="with --ncmoe, --cold-device gpu and --experts quantized: the share of the cold experts' "
+                         "pairs our native CPU threads compute beside the bus in decode (default: "
+                         "LUCE_TUNE_COLD_CPU_SHARE, else 0; 0.6 was the fastest on the H200's 16-core host)")
     ap.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (cpu: llama.cpp gets -ngl 0)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both")
     ap.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth (default 1024 GPU, 256 CPU)")
@@ -113,6 +117,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.ncmoe is not None and args.ncmoe < 1:
         ap.error(f"--ncmoe must be at least 1, got {args.ncmoe}")
+    if args.cold_cpu_share is not None:
+        if not 0 <= args.cold_cpu_share <= 1:
+            ap.error(f"--cold-cpu-share must be between 0 and 1, got {args.cold_cpu_share}")
+        if args.ncmoe is None or args.cold_device != "gpu" or args.experts != "quantized":
+            ap.error("--cold-cpu-share needs --ncmoe, --cold-device gpu and --experts quantized")
     if not args.model.is_file():
         ap.error(f"--model {args.model} is not a file")
     return args
@@ -259,7 +268,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 notes.append(f"ours with the experts of layers {ncmoe}.. on the device ({budget:.0f} MB) "
                              f"could not be placed: {exc}")
                 continue
-            ours_info["ncmoe"] = info | placement.summary() | {"placement_unit": args.placement_unit}
+            if args.cold_cpu_share is not None:
+                eng.set_cold_cpu_share(args.cold_cpu_share)
+            share = eng.hybrid.cpu_share if eng.hybrid is not None else 0.0
+            ours_info["ncmoe"] = info | placement.summary() | {"placement_unit": args.placement_unit,
+                                                               "cold_cpu_share": share}
         for test in tests_for(args, ncmoe):
             ours = time_ours(eng, test, args.repeats, gen)
             rows[test.name]["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}

@@ -411,6 +411,7 @@ def test_cli_end_to_end_with_a_stand_in_binary(tmp_path):
     assert result["active_bytes"]["per_token"] == cfg_bytes.per_token
     ncmoe = result["ours"]["ncmoe"]
     assert ncmoe["budget_mb"] == pytest.approx(ncmoe["all_experts_mb"] / 2)  # 2 of 4 layers stay on the device
+    assert ncmoe["cold_cpu_share"] == 0.0 and ncmoe["placement_unit"] == "expert"
     assert result["notes"] == [] and "ours/llama" in proc.stdout
 
 
@@ -427,3 +428,17 @@ def test_cli_clear_errors(tmp_path):
     assert proc.returncode == 1 and proc.stderr.strip() == "error: --device 'tpu' is not a device (auto, cpu, cuda or cuda:N)"
     proc = _run_cli("--model", str(model))
     assert proc.returncode == 2 and "one of the arguments --llama-bench --llama-src --fetch-sdist is required" in proc.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--cold-cpu-share", "1.5"], "--cold-cpu-share must be between 0 and 1, got 1.5"),
+    (["--cold-cpu-share", "0.6"], "--cold-cpu-share needs --ncmoe, --cold-device gpu and --experts quantized"),
+    (["--cold-cpu-share", "0.6", "--ncmoe", "2", "--experts", "quantized"],
+     "--cold-cpu-share needs --ncmoe, --cold-device gpu and --experts quantized"),
+])
+def test_cold_cpu_share_is_checked_up_front(tmp_path, extra, message):
+    """A CPU share the half-cold rows cannot use is refused before anything loads or runs."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    proc = _run_cli("--model", str(model), "--llama-bench", str(tmp_path / "nope"), *extra)
+    assert proc.returncode == 2 and message in proc.stderr
