@@ -186,13 +186,14 @@ def training_and_held_out(corpus: str | Path, held_out: str | Path | None,
     return docs, held, len(given) - len(held)
 
 
-def initial_weights(init: str | Path, cfg: DraftConfig, device: torch.device) -> dict[str, torch.Tensor]:
-    """The float32 weights of the draft GGUF ``init``, which must have the shape ``cfg`` describes."""
+def initial_weights(init: str | Path, cfg: DraftConfig, device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
+    """The float32 weights of the draft GGUF ``init``, which must have the shape ``cfg`` describes, and the
+    CRC-32 of its file (part of the run's identity)."""
     start = load_draft(init, device=device)
     mine, theirs = asdict(cfg), asdict(start.cfg)
     if diffs := [f"{k} {theirs[k]} (the draft being trained: {mine[k]})" for k in mine if mine[k] != theirs[k]]:
         raise ConfigError(f"initial draft {init} is of another shape: {', '.join(diffs)}")
-    return start.state_dict()
+    return start.state_dict(), zlib.crc32(Path(init).read_bytes())
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,9 @@ def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pa
                  target_name: str, target_path: str | Path | None, held_out: str | Path | None,
                  init: str | Path | None, resume: bool, progress: Progress | None,
                  distill_progress: Progress | None) -> TrainReport:
+    device = model.device
+    # a draft to start from is checked before the corpus is read and before distillation (minutes on a GPU)
+    start, start_crc = initial_weights(init, cfg, device) if init is not None else (None, None)
     train_docs, held_docs, shared = training_and_held_out(corpus, held_out, opts.held_out_fraction)
     held_source = {"source": str(held_out) if held_out is not None
                    else f"{opts.held_out_fraction:g} of the corpus's documents by content hash",
@@ -269,7 +273,6 @@ def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pa
     stream = TokenStream.from_documents(tokenizer.encode(d) for d in train_docs)
     held = TokenStream.from_documents(tokenizer.encode(d) for d in held_docs)
     gamma = opts.gamma or default_gamma(cfg.block_size)
-    device = model.device
     distilled = None
     if opts.distill_options is not None:
         if target_path is None:
@@ -287,13 +290,13 @@ def _train_draft(model: Qwen35MoE, tokenizer, cfg: DraftConfig, corpus: str | Pa
         rows = CorpusRows(model, sampler, opts.seq_len, cfg.target_layer_ids, opts.labels)
     draft = DFlashDraft(cfg, device=device, dtype=torch.float32).init_random(
         torch.Generator().manual_seed(opts.seed))
-    if init is not None:
-        draft.load_state_dict(initial_weights(init, cfg, device))
+    if start is not None:
+        draft.load_state_dict(start)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
     ckpt = out.with_name(out.name + ".ckpt")
     identity = {"target": target_name, "draft": asdict(cfg), "options": _run_identity(opts),
                 "held_out_file": held_out is not None,  # with one, the draft trains on the whole corpus
-                "init": None if init is None else zlib.crc32(Path(init).read_bytes())}
+                "init": start_crc}
     step, spent_before = 0, 0.0
     if resume and ckpt.exists():
         state = load_checkpoint(ckpt, {})
