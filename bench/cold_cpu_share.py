@@ -3,7 +3,7 @@
     python bench/cold_cpu_share.py --model /tmp/q35.gguf [--budget-mb 8640] [--shares 0,0.25,0.4,0.5]
                                    [--activations int8,float32] [--threads 15,12] [--new-tokens 128] [--repeats 3]
                                    [--placement-units expert,layer] [--feed random|greedy] [--also-greedy]
-                                   [--timeline]
+                                   [--timeline] [--prefetch 0,1,2]
                                    [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_CHUNK1=16"]
                                    [--json out.json]
 
@@ -25,7 +25,9 @@ each row's captured step as kernels in device order (``bench/profile_decode.py``
 time is the device's wait for the threads. ``--cflags`` repeats the rows with threads per build of the pool
 (``;`` between builds, as ``LUCE_TUNE_HOST_EXPERTS_CFLAGS`` takes them), restarting the threads for each;
 ``--placement-units`` repeats every row per placement unit (``Engine.set_expert_budget(unit=)``: the hot set
-grown by experts or by whole layers).
+grown by experts or by whole layers). ``--prefetch`` repeats the rows with threads per count of cold experts a
+layer the bus fetches ahead of its router (``Engine.set_cold_prefetch``), and reports how many were fetched and
+how many of the cold pairs they served.
 """
 
 from __future__ import annotations
@@ -66,8 +68,11 @@ def main() -> None:
     ap.add_argument("--also-greedy", action="store_true",
                     help="with --feed random, also time each row on the greedy output (the routing repeated)")
     ap.add_argument("--cflags", default=None, help="builds of the pool for the rows with threads, ';' between them")
+    ap.add_argument("--prefetch", default="", help="cold experts fetched ahead a layer, per row with threads "
+                    "(comma-separated; default: the engine's)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    fetches = [int(n) for n in args.prefetch.split(",") if n] or [None]
     shares = [float(s) for s in args.shares.split(",")]
     t0 = time.perf_counter()
     eng = Engine.from_gguf(args.model, weights="quantized", cold_format="quantized", hot_format="quantized",
@@ -81,12 +86,12 @@ def main() -> None:
     counts = [int(t) for t in args.threads.split(",") if t] or [None]
     builds = args.cflags.split(";") if args.cflags is not None else [os.environ.get(CFLAGS_ENV, "")]
     units = args.placement_units.split(",")
-    runs = [(u, share, act, None, builds[0]) for u in units for share in shares if not share
+    runs = [(u, share, act, None, builds[0], None) for u in units for share in shares if not share
             for act in acts[:1]]  # no threads: one row
-    runs += [(u, share, act, n, b) for u in units for b in builds for n in counts for act in acts for share in shares
-             if share]
+    runs += [(u, share, act, n, b, f) for u in units for b in builds for n in counts for act in acts for share in shares
+             for f in fetches if share]
     runs.sort(key=lambda r: units.index(r[0]))  # one placement after the other
-    for unit, share, act, n, build in runs:
+    for unit, share, act, n, build, fetch in runs:
         if unit != eng.hybrid.unit:
             eng.set_expert_budget(args.budget_mb, unit=unit)
         if build != os.environ.get(CFLAGS_ENV, "") and eng.hybrid._host_share is not None:
@@ -95,6 +100,7 @@ def main() -> None:
             eng.hybrid._host_share = None
         os.environ[CFLAGS_ENV] = build
         eng.set_cold_cpu_share(share, int8=act == "int8", threads=n)
+        eng.set_cold_prefetch(fetch if fetch is not None and share else 0 if not share else eng.hybrid.cold_prefetch)
         warm = eng.generate(ids, 16, ignore_eos=True)
         pool = eng.hybrid._host_share
         before = pool.stats() if share and pool is not None else None
@@ -105,6 +111,8 @@ def main() -> None:
             out = eng.generate(ids, args.new_tokens, ignore_eos=True, feed=feed)
             rates.append(out.timings.decode_tok_s)
         job_us = job_time(before, pool.stats()) if before is not None else None
+        extra = out.timings.extra  # the last generation's counters (its prompt and decode)
+        sent, served, cold_pairs = extra.get("prefetched", 0), extra.get("prefetch_served", 0), extra.get("cold_hits", 0)
         greedy = None
         if args.also_greedy and args.feed == "random":
             greedy = spread([eng.generate(ids, args.new_tokens, ignore_eos=True).timings.decode_tok_s
@@ -119,6 +127,8 @@ def main() -> None:
         first = first if first is not None else warm.ids  # the warm-up's greedy tokens
         same = warm.ids == first
         row = {"placement_unit": unit, "feed": args.feed, "share": share, "activations": act if share else None, "threads": pool.threads if share else 0,
+               "cold_prefetch": eng.hybrid.cold_prefetch, "prefetched": sent, "prefetch_served_pairs": served,
+               "cold_pairs": cold_pairs,
                "cflags": build if share else None,
                "decode_tok_s": spread(rates), "runs": rates, "greedy_decode_tok_s": greedy, "pool_job_us": job_us,
                "prefill_tokens": args.prefill, "prefill_tok_s": prefill,
@@ -134,6 +144,8 @@ def main() -> None:
               f"{statistics.median(rates):7.1f} tok/s [{min(rates):.1f}-{max(rates):.1f}] ({row['decode_path']}), "
               f"step {step_ms:.2f} ms, same tokens as the first row: {same}, peak {out.timings.peak_mem_mb:,.0f} MB, "
               f"CPU jobs so far {row['cpu_jobs']:,}"
+              + (f", fetched ahead {eng.hybrid.cold_prefetch}/layer: {served:,} of {cold_pairs:,} cold pairs served "
+                 f"by {sent:,} fetches" if eng.hybrid.cold_prefetch else "")
               + (f", the threads' job {job_us:.1f} us (x {eng.config.n_layers} layers: "
                  f"{job_us * eng.config.n_layers / 1e3:.2f} ms)" if job_us is not None else "")
               + (f", greedy (routing repeated) {greedy['median']:.1f} tok/s" if greedy else "")

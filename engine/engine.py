@@ -335,6 +335,14 @@ class Engine:
         self._prefills.clear()
         self.hybrid.set_cpu_share(share, int8=int8, threads=threads)
 
+    def set_cold_prefetch(self, n: int) -> None:
+        """Have the bus fetch up to ``n`` cold experts a layer ahead of its router, from its predicted routing
+        (``HybridExperts.set_cold_prefetch``: one-token steps with a CPU share); 0 stops it."""
+        if self.hybrid is None:
+            raise ConfigError("fetching cold experts ahead needs an expert budget (set_expert_budget first)")
+        self._graphs.clear()  # captured with the old setting
+        self.hybrid.set_cold_prefetch(n)
+
     def _ids_tensor(self, ids: Sequence[int]) -> torch.Tensor:
         if len(ids) == 0:
             raise ConfigError("the prompt is empty: at least one token id is needed")

@@ -69,6 +69,7 @@ STREAM_EXPERTS = 32  # cold experts copied to the device at once for a long call
 STAGED_ENV = "LUCE_TUNE_HYBRID_STAGED"  # 0: decode-sized calls with cold experts take the launches of __call__
 OVERLAP_ENV = "LUCE_TUNE_HYBRID_OVERLAP"  # 0: the staged path's bus copies on the compute stream, one expert launch
 COLD_GATHER_ENV = "LUCE_TUNE_COLD_GATHER"  # 0: decode-sized calls read the cold experts in place
+PREFETCH_MAX = 4  # cold experts a layer's bus may fetch ahead of its router (``set_cold_prefetch``)
 # None: decode-sized calls gather the cold experts on CUDA (unless LUCE_TUNE_COLD_GATHER=0); True: off CUDA
 # too (tests, with TRITON_INTERPRET=1); False: never.
 COLD_GATHER: bool | None = None
@@ -88,6 +89,9 @@ class HybridStats:
     expert_vram_mb: float  # device memory held by hot experts
     expert_host_mb: float = 0.0  # host memory held by the master copies of all experts
     cold_cpu_share: float = 0.0  # share of the cold mass CPU threads compute beside the bus (cold_device="gpu")
+    cold_prefetch: int = 0  # cold experts a layer the bus fetches ahead of its router (set_cold_prefetch)
+    prefetched: int = 0  # cold experts fetched ahead
+    prefetch_served: int = 0  # cold pairs computed from experts fetched ahead
 
     @property
     def cold_hit_rate(self) -> float:
@@ -350,7 +354,8 @@ class HybridExperts:
                  reserve: GpuReserve | None = None, max_expert_mb: float | None = None,
                  threads: int | None = None, impl: str = "auto", kernel_config: "MoEKernelConfig | None" = None,
                  gguf_file: "RawTensorSource | None" = None, cold_device: str = "cpu",
-                 cpu_share: float | None = None, cpu_int8: bool | None = None, unit: str | None = None):
+                 cpu_share: float | None = None, cpu_int8: bool | None = None, unit: str | None = None,
+                 cold_prefetch: int | None = None):
         """``host_experts``: per layer (gate, up, down) in host memory (pinned for CUDA) or a
         ``QuantizedExperts``, placed for ``budget_mb``. ``max_expert_mb`` caps device memory for
         experts below what the live GPU allows; ``threads`` sizes the CPU pool; ``impl`` picks the
@@ -359,7 +364,9 @@ class HybridExperts:
         ``cpu_share`` (with ``cold_device="gpu"``; default ``LUCE_TUNE_COLD_CPU_SHARE`` or 0) hands that share of
         the cold experts' routed mass to CPU threads in decode-sized calls (``set_cpu_share``), whose
         activations are 8-bit (``cpu_int8``, default ``LUCE_TUNE_COLD_CPU_INT8`` or on) or float32. ``unit`` (default
-        ``LUCE_TUNE_PLACEMENT_UNIT`` or ``"expert"``): what the hot set grows by (``plan_placement``)."""
+        ``LUCE_TUNE_PLACEMENT_UNIT`` or ``"expert"``): what the hot set grows by (``plan_placement``).
+        ``cold_prefetch`` (default ``LUCE_TUNE_COLD_PREFETCH`` or 0): cold experts the bus fetches ahead of
+        each layer's router from its predicted routing (``set_cold_prefetch``)."""
         if cold_device not in COLD_DEVICES:
             raise ConfigError(f"cold device must be one of {', '.join(COLD_DEVICES)}, got {cold_device!r}")
         self.cold_device = cold_device
@@ -408,6 +415,15 @@ class HybridExperts:
         self.placement_version = 0  # bumped by every set_budget: device slots may have been reallocated
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
         self.placement: Placement
+        self.cold_prefetch = 0
+        self._predictors: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (router, scale) a layer
+        self._fetch: tuple[int, torch.Tensor, Any] | None = None  # (layer, fetched ids, event): for its split
+        with torch.inference_mode(False):
+            # cold pairs served from experts fetched ahead, and experts fetched ahead, per layer
+            self._fetch_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
+            self._fetch_sent = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
+        self._two_streams = [False] * len(self._layers)  # the layer's last one-token call took two streams
+        self.set_cold_prefetch(_env_prefetch() if cold_prefetch is None else cold_prefetch)
         self.set_budget(budget_mb)
         if cpu_share is None:
             cpu_share = _env_share()
@@ -480,8 +496,36 @@ class HybridExperts:
                 host.append((ew.gate, ew.up, ew.down))
         if pin:
             torch.cuda.empty_cache()
-        return cls(host, budget_mb, device=model.device, stats=stats, min_hot=cfg.n_expert_used, reserve=reserve,
-                   gguf_file=gguf_file, cold_device=cold_device, **options)
+        hybrid = cls(host, budget_mb, device=model.device, stats=stats, min_hot=cfg.n_expert_used, reserve=reserve,
+                     gguf_file=gguf_file, cold_device=cold_device, **options)
+        hybrid.set_predictors([(layer.moe.router, layer.attn_norm, layer.post_norm) for layer in model.weights.layers])
+        return hybrid
+
+    def set_predictors(self, layers: "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]") -> None:
+        """Each layer's router [E, H] and the norm weights [H] before its mixer and before its experts, from
+        which ``begin_layer`` predicts the layer's routing from the mixer's input: the router's input is
+        ``rms_norm(h + mixed) * post``; the mixer's, ``x = rms_norm(h) * attn``; with ``mixed`` left out,
+        ``x * post / attn`` is proportional to it, and top-k does not see the scale (an ``attn`` weight near 0
+        takes ``post`` alone there)."""
+        if len(layers) != len(self._layers):
+            raise ValueError(f"{len(layers)} layers of predictors for {len(self._layers)} layers of experts")
+        predictors = []
+        for router, attn, post in layers:
+            a, b = attn.detach().float(), post.detach().float()
+            scale = torch.where(a.abs() > 1e-3 * a.abs().max().clamp(min=1e-30), b / a, b)
+            predictors.append((router.detach().float().contiguous(), scale.to(self.device).contiguous()))
+        self._predictors = predictors
+
+    def set_cold_prefetch(self, n: int) -> None:
+        """Fetch up to ``n`` (0 to ``PREFETCH_MAX``) cold experts a layer ahead of its router in decode steps
+        of one token on the staged path with a CPU share (``_staged_moe``): at the layer's start the routing
+        is predicted from the mixer's input (``set_predictors``), and the bus copies its first ``n`` cold
+        experts into the stage while the mixer runs. Only what the bus copies changes, never what is
+        computed. Captured steps made before a change no longer match: the engine captures again."""
+        if not 0 <= int(n) <= PREFETCH_MAX or int(n) != n:
+            raise ConfigError(f"cold experts fetched ahead must be a whole number from 0 to {PREFETCH_MAX}, got {n}")
+        self.cold_prefetch = int(n)
+        self.placement_version += 1
 
     def set_budget(self, budget_mb: float, unit: str | None = None) -> Placement:
         """Re-place the experts for ``budget_mb`` in place (only experts that change tier move)
@@ -606,6 +650,46 @@ class HybridExperts:
         """Host memory held by the master copies of every expert (the cold tier's store)."""
         return sum(layer.host.nbytes for layer in self._layers)
 
+    def begin_layer(self, layer_idx: int, x: torch.Tensor) -> None:
+        """At a layer's start (``x`` [T, H] the mixer's input): with ``cold_prefetch``, for a one-token call of a
+        layer whose last such call took the staged path's two streams, predict the layer's routing from ``x``
+        (``set_predictors``) and have the bus copy its first ``cold_prefetch`` cold experts into the stage's
+        rows after ``STREAM_EXPERTS``, on the second stream while the mixer runs; the layer's split waits for
+        the prediction (not the copies) and serves their pairs from there (``_staged_moe``)."""
+        self._join_fetch()
+        if (not self.cold_prefetch or self._predictors is None or not x.is_cuda or x.shape[0] != 1
+                or not self._two_streams[layer_idx] or not self.cpu_share or self._host_share is None
+                or self.min_hot & (self.min_hot - 1)):
+            return
+        from engine.kernels.gather import gather_stacks
+        from engine.kernels.hybrid_split import select_prefetch
+        from engine.kernels.moe_gate import route_triton
+
+        layer = self._layers[layer_idx]
+        router, scale = self._predictors[layer_idx]
+        m = self.cold_prefetch
+        fetched = torch.empty(m, dtype=torch.int32, device=x.device)
+        buffers = self._stream_buffers(layer)
+        sources = tuple(t.raw if isinstance(t, QuantExperts) else t for t in layer.mapped)
+        main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
+        side.wait_stream(main)
+        picked = torch.cuda.Event()
+        with torch.cuda.stream(side):
+            ids, _ = route_triton(x * scale, router, self.min_hot, side=True)
+            select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[layer_idx:layer_idx + 1])
+            picked.record(side)
+            gather_stacks(sources, tuple(b[STREAM_EXPERTS:STREAM_EXPERTS + m] for b in buffers), fetched)
+        x.record_stream(side)  # read there: their blocks are not handed out again before it is done
+        fetched.record_stream(side)
+        self._fetch = (layer_idx, fetched, picked)
+
+    def _join_fetch(self) -> None:
+        """A fetch ahead that its layer's experts did not take (the call went another path): the compute
+        stream waits for the second stream, so no copy outlives its step or a graph's capture."""
+        if self._fetch is not None:
+            torch.cuda.current_stream(self._fetch[1].device).wait_stream(self._side_stream(self._fetch[1].device))
+            self._fetch = None
+
     def moe_with_shared(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                         shared: "SharedExpertWeights") -> torch.Tensor | None:
         """The layer's routed experts and its shared expert in the same two launches (the shared
@@ -617,7 +701,9 @@ class HybridExperts:
         switches it off. Saves the shared expert's four launches per layer."""
         layer = self._layers[layer_idx]
         if layer.n_hot != layer.n_expert:
-            return self._staged_moe(layer_idx, x, topk_ids, topk_w, shared)
+            out = self._staged_moe(layer_idx, x, topk_ids, topk_w, shared)
+            self._join_fetch()
+            return out
         if (self.impl != "triton" or not layer.n_hot
                 or os.environ.get(SHARED_IN_MOE_ENV, "1") == "0"
                 or not isinstance(layer.slot_experts[0], QuantExperts)
@@ -646,6 +732,9 @@ class HybridExperts:
         ``LUCE_TUNE_HYBRID_STAGED=0`` switches it off."""
         layer = self._layers[layer_idx]
         T, k = ids.shape
+        fetch = self._fetch if self._fetch is not None and self._fetch[0] == layer_idx else None
+        if T == 1:
+            self._two_streams[layer_idx] = False  # until this call takes them
         if (self.impl != "triton" or self.cold_device != "gpu" or not (x.is_cuda or COLD_GATHER) or not layer.n_hot
                 or os.environ.get(STAGED_ENV, "1") == "0" or os.environ.get(SHARED_IN_MOE_ENV, "1") == "0"
                 or T * k > STREAM_EXPERTS or os.environ.get(COLD_GATHER_ENV, "1") == "0" or COLD_GATHER is False
@@ -665,7 +754,8 @@ class HybridExperts:
         sources = tuple(m.raw if isinstance(m, QuantExperts) else m for m in layer.mapped)
         if any(src.dtype != b.dtype or src.shape[1:] != b.shape[1:] for src, b in zip(sources, buffers)):
             return None
-        stage = layer.host.as_experts(tuple(b[:T * k] for b in buffers))
+        rows = STREAM_EXPERTS + PREFETCH_MAX if fetch is not None else T * k  # the rows the expert launches read
+        stage = layer.host.as_experts(tuple(b[:rows] for b in buffers))
         if not all(isinstance(st, QuantExperts) and stage_fits(sl, st) for sl, st in zip(layer.slot_experts, stage)):
             return None
         pool = self._host_share if self.cpu_share and self._host_share is not None and x.is_cuda else None
@@ -680,9 +770,17 @@ class HybridExperts:
             # expert run on this one (a graph captures the fork and the join); with no threads to wait
             # for, one stream measured faster (docs/benchmarks.md, 2026-12-04 fourth round)
             stage_codes = torch.empty((T, k), dtype=torch.int32, device=x.device)
-            split_pairs(ids, layer.slot_of, self._hot_hits[layer_idx:layer_idx + 1], codes, stage_ids, share=pool,
-                        fraction=self.cpu_share, layer=layer_idx, x=x, w=w, stage_codes=stage_codes)
             main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
+            fetched = {}
+            if fetch is not None:  # the bus's copies fetched ahead: their pairs read those rows
+                _, ahead, picked = fetch
+                main.wait_event(picked)
+                fetched = dict(fetched=ahead, fetched_row=STREAM_EXPERTS,
+                               fetched_hits=self._fetch_hits[layer_idx:layer_idx + 1])
+                self._fetch = None  # joined below with the second stream
+            split_pairs(ids, layer.slot_of, self._hot_hits[layer_idx:layer_idx + 1], codes, stage_ids, share=pool,
+                        fraction=self.cpu_share, layer=layer_idx, x=x, w=w, stage_codes=stage_codes, **fetched)
+            self._two_streams[layer_idx] = T == 1
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 gather_stacks(sources, stacks, stage_ids)
@@ -803,8 +901,8 @@ class HybridExperts:
         """Device buffers for ``STREAM_EXPERTS`` experts of ``layer``'s layout, shared by the layers."""
         key = (layer.host.dtype, layer.host.expert_shapes)
         if key not in self._stream_buffers_by_layout:
-            self._stream_buffers_by_layout[key] = tuple(
-                torch.empty((STREAM_EXPERTS, *shape), dtype=layer.host.dtype, device=self.device)
+            self._stream_buffers_by_layout[key] = tuple(  # then the rows of the experts fetched ahead
+                torch.empty((STREAM_EXPERTS + PREFETCH_MAX, *shape), dtype=layer.host.dtype, device=self.device)
                 for shape in layer.host.expert_shapes)
         return self._stream_buffers_by_layout[key]
 
@@ -826,15 +924,19 @@ class HybridExperts:
         all_hot = torch.tensor([layer.n_hot == layer.n_expert for layer in self._layers], device=self.device)
         pairs_of = self._pairs + torch.tensor(self._host_pairs, dtype=torch.int64, device=self.device)
         hot = torch.where(all_hot, pairs_of, self._hot_hits)  # all-hot layers count pairs only
-        hot_hits, pairs = torch.stack([hot.sum(), pairs_of.sum()]).tolist()
+        hot_hits, pairs, sent, served = torch.stack([hot.sum(), pairs_of.sum(), self._fetch_sent.sum(),
+                                                     self._fetch_hits.sum()]).tolist()
         return HybridStats(
             budget_mb=placement.budget_mb, hot_experts=placement.hot_count, cold_experts=placement.cold_count,
             hot_hits=hot_hits, cold_hits=pairs - hot_hits,
             expected_cold_hit_rate=placement.expected_cold_hit_rate, expert_vram_mb=self.expert_vram_bytes / MB,
-            expert_host_mb=self.expert_host_bytes / MB, cold_cpu_share=self.cpu_share)
+            expert_host_mb=self.expert_host_bytes / MB, cold_cpu_share=self.cpu_share,
+            cold_prefetch=self.cold_prefetch, prefetched=sent, prefetch_served=served)
 
     def reset_counters(self) -> None:
         self._hot_hits.zero_()
+        self._fetch_hits.zero_()
+        self._fetch_sent.zero_()
         self._pairs.zero_()
         self._host_pairs = [0] * len(self._layers)
 
@@ -867,6 +969,7 @@ class HybridExperts:
 COLD_CPU_SHARE_ENV = "LUCE_TUNE_COLD_CPU_SHARE"
 COLD_CPU_INT8_ENV = "LUCE_TUNE_COLD_CPU_INT8"  # 0: the CPU share multiplies in float32
 PLACEMENT_UNIT_ENV = "LUCE_TUNE_PLACEMENT_UNIT"  # expert or layer: what the hot set grows by
+COLD_PREFETCH_ENV = "LUCE_TUNE_COLD_PREFETCH"  # cold experts fetched ahead a layer (``set_cold_prefetch``)
 
 
 def _env_int8() -> bool:
@@ -884,6 +987,15 @@ def _env_share() -> float:
         return float(text)
     except ValueError:
         raise ConfigError(f"{COLD_CPU_SHARE_ENV} must be a number between 0 and 1, got {text!r}") from None
+
+
+def _env_prefetch() -> int:
+    text = os.environ.get(COLD_PREFETCH_ENV, "").strip()
+    if not text:
+        return 0
+    if not text.isdigit() or int(text) > PREFETCH_MAX:
+        raise ConfigError(f"{COLD_PREFETCH_ENV} must be a whole number from 0 to {PREFETCH_MAX}, got {text!r}")
+    return int(text)
 
 
 def _env_unit() -> str:

@@ -14,6 +14,12 @@ orders each token's pairs by weight; which ones does not change the cost: every 
 bytes), the bus the others, so each layer's two sides get their share of this call's pairs rather than of
 the experts' routed mass on average. With none for the threads nothing is published and ``pending`` says so:
 ``host_share_triton.collect_into`` then waits for nothing. The layer's hot pairs are added to its hit counter.
+
+Cold experts fetched ahead (``select_prefetch``): before a layer's router has run, its routing is predicted
+from the layer's input (the residual stream changes little over one mixer), and the bus copies the predicted
+cold experts into rows of their own of the stage stacks while the mixer runs. The split then gives a cold pair
+whose expert was fetched that row's ``-2 - row``; only the cold pairs left are shared between the threads and
+the bus, and the layer's prefetch counter gains the pairs served so.
 """
 
 from __future__ import annotations
@@ -36,15 +42,22 @@ BLOCK = 1024  # token-row floats a loop step of the mailbox's copy
 
 @triton.jit
 def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_codes_ptr, stage_ptr, hits_ptr, pending_ptr, mb_i, mb_f,
-                  seq_ptr, x_ptr, w_ptr, layer, T, N, share, P: tl.constexpr, K: tl.constexpr,
-                  MAX_PAIRS: tl.constexpr, HEADER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
-                  PUBLISH: tl.constexpr, APART: tl.constexpr):
+                  seq_ptr, x_ptr, w_ptr, pf_ptr, pf_hits_ptr, pf_row, layer, T, N, share, P: tl.constexpr,
+                  K: tl.constexpr, MAX_PAIRS: tl.constexpr, HEADER: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK: tl.constexpr, PUBLISH: tl.constexpr, APART: tl.constexpr, M: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     e = tl.load(ids_ptr + p, mask=pm, other=-1)
     slot = tl.load(slot_ptr + tl.maximum(e, 0), mask=pm & (e >= 0), other=-1)
     hot = slot >= 0
-    cold = (pm & (e >= 0) & (slot < 0)).to(tl.int32)
+    fetched = tl.full([BLOCK_P], -1, tl.int32)  # the stage row a prefetched cold pair reads, else -1
+    for j in tl.static_range(M):
+        f = tl.load(pf_ptr + j)
+        fetched = tl.where((fetched < 0) & (f >= 0) & (e == f) & pm & (slot < 0), pf_row + j, fetched)
+    ahead = fetched >= 0
+    if M > 0:
+        tl.atomic_add(pf_hits_ptr, tl.sum(ahead.to(tl.int64), axis=0))
+    cold = (pm & (e >= 0) & (slot < 0) & (fetched < 0)).to(tl.int32)
     c = tl.sum(cold, axis=0)
     if PUBLISH:
         n_cpu = tl.floor(c.to(tl.float32) * share + 0.5).to(tl.int32)
@@ -53,13 +66,13 @@ def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_codes_ptr, stage_ptr, hits
     rank = tl.cumsum(cold, axis=0) - cold  # cold pairs before this one
     cpu = (cold != 0) & (rank >= c - n_cpu)
     bus = (cold != 0) & (rank < c - n_cpu)
-    staged = tl.where(bus, -2 - p, -1)
+    staged = tl.where(bus, -2 - p, tl.where(ahead, -2 - fetched, -1))
     if APART:  # the slots' ids and the stage's in two tensors
         tl.store(codes_ptr + p, tl.where(hot, slot, -1).to(codes_ptr.dtype.element_ty), mask=pm)
         tl.store(stage_codes_ptr + p, staged.to(stage_codes_ptr.dtype.element_ty), mask=pm)
     else:
         tl.store(codes_ptr + p, tl.where(hot, slot, staged).to(codes_ptr.dtype.element_ty), mask=pm)
-    tl.store(stage_ptr + p, tl.where(bus, e, -1).to(stage_ptr.dtype.element_ty), mask=pm)
+    tl.store(stage_ptr + p, tl.where(bus, e, -1).to(stage_ptr.dtype.element_ty), mask=pm)  # what the bus copies
     tl.atomic_add(hits_ptr, tl.sum(hot.to(tl.int64), axis=0))
     if PUBLISH:
         if n_cpu > 0:
@@ -87,14 +100,17 @@ def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_codes_ptr, stage_ptr, hits
 def split_pairs(ids: torch.Tensor, slot_of: torch.Tensor, hits: torch.Tensor, codes: torch.Tensor,
                 stage_ids: torch.Tensor, *, share: "HostShare | None" = None, fraction: float = 0.0, layer: int = 0,
                 x: torch.Tensor | None = None, w: torch.Tensor | None = None,
-                stage_codes: torch.Tensor | None = None) -> None:
+                stage_codes: torch.Tensor | None = None, fetched: torch.Tensor | None = None, fetched_row: int = 0,
+                fetched_hits: torch.Tensor | None = None) -> None:
     """Split ``ids`` [T, k] (-1: unrouted) by ``slot_of`` [E] (a device slot, -1 where cold) into ``codes``
     [T, k] (the slot; ``-2 - p`` for a cold pair the bus carries, copied by ``stage_ids[p]`` = its expert;
     -1 for the threads' pairs and unrouted ones) and ``stage_ids`` [T k] (-1 where nothing is copied);
     ``hits`` (a one-element int64 tensor) gains the hot pairs. With ``share`` (CUDA), ``fraction`` of the
     cold pairs go to its threads, published with ``x`` [T, H] and ``w`` [T, k] for ``layer``. With
     ``stage_codes`` [T, k] the ids come apart: ``codes`` the slots (-1 elsewhere), ``stage_codes`` the stage's
-    ``-2 - p`` (-1 elsewhere), for expert launches of their own."""
+    ``-2 - p`` (-1 elsewhere), for expert launches of their own. ``fetched`` [M] (int32, -1: none) names cold
+    experts already copied to stage rows ``fetched_row + j``: their pairs read those rows (``-2 - row``, no
+    copy), are left out of the share, and are added to ``fetched_hits`` (int64 [1])."""
     check_device(ids, "split_pairs")
     T, k = ids.shape
     P = T * k
@@ -103,6 +119,11 @@ def split_pairs(ids: torch.Tensor, slot_of: torch.Tensor, hits: torch.Tensor, co
         raise ValueError(f"split_pairs writes codes {tuple(ids.shape)}, {P} stage ids and an int64 counter, got "
                          f"{tuple(codes.shape)}, {stage_ids.numel()} and {hits.dtype} [{hits.numel()}]")
     ids = ids.contiguous()
+    M = 0 if fetched is None else fetched.numel()
+    if M and (fetched.dtype != torch.int32 or fetched_hits is None or fetched_hits.dtype != torch.int64
+              or fetched_row < P):
+        raise ValueError(f"fetched experts are int32 ids at stage rows from {P} on with an int64 counter, got "
+                         f"{fetched.dtype} at row {fetched_row}")
     publish = share is not None and fraction > 0
     if publish:
         if not share.fits(T, k) or x is None or w is None:
@@ -114,7 +135,36 @@ def split_pairs(ids: torch.Tensor, slot_of: torch.Tensor, hits: torch.Tensor, co
         mb, seq, pending, n, max_pairs = codes, hits, hits, 0, 1  # unread without publishing
         x = w = ids
     _split_kernel[(1,)](ids, slot_of, codes, stage_codes if stage_codes is not None else codes, stage_ids, hits,
-                        pending, mb, mb.view(torch.float32) if publish else mb, seq, x, w, layer, T, n,
+                        pending, mb, mb.view(torch.float32) if publish else mb, seq, x, w,
+                        fetched if M else ids, fetched_hits if M else hits, fetched_row, layer, T, n,
                         float(fraction), P=P, K=k, MAX_PAIRS=max_pairs, HEADER=HEADER,
                         BLOCK_P=triton.next_power_of_2(max(P, 16)), BLOCK=BLOCK, PUBLISH=publish,
-                        APART=stage_codes is not None, num_warps=4)
+                        APART=stage_codes is not None, M=M, num_warps=4)
+
+
+@triton.jit
+def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, K: tl.constexpr, M: tl.constexpr, BLOCK_K: tl.constexpr):
+    o = tl.arange(0, BLOCK_K)
+    m = o < K
+    e = tl.load(pred_ptr + o, mask=m, other=-1)
+    slot = tl.load(slot_ptr + tl.maximum(e, 0), mask=m & (e >= 0), other=0)
+    cold = (m & (e >= 0) & (slot < 0)).to(tl.int32)
+    rank = tl.cumsum(cold, axis=0) - cold  # cold predictions before this one
+    for j in tl.static_range(M):
+        pick = (cold != 0) & (rank == j)
+        tl.store(out_ptr + j, (tl.sum(tl.where(pick, e + 1, 0), axis=0) - 1).to(tl.int32))
+    tl.atomic_add(sent_ptr, tl.minimum(tl.sum(cold, axis=0), M).to(tl.int64))
+
+
+def select_prefetch(predicted: torch.Tensor, slot_of: torch.Tensor, out: torch.Tensor, sent: torch.Tensor) -> None:
+    """``out`` [M] int32: the first ``M`` cold experts (``slot_of`` -1) of ``predicted`` [k] (a token's
+    predicted routing, most likely first), -1 past the cold ones there are; for the bus to fetch ahead.
+    ``sent`` (int64 [1]) gains how many were picked."""
+    check_device(predicted, "select_prefetch")
+    if (predicted.dim() != 1 or out.dim() != 1 or out.dtype != torch.int32 or not out.numel()
+            or sent.dtype != torch.int64 or sent.numel() != 1):
+        raise ValueError(f"select_prefetch takes one token's [k] ids into an int32 [M] and an int64 counter, got "
+                         f"{tuple(predicted.shape)}, {out.dtype} {tuple(out.shape)} and {sent.dtype}")
+    k = predicted.numel()
+    _select_kernel[(1,)](predicted.contiguous(), slot_of, out, sent, K=k, M=out.numel(),
+                         BLOCK_K=triton.next_power_of_2(max(k, 2)), num_warps=1)

@@ -161,19 +161,21 @@ def _rows(name: str, x: torch.Tensor) -> None:
                          f"strides {x.stride()}")
 
 
-def _route_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_scratch(device: torch.device, tag: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The device's logits row [MAX_TOKENS, MAX_EXPERTS] float32 and per-token arrival counters of
-    ``route_triton`` (its own: not the split GEMVs'), from ``fused.scratch``."""
-    return (scratch("router logits", (MAX_TOKENS, MAX_EXPERTS), torch.float32, device),
-            scratch("router counters", (MAX_TOKENS,), torch.int32, device))
+    ``route_triton`` (its own: not the split GEMVs'), from ``fused.scratch``; ``tag`` names another set
+    (the side stream's)."""
+    return (scratch(tag + "router logits", (MAX_TOKENS, MAX_EXPERTS), torch.float32, device),
+            scratch(tag + "router counters", (MAX_TOKENS,), torch.int32, device))
 
 
-def route_triton(x: torch.Tensor, router: torch.Tensor, k: int,
-                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route_triton(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int | None = None, *,
+                 side: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer input x [T, H] (float32, float16 or bfloat16; T <= 16) and the float32 router [E, H]
     -> (ids [T, k] int64, weights [T, k] float32 summing to 1), in one launch of ``num_warps``
-    warps per program (left out: ``engine.kernels.warps``'s entry for the router)."""
-    return _route(x, router, k, num_warps, None)
+    warps per program (left out: ``engine.kernels.warps``'s entry for the router). ``side``: a launch on a
+    second stream, which may run beside the step's own routers: scratch of its own, no programmatic launch."""
+    return _route(x, router, k, num_warps, None, side=side)
 
 
 def add_norm_route_triton(h: torch.Tensor, r: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -192,7 +194,7 @@ def add_norm_route_triton(h: torch.Tensor, r: torch.Tensor, norm_weight: torch.T
 
 
 def _route(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int | None,
-           add: tuple[torch.Tensor, torch.Tensor, float] | None) -> tuple[torch.Tensor, ...]:
+           add: tuple[torch.Tensor, torch.Tensor, float] | None, side: bool = False) -> tuple[torch.Tensor, ...]:
     _rows("x", x)
     _rows("router", router)
     check_device(x, WHAT)
@@ -214,14 +216,15 @@ def _route(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int | None,
     h_out, x_out = (torch.empty(T, H, dtype=x.dtype, device=x.device) for _ in range(2)) if add is not None \
         else (x, x)
     if T:
-        scratch, counters = _route_scratch(x.device)
+        scratch, counters = _route_scratch(x.device, "side " if side else "")
         block_e = min(16, triton.next_power_of_2(triton.cdiv(E * T, PROGRAMS)))
         _route_kernel[(triton.cdiv(E, block_e), T)](
             x, router, scratch, counters, ids, weights, E, H, x.stride(0), router.stride(0), scratch.stride(0),
             K=k, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(H), TILE // block_e),
             ALL_E=triton.next_power_of_2(E), res_ptr=res, nw_ptr=norm_weight, h_out_ptr=h_out, x_out_ptr=x_out,
             stride_res=res.stride(0), eps=eps, ADD_NORM=add is not None, PREFETCH=prefetch(),
-            num_warps=warps("router") if num_warps is None else num_warps, **launch(x.device, T, "router"))
+            num_warps=warps("router") if num_warps is None else num_warps,
+            **({"PDL": False, "launch_pdl": False} if side else launch(x.device, T, "router")))
     return (h_out, x_out, ids, weights) if add is not None else (ids, weights)
 
 

@@ -168,8 +168,11 @@ class Qwen35MoE:
         cfg = self.cfg
         hidden: dict[int, torch.Tensor] = {}
         pending = None  # the last MoE output, added into h together with the next norm
+        begin = getattr(executor, "begin_layer", None)  # e.g. a hybrid executor fetching cold experts ahead
         for i, layer in enumerate(self.weights.layers):
             h, x = add_rms_norm(h, pending, layer.attn_norm, cfg.rms_eps)
+            if begin is not None:
+                begin(i, x)
             if i - 1 in capture:
                 hidden[i - 1] = h
             if isinstance(layer.mixer, AttentionWeights):

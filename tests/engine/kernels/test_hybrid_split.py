@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 from engine.kernels.gather import gather_stacks  # noqa: E402
-from engine.kernels.hybrid_split import split_pairs  # noqa: E402
+from engine.kernels.hybrid_split import select_prefetch, split_pairs  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,6 +82,63 @@ def test_collect_into_adds_the_sums_without_threads():
     assert torch.allclose(half.float(), acc, rtol=2 ** -7, atol=0)  # one bf16 rounding
     with pytest.raises(ValueError, match="contiguous float32"):
         collect_into(None, acc.bfloat16(), dst)
+
+
+@pytest.mark.parametrize("T,k,E,apart", [(1, 8, 16, True), (3, 5, 13, False), (1, 4, 9, False)])
+def test_split_serves_fetched_experts_from_their_rows(T, k, E, apart):
+    """Cold experts fetched ahead: every cold pair of one (in any token) reads its stage row ``-2 - (row0 +
+    j)``, copies nothing and is counted; the other cold pairs are staged as without them, each by its own
+    pair index; a fetched id that is hot, or -1, serves nothing."""
+    ids, slot_of = case(T, k, E, seed=T * 7 + k)
+    flat = ids.reshape(-1).cpu()
+    slots = torch.where(flat >= 0, slot_of.cpu()[flat.clamp(min=0)], -1)
+    cold_ids = [int(e) for e, s in zip(flat, slots) if e >= 0 and s < 0]
+    hot_id = next(int(e) for e, s in zip(flat, slots) if s >= 0)
+    fetched_list = [cold_ids[-1], -1, hot_id, cold_ids[0]]  # row 0 and row 3 serve
+    row0 = 32
+    fetched = torch.tensor(fetched_list, dtype=torch.int32, device=DEVICE)
+    served = torch.full((1,), 3, dtype=torch.int64, device=DEVICE)
+    hits = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    codes = torch.empty((T, k), dtype=torch.int32, device=DEVICE)
+    stage_codes = torch.empty((T, k), dtype=torch.int32, device=DEVICE) if apart else None
+    stage = torch.empty(T * k, dtype=torch.int32, device=DEVICE)
+    split_pairs(ids, slot_of, hits, codes, stage, stage_codes=stage_codes, fetched=fetched, fetched_row=row0,
+                fetched_hits=served)
+    got = (stage_codes if apart else codes).reshape(-1).cpu().long()
+    row_of = {}  # an expert fetched twice is read from its first row
+    for j, e in enumerate(fetched_list):
+        if e in cold_ids:
+            row_of.setdefault(e, row0 + j)
+    p = torch.arange(T * k)
+    ahead = torch.tensor([int(e) in row_of and s < 0 for e, s in zip(flat, slots)])
+    cold = (flat >= 0) & (slots < 0) & ~ahead
+    want = torch.where(cold, -2 - p, torch.tensor([-2 - row_of.get(int(e), 0) for e in flat]))
+    want = torch.where(cold | ahead, want, slots if not apart else torch.full_like(slots, -1))
+    assert torch.equal(got, want)
+    assert torch.equal(stage.cpu().long(), torch.where(cold, flat, -1))
+    assert int(served) == 3 + int(ahead.sum()) and int(hits) == int((slots >= 0).sum())
+    with pytest.raises(ValueError, match="stage rows from"):
+        split_pairs(ids, slot_of, hits, codes, stage, fetched=fetched, fetched_row=T * k - 1, fetched_hits=served)
+
+
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_select_prefetch_takes_the_first_cold_predictions_in_order(M):
+    """The first ``M`` cold experts of a predicted routing, most likely first; -1 past the cold ones; the
+    counter gains how many were picked."""
+    slot_of = torch.full((12,), -1, dtype=torch.int64)
+    slot_of[[1, 4, 5, 9]] = torch.arange(4)
+    predicted = torch.tensor([4, 7, 1, 2, 9, 11, 5, 0])  # cold in order: 7, 2, 11, 0
+    sent = torch.full((1,), 1, dtype=torch.int64, device=DEVICE)
+    out = torch.empty(M, dtype=torch.int32, device=DEVICE)
+    select_prefetch(predicted.to(DEVICE), slot_of.to(DEVICE), out, sent)
+    assert out.cpu().tolist() == [7, 2, 11, 0][:M] and int(sent) == 1 + M
+    mostly_hot = torch.tensor([4, 1, 3, 9])  # one cold: 3
+    out = torch.empty(M, dtype=torch.int32, device=DEVICE)
+    select_prefetch(mostly_hot.to(DEVICE), slot_of.to(DEVICE), out, sent)
+    assert out.cpu().tolist() == ([3] + [-1] * (M - 1)) and int(sent) == 2 + M
+    with pytest.raises(ValueError, match="int32"):
+        select_prefetch(predicted.to(DEVICE), slot_of.to(DEVICE), torch.empty(2, dtype=torch.int64, device=DEVICE),
+                        sent)
 
 
 def test_split_refuses_wrong_outputs():

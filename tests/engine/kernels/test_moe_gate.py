@@ -84,6 +84,25 @@ def test_route_from_x_matches_the_reference_twice(T, E, H, k, dtype):
     torch.testing.assert_close(other[1], w, rtol=1e-6, atol=1e-7)
 
 
+def test_side_route_uses_scratch_of_its_own():
+    """``side=True`` (a launch on a second stream) gives the default launch's routing, and leaves the
+    default scratch's counters at zero between calls: interleaved, both keep giving the reference."""
+    from engine.kernels.fused import scratch
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 300, generator=g).to(DEVICE)
+    router = torch.randn(256, 300, generator=g).to(DEVICE) * 300 ** -0.5 * 4
+    ref_ids, ref_w = reference_logits_route(x, router, 8)
+    for _ in range(2):
+        side = kernels.route_triton(x, router, 8, side=True)
+        main = kernels.route_triton(x, router, 8)
+        for ids, w in (side, main):
+            torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+            torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    for tag in ("", "side "):
+        assert not scratch(tag + "router counters", (kernels.MAX_TOKENS,), torch.int32, torch.device(DEVICE)).any()
+
+
 def test_route_from_x_reads_strided_rows_and_breaks_ties_to_the_lower_id():
     x = (torch.rand(3, 60) + 0.1).to(DEVICE)[:, :24]  # rows strided by 60
     router = torch.zeros(10, 24, device=DEVICE)
