@@ -50,6 +50,9 @@ def generate(
         True, "--cold-cpu-int8/--cold-cpu-float32", help="with --cold-cpu-share: the threads round activations to "
         "8 bits per 32 values and multiply in integers, as llama.cpp's CPU experts do (the default), or multiply "
         "in float32"),
+    cold_prefetch: Optional[int] = typer.Option(
+        None, "--cold-prefetch", help="with --cold-cpu-share: cold experts a layer (0-4) the bus fetches ahead of "
+        "the layer's router from its routing predicted at the layer's start (decode steps of one token)"),
     placement_unit: Optional[str] = typer.Option(
         None, "--placement-unit", help="with --expert-budget: what the hot set grows by: expert (the most-routed "
         "experts of any layer; the default) or layer (whole layers, so fewer layers have cold experts, as "
@@ -98,6 +101,8 @@ def generate(
         raise ConfigError("--cold-device needs --expert-budget (without it every expert stays on the device)")
     if placement_unit is not None and expert_budget is None:
         raise ConfigError("--placement-unit needs --expert-budget (without it every expert stays on the device)")
+    if cold_prefetch is not None and not cold_cpu_share:
+        raise ConfigError("--cold-prefetch needs --cold-cpu-share above 0 (the fetches ride the share's second stream)")
     if cold_cpu_share is not None and cold_device != "gpu":
         raise ConfigError("--cold-cpu-share needs --cold-device gpu (with --cold-device cpu the threads compute "
                           "every cold expert)")
@@ -105,7 +110,7 @@ def generate(
                            expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format,
                            weights=weights, cuda_graph=cuda_graph, hot_format=hot_format, cold_device=cold_device,
                            cold_cpu_share=cold_cpu_share, cold_cpu_int8=cold_cpu_int8 if cold_cpu_share else None,
-                           placement_unit=placement_unit)
+                           placement_unit=placement_unit, cold_prefetch=cold_prefetch)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:

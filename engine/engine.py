@@ -170,7 +170,7 @@ class Engine:
                   cold_format: str = "dense", weights: str = "dense", cuda_graph: bool = True,
                   hot_format: str = "dense", cold_device: str = "cpu", cold_cpu_share: float | None = None,
                   cold_cpu_int8: bool | None = None, placement_unit: str | None = None,
-                  **options: Any) -> "Engine":
+                  cold_prefetch: int | None = None, **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
@@ -185,7 +185,9 @@ class Engine:
         working beside the bus in decode-sized calls (``engine.kernels.host_experts``), in 8-bit activations
         unless ``cold_cpu_int8=False`` (default ``LUCE_TUNE_COLD_CPU_INT8`` or on); ``placement_unit`` (default
         ``LUCE_TUNE_PLACEMENT_UNIT`` or ``"expert"``) is what the hot set grows by: single experts by routed
-        mass, or whole layers (``"layer"``: fewer layers with cold experts, as llama.cpp's ``-ncmoe``); ``drafter``
+        mass, or whole layers (``"layer"``: fewer layers with cold experts, as llama.cpp's ``-ncmoe``);
+        ``cold_prefetch`` (with a CPU share; default ``LUCE_TUNE_COLD_PREFETCH`` or 0) has the bus fetch that many
+        cold experts a layer ahead of its router from the predicted routing (``set_cold_prefetch``); ``drafter``
         loads a PFlash drafter sharing the target's vocabulary;
         ``draft`` attaches a DFlash draft, checked against the target before any tensor loads.
         ``weights="quantized"`` keeps the block-quantized projection matrices (attention, Gated
@@ -213,6 +215,8 @@ class Engine:
             raise ConfigError(f"cold_cpu_share must be between 0 and 1, got {cold_cpu_share}")
         if cold_cpu_share and (cold_device != "gpu" or expert_budget_mb is None):
             raise ConfigError("cold_cpu_share needs cold_device='gpu' and an expert budget")
+        if cold_prefetch and (cold_device != "gpu" or expert_budget_mb is None):
+            raise ConfigError("cold_prefetch needs cold_device='gpu' and an expert budget")
         if placement_unit is not None and placement_unit not in PLACEMENT_UNITS:
             raise ConfigError(f"placement_unit must be one of {', '.join(PLACEMENT_UNITS)}, got {placement_unit!r}")
         if threads is not None:
@@ -263,6 +267,8 @@ class Engine:
             if cold_cpu_share is not None or cold_cpu_int8 is not None:
                 eng.set_cold_cpu_share(eng.hybrid.cpu_share if cold_cpu_share is None else cold_cpu_share,
                                        int8=cold_cpu_int8)
+            if cold_prefetch is not None:
+                eng.set_cold_prefetch(cold_prefetch)
         _sync(dev)
         eng.load_s = time.perf_counter() - t0
         return eng

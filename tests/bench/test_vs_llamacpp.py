@@ -435,6 +435,10 @@ def test_cli_clear_errors(tmp_path):
     (["--cold-cpu-share", "0.6"], "--cold-cpu-share needs --ncmoe, --cold-device gpu and --experts quantized"),
     (["--cold-cpu-share", "0.6", "--ncmoe", "2", "--experts", "quantized"],
      "--cold-cpu-share needs --ncmoe, --cold-device gpu and --experts quantized"),
+    (["--cold-prefetch", "5"], "--cold-prefetch must be from 0 to 4, got 5"),
+    (["--cold-prefetch", "1"], "--cold-prefetch needs --cold-cpu-share above 0"),
+    (["--cold-prefetch", "1", "--cold-cpu-share", "0", "--ncmoe", "2", "--cold-device", "gpu", "--experts",
+      "quantized"], "--cold-prefetch needs --cold-cpu-share above 0"),
 ])
 def test_cold_cpu_share_is_checked_up_front(tmp_path, extra, message):
     """A CPU share the half-cold rows cannot use is refused before anything loads or runs."""

@@ -127,3 +127,26 @@ def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch):
         hybrid.check_cpu_share()
     finally:
         hybrid.close()
+
+
+def test_engine_and_cli_take_the_count(qfile, capsys):
+    """``Engine.from_gguf(cold_prefetch=)`` and ``set_cold_prefetch`` reach the executor and its stats; the CLI
+    refuses ``--cold-prefetch`` without a CPU share, and the engine without a budget on the GPU tier."""
+    from engine.engine import Engine
+    from tuner.cli import main
+
+    with pytest.raises(ConfigError, match="cold_prefetch needs cold_device='gpu'"):
+        Engine.from_gguf(qfile, device="cpu", expert_budget_mb=0, cold_prefetch=1)
+    options = dict(device="cpu", expert_budget_mb=0, cold_device="gpu", cold_format="quantized", hot_format="quantized")
+    eng = Engine.from_gguf(qfile, cold_cpu_share=0.5, cold_prefetch=2, **options)
+    try:
+        out = eng.generate([3, 17, 5], 4)
+        assert eng.hybrid.cold_prefetch == 2 and out.timings.extra["cold_prefetch"] == 2
+        eng.set_cold_prefetch(0)
+        assert eng.hybrid.cold_prefetch == 0 and eng.generate([3, 17, 5], 4).ids == out.ids
+        with pytest.raises(ConfigError, match="fetched ahead"):
+            eng.set_cold_prefetch(PREFETCH_MAX + 1)
+    finally:
+        eng.hybrid.close()
+    status = main(["generate", "--model", str(qfile), "--prompt", "hi", "--device", "cpu", "--cold-prefetch", "1"])
+    assert status == 2 and "--cold-prefetch needs --cold-cpu-share" in capsys.readouterr().err
