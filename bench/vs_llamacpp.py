@@ -4,7 +4,7 @@
         [--build-dir build/llama.cpp] [--cuda auto|on|off] [--cuda-arch 90] [--jobs N] [--cmake-arg -DX=Y]
         [--prompts 512,8192] [--gen 128] [--depths 0,16384] [--repeats 3] [--ncmoe N]
         [--weights dense|quantized] [--experts dense|quantized] [--cuda-graph] [--no-prefill-graph] [--device auto]
-        [--cold-device cpu|gpu] [--placement-unit expert|layer] [--cold-cpu-share 0.6] [--cold-prefetch 1] [--threads N] [--json out.json]
+        [--cold-device cpu|gpu] [--placement-unit expert|layer] [--cold-cpu-share 0.6] [--cold-prefetch 1] [--cold-warm 2] [--threads N] [--json out.json]
 
 llama.cpp comes from an existing llama-bench binary, or is built (llama-bench target only,
 CUDA when nvcc and a GPU are there) from a llama.cpp tree or the llama-cpp-python sdist, which
@@ -108,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cold-prefetch", type=int, default=None,
                     help="half-cold rows: cold experts a layer the bus fetches ahead of its router from the predicted "
                          "routing (0-4; needs --cold-cpu-share)")
+    ap.add_argument("--cold-warm", type=int, default=None,
+                    help="half-cold rows: cold experts a layer the CPU threads warm ahead of its router (0-4; needs "
+                         "--cold-cpu-share)")
     ap.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (cpu: llama.cpp gets -ngl 0)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both")
     ap.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth (default 1024 GPU, 256 CPU)")
@@ -125,11 +128,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--cold-cpu-share must be between 0 and 1, got {args.cold_cpu_share}")
         if args.ncmoe is None or args.cold_device != "gpu" or args.experts != "quantized":
             ap.error("--cold-cpu-share needs --ncmoe, --cold-device gpu and --experts quantized")
-    if args.cold_prefetch is not None:
-        if not 0 <= args.cold_prefetch <= 4:
-            ap.error(f"--cold-prefetch must be from 0 to 4, got {args.cold_prefetch}")
+    for name in ("cold_prefetch", "cold_warm"):
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if not 0 <= value <= 4:
+            ap.error(f"{flag} must be from 0 to 4, got {value}")
         if not args.cold_cpu_share:
-            ap.error("--cold-prefetch needs --cold-cpu-share above 0 (the fetches ride the CPU share's second stream)")
+            ap.error(f"{flag} needs --cold-cpu-share above 0 (the fetches ride the CPU share's second stream)")
     if not args.model.is_file():
         ap.error(f"--model {args.model} is not a file")
     return args
@@ -278,12 +284,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             if args.cold_cpu_share is not None:
                 eng.set_cold_cpu_share(args.cold_cpu_share)
-            if args.cold_prefetch is not None:
-                eng.set_cold_prefetch(args.cold_prefetch)
+            if args.cold_prefetch is not None or args.cold_warm is not None:
+                eng.set_cold_prefetch(eng.hybrid.cold_prefetch if args.cold_prefetch is None else args.cold_prefetch,
+                                      warm=args.cold_warm)
             share = eng.hybrid.cpu_share if eng.hybrid is not None else 0.0
             ours_info["ncmoe"] = info | placement.summary() | {"placement_unit": args.placement_unit,
                                                                "cold_cpu_share": share,
-                                                               "cold_prefetch": eng.hybrid.cold_prefetch}
+                                                               "cold_prefetch": eng.hybrid.cold_prefetch,
+                                                               "cold_warm": eng.hybrid.cold_warm}
         for test in tests_for(args, ncmoe):
             ours = time_ours(eng, test, args.repeats, gen)
             rows[test.name]["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}

@@ -53,6 +53,9 @@ def generate(
     cold_prefetch: Optional[int] = typer.Option(
         None, "--cold-prefetch", help="with --cold-cpu-share: cold experts a layer (0-4) the bus fetches ahead of "
         "the layer's router from its routing predicted at the layer's start (decode steps of one token)"),
+    cold_warm: Optional[int] = typer.Option(
+        None, "--cold-warm", help="with --cold-cpu-share: cold experts a layer (0-4) after --cold-prefetch's that the "
+        "CPU threads fetch into their caches ahead of the router, then compute"),
     placement_unit: Optional[str] = typer.Option(
         None, "--placement-unit", help="with --expert-budget: what the hot set grows by: expert (the most-routed "
         "experts of any layer; the default) or layer (whole layers, so fewer layers have cold experts, as "
@@ -101,8 +104,9 @@ def generate(
         raise ConfigError("--cold-device needs --expert-budget (without it every expert stays on the device)")
     if placement_unit is not None and expert_budget is None:
         raise ConfigError("--placement-unit needs --expert-budget (without it every expert stays on the device)")
-    if cold_prefetch is not None and not cold_cpu_share:
-        raise ConfigError("--cold-prefetch needs --cold-cpu-share above 0 (the fetches ride the share's second stream)")
+    if (cold_prefetch is not None or cold_warm is not None) and not cold_cpu_share:
+        raise ConfigError("--cold-prefetch and --cold-warm need --cold-cpu-share above 0 (the fetches ride the "
+                          "share's second stream)")
     if cold_cpu_share is not None and cold_device != "gpu":
         raise ConfigError("--cold-cpu-share needs --cold-device gpu (with --cold-device cpu the threads compute "
                           "every cold expert)")
@@ -110,7 +114,7 @@ def generate(
                            expert_budget_mb=expert_budget, drafter=drafter, draft=draft, cold_format=cold_format,
                            weights=weights, cuda_graph=cuda_graph, hot_format=hot_format, cold_device=cold_device,
                            cold_cpu_share=cold_cpu_share, cold_cpu_int8=cold_cpu_int8 if cold_cpu_share else None,
-                           placement_unit=placement_unit, cold_prefetch=cold_prefetch)
+                           placement_unit=placement_unit, cold_prefetch=cold_prefetch, cold_warm=cold_warm)
     ids = eng.tokenizer.encode(text)
     err = Console(stderr=True)
     if not as_json:

@@ -170,7 +170,7 @@ class Engine:
                   cold_format: str = "dense", weights: str = "dense", cuda_graph: bool = True,
                   hot_format: str = "dense", cold_device: str = "cpu", cold_cpu_share: float | None = None,
                   cold_cpu_int8: bool | None = None, placement_unit: str | None = None,
-                  cold_prefetch: int | None = None, **options: Any) -> "Engine":
+                  cold_prefetch: int | None = None, cold_warm: int | None = None, **options: Any) -> "Engine":
         """Load a qwen35moe GGUF file.
 
         ``expert_budget_mb`` places the routed experts hybrid (hot ones on the GPU within the
@@ -187,7 +187,8 @@ class Engine:
         ``LUCE_TUNE_PLACEMENT_UNIT`` or ``"expert"``) is what the hot set grows by: single experts by routed
         mass, or whole layers (``"layer"``: fewer layers with cold experts, as llama.cpp's ``-ncmoe``);
         ``cold_prefetch`` (with a CPU share; default ``LUCE_TUNE_COLD_PREFETCH`` or 0) has the bus fetch that many
-        cold experts a layer ahead of its router from the predicted routing (``set_cold_prefetch``); ``drafter``
+        cold experts a layer ahead of its router from the predicted routing, and ``cold_warm`` (default
+        ``LUCE_TUNE_COLD_WARM`` or 0) the CPU threads warm that many more (``set_cold_prefetch``); ``drafter``
         loads a PFlash drafter sharing the target's vocabulary;
         ``draft`` attaches a DFlash draft, checked against the target before any tensor loads.
         ``weights="quantized"`` keeps the block-quantized projection matrices (attention, Gated
@@ -215,8 +216,8 @@ class Engine:
             raise ConfigError(f"cold_cpu_share must be between 0 and 1, got {cold_cpu_share}")
         if cold_cpu_share and (cold_device != "gpu" or expert_budget_mb is None):
             raise ConfigError("cold_cpu_share needs cold_device='gpu' and an expert budget")
-        if cold_prefetch and (cold_device != "gpu" or expert_budget_mb is None):
-            raise ConfigError("cold_prefetch needs cold_device='gpu' and an expert budget")
+        if (cold_prefetch or cold_warm) and (cold_device != "gpu" or expert_budget_mb is None):
+            raise ConfigError("cold_prefetch and cold_warm need cold_device='gpu' and an expert budget")
         if placement_unit is not None and placement_unit not in PLACEMENT_UNITS:
             raise ConfigError(f"placement_unit must be one of {', '.join(PLACEMENT_UNITS)}, got {placement_unit!r}")
         if threads is not None:
@@ -267,8 +268,9 @@ class Engine:
             if cold_cpu_share is not None or cold_cpu_int8 is not None:
                 eng.set_cold_cpu_share(eng.hybrid.cpu_share if cold_cpu_share is None else cold_cpu_share,
                                        int8=cold_cpu_int8)
-            if cold_prefetch is not None:
-                eng.set_cold_prefetch(cold_prefetch)
+            if cold_prefetch is not None or cold_warm is not None:
+                eng.set_cold_prefetch(eng.hybrid.cold_prefetch if cold_prefetch is None else cold_prefetch,
+                                      warm=cold_warm)
         _sync(dev)
         eng.load_s = time.perf_counter() - t0
         return eng
@@ -341,13 +343,14 @@ class Engine:
         self._prefills.clear()
         self.hybrid.set_cpu_share(share, int8=int8, threads=threads)
 
-    def set_cold_prefetch(self, n: int) -> None:
-        """Have the bus fetch up to ``n`` cold experts a layer ahead of its router, from its predicted routing
-        (``HybridExperts.set_cold_prefetch``: one-token steps with a CPU share); 0 stops it."""
+    def set_cold_prefetch(self, n: int, *, warm: int | None = None) -> None:
+        """Have the bus fetch up to ``n`` cold experts a layer ahead of its router, and the CPU threads warm
+        ``warm`` more (None: as set), from its predicted routing (``HybridExperts.set_cold_prefetch``: one-token
+        steps with a CPU share); 0 stops it."""
         if self.hybrid is None:
             raise ConfigError("fetching cold experts ahead needs an expert budget (set_expert_budget first)")
         self._graphs.clear()  # captured with the old setting
-        self.hybrid.set_cold_prefetch(n)
+        self.hybrid.set_cold_prefetch(n, warm=warm)
 
     def _ids_tensor(self, ids: Sequence[int]) -> torch.Tensor:
         if len(ids) == 0:

@@ -90,8 +90,9 @@ class HybridStats:
     expert_host_mb: float = 0.0  # host memory held by the master copies of all experts
     cold_cpu_share: float = 0.0  # share of the cold mass CPU threads compute beside the bus (cold_device="gpu")
     cold_prefetch: int = 0  # cold experts a layer the bus fetches ahead of its router (set_cold_prefetch)
-    prefetched: int = 0  # cold experts fetched ahead
-    prefetch_served: int = 0  # cold pairs computed from experts fetched ahead
+    cold_warm: int = 0  # cold experts a layer the CPU threads warm ahead of its router (set_cold_prefetch)
+    prefetched: int = 0  # cold experts fetched or warmed ahead
+    prefetch_served: int = 0  # cold pairs computed from experts fetched or warmed ahead
 
     @property
     def cold_hit_rate(self) -> float:
@@ -355,7 +356,7 @@ class HybridExperts:
                  threads: int | None = None, impl: str = "auto", kernel_config: "MoEKernelConfig | None" = None,
                  gguf_file: "RawTensorSource | None" = None, cold_device: str = "cpu",
                  cpu_share: float | None = None, cpu_int8: bool | None = None, unit: str | None = None,
-                 cold_prefetch: int | None = None):
+                 cold_prefetch: int | None = None, cold_warm: int | None = None):
         """``host_experts``: per layer (gate, up, down) in host memory (pinned for CUDA) or a
         ``QuantizedExperts``, placed for ``budget_mb``. ``max_expert_mb`` caps device memory for
         experts below what the live GPU allows; ``threads`` sizes the CPU pool; ``impl`` picks the
@@ -365,8 +366,9 @@ class HybridExperts:
         the cold experts' routed mass to CPU threads in decode-sized calls (``set_cpu_share``), whose
         activations are 8-bit (``cpu_int8``, default ``LUCE_TUNE_COLD_CPU_INT8`` or on) or float32. ``unit`` (default
         ``LUCE_TUNE_PLACEMENT_UNIT`` or ``"expert"``): what the hot set grows by (``plan_placement``).
-        ``cold_prefetch`` (default ``LUCE_TUNE_COLD_PREFETCH`` or 0): cold experts the bus fetches ahead of
-        each layer's router from its predicted routing (``set_cold_prefetch``)."""
+        ``cold_prefetch`` (default ``LUCE_TUNE_COLD_PREFETCH`` or 0) and ``cold_warm`` (default
+        ``LUCE_TUNE_COLD_WARM`` or 0): cold experts the bus fetches, and the CPU threads warm, ahead of each
+        layer's router from its predicted routing (``set_cold_prefetch``)."""
         if cold_device not in COLD_DEVICES:
             raise ConfigError(f"cold device must be one of {', '.join(COLD_DEVICES)}, got {cold_device!r}")
         self.cold_device = cold_device
@@ -415,15 +417,17 @@ class HybridExperts:
         self.placement_version = 0  # bumped by every set_budget: device slots may have been reallocated
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
         self.placement: Placement
-        self.cold_prefetch = 0
+        self.cold_prefetch = self.cold_warm = 0
         self._predictors: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (router, scale) a layer
-        self._fetch: tuple[int, torch.Tensor, Any] | None = None  # (layer, fetched ids, event): for its split
+        # (layer, fetched ids or None, warmed ids or None, event): for the layer's split
+        self._fetch: tuple[int, torch.Tensor | None, torch.Tensor | None, Any] | None = None
         with torch.inference_mode(False):
             # cold pairs served from experts fetched ahead, and experts fetched ahead, per layer
             self._fetch_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
             self._fetch_sent = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
         self._two_streams = [False] * len(self._layers)  # the layer's last one-token call took two streams
-        self.set_cold_prefetch(_env_prefetch() if cold_prefetch is None else cold_prefetch)
+        self.set_cold_prefetch(_env_prefetch(COLD_PREFETCH_ENV) if cold_prefetch is None else cold_prefetch,
+                               warm=_env_prefetch(COLD_WARM_ENV) if cold_warm is None else cold_warm)
         self.set_budget(budget_mb)
         if cpu_share is None:
             cpu_share = _env_share()
@@ -516,15 +520,21 @@ class HybridExperts:
             predictors.append((router.detach().float().contiguous(), scale.to(self.device).contiguous()))
         self._predictors = predictors
 
-    def set_cold_prefetch(self, n: int) -> None:
+    def set_cold_prefetch(self, n: int, *, warm: int | None = None) -> None:
         """Fetch up to ``n`` (0 to ``PREFETCH_MAX``) cold experts a layer ahead of its router in decode steps
         of one token on the staged path with a CPU share (``_staged_moe``): at the layer's start the routing
         is predicted from the mixer's input (``set_predictors``), and the bus copies its first ``n`` cold
-        experts into the stage while the mixer runs. Only what the bus copies changes, never what is
-        computed. Captured steps made before a change no longer match: the engine captures again."""
-        if not 0 <= int(n) <= PREFETCH_MAX or int(n) != n:
-            raise ConfigError(f"cold experts fetched ahead must be a whole number from 0 to {PREFETCH_MAX}, got {n}")
-        self.cold_prefetch = int(n)
+        experts into the stage while the mixer runs. ``warm`` (None: as set; 0 to ``PREFETCH_MAX``): the
+        next ones are named to the CPU threads, which fetch their blocks into their caches meanwhile
+        (``HostShare.warm``) and are handed those experts' pairs whatever the share. Only where experts are
+        read from changes, never what is computed. Captured steps made before a change no longer match: the
+        engine captures again."""
+        warm = self.cold_warm if warm is None else warm
+        for what, v in (("fetched", n), ("warmed", warm)):
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= PREFETCH_MAX:
+                raise ConfigError(f"cold experts {what} ahead must be a whole number from 0 to {PREFETCH_MAX}, "
+                                  f"got {v}")
+        self.cold_prefetch, self.cold_warm = n, warm
         self.placement_version += 1
 
     def set_budget(self, budget_mb: float, unit: str | None = None) -> Placement:
@@ -657,7 +667,7 @@ class HybridExperts:
         rows after ``STREAM_EXPERTS``, on the second stream while the mixer runs; the layer's split waits for
         the prediction (not the copies) and serves their pairs from there (``_staged_moe``)."""
         self._join_fetch()
-        if (not self.cold_prefetch or self._predictors is None or not x.is_cuda or x.shape[0] != 1
+        if (not (self.cold_prefetch or self.cold_warm) or self._predictors is None or not x.is_cuda or x.shape[0] != 1
                 or not self._two_streams[layer_idx] or not self.cpu_share or self._host_share is None
                 or self.min_hot & (self.min_hot - 1)):
             return
@@ -667,8 +677,9 @@ class HybridExperts:
 
         layer = self._layers[layer_idx]
         router, scale = self._predictors[layer_idx]
-        m = self.cold_prefetch
-        fetched = torch.empty(m, dtype=torch.int32, device=x.device)
+        m, mw = self.cold_prefetch, self.cold_warm
+        fetched = torch.empty(m, dtype=torch.int32, device=x.device) if m else None
+        warmed = torch.empty(mw, dtype=torch.int32, device=x.device) if mw else None
         buffers = self._stream_buffers(layer)
         sources = tuple(t.raw if isinstance(t, QuantExperts) else t for t in layer.mapped)
         main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
@@ -676,18 +687,22 @@ class HybridExperts:
         picked = torch.cuda.Event()
         with torch.cuda.stream(side):
             ids, _ = route_triton(x * scale, router, self.min_hot, side=True)
-            select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[layer_idx:layer_idx + 1])
+            select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[layer_idx:layer_idx + 1],
+                            warmed=warmed, share=self._host_share, layer=layer_idx)
             picked.record(side)
-            gather_stacks(sources, tuple(b[STREAM_EXPERTS:STREAM_EXPERTS + m] for b in buffers), fetched)
-        x.record_stream(side)  # read there: their blocks are not handed out again before it is done
-        fetched.record_stream(side)
-        self._fetch = (layer_idx, fetched, picked)
+            if m:
+                gather_stacks(sources, tuple(b[STREAM_EXPERTS:STREAM_EXPERTS + m] for b in buffers), fetched)
+        for t in (x, fetched, warmed):  # read there: their blocks are not handed out again before it is done
+            if t is not None:
+                t.record_stream(side)
+        self._fetch = (layer_idx, fetched, warmed, picked)
 
     def _join_fetch(self) -> None:
         """A fetch ahead that its layer's experts did not take (the call went another path): the compute
         stream waits for the second stream, so no copy outlives its step or a graph's capture."""
         if self._fetch is not None:
-            torch.cuda.current_stream(self._fetch[1].device).wait_stream(self._side_stream(self._fetch[1].device))
+            device = self.device
+            torch.cuda.current_stream(device).wait_stream(self._side_stream(device))
             self._fetch = None
 
     def moe_with_shared(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
@@ -754,7 +769,7 @@ class HybridExperts:
         sources = tuple(m.raw if isinstance(m, QuantExperts) else m for m in layer.mapped)
         if any(src.dtype != b.dtype or src.shape[1:] != b.shape[1:] for src, b in zip(sources, buffers)):
             return None
-        rows = STREAM_EXPERTS + PREFETCH_MAX if fetch is not None else T * k  # the rows the expert launches read
+        rows = STREAM_EXPERTS + PREFETCH_MAX if fetch is not None and fetch[1] is not None else T * k  # rows read
         stage = layer.host.as_experts(tuple(b[:rows] for b in buffers))
         if not all(isinstance(st, QuantExperts) and stage_fits(sl, st) for sl, st in zip(layer.slot_experts, stage)):
             return None
@@ -772,10 +787,10 @@ class HybridExperts:
             stage_codes = torch.empty((T, k), dtype=torch.int32, device=x.device)
             main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
             fetched = {}
-            if fetch is not None:  # the bus's copies fetched ahead: their pairs read those rows
-                _, ahead, picked = fetch
+            if fetch is not None:  # the bus's copies fetched ahead (their pairs read those rows), the threads' warmed
+                _, ahead, warm, picked = fetch
                 main.wait_event(picked)
-                fetched = dict(fetched=ahead, fetched_row=STREAM_EXPERTS,
+                fetched = dict(fetched=ahead, fetched_row=STREAM_EXPERTS, warmed=warm,
                                fetched_hits=self._fetch_hits[layer_idx:layer_idx + 1])
                 self._fetch = None  # joined below with the second stream
             split_pairs(ids, layer.slot_of, self._hot_hits[layer_idx:layer_idx + 1], codes, stage_ids, share=pool,
@@ -931,7 +946,7 @@ class HybridExperts:
             hot_hits=hot_hits, cold_hits=pairs - hot_hits,
             expected_cold_hit_rate=placement.expected_cold_hit_rate, expert_vram_mb=self.expert_vram_bytes / MB,
             expert_host_mb=self.expert_host_bytes / MB, cold_cpu_share=self.cpu_share,
-            cold_prefetch=self.cold_prefetch, prefetched=sent, prefetch_served=served)
+            cold_prefetch=self.cold_prefetch, cold_warm=self.cold_warm, prefetched=sent, prefetch_served=served)
 
     def reset_counters(self) -> None:
         self._hot_hits.zero_()
@@ -970,6 +985,7 @@ COLD_CPU_SHARE_ENV = "LUCE_TUNE_COLD_CPU_SHARE"
 COLD_CPU_INT8_ENV = "LUCE_TUNE_COLD_CPU_INT8"  # 0: the CPU share multiplies in float32
 PLACEMENT_UNIT_ENV = "LUCE_TUNE_PLACEMENT_UNIT"  # expert or layer: what the hot set grows by
 COLD_PREFETCH_ENV = "LUCE_TUNE_COLD_PREFETCH"  # cold experts fetched ahead a layer (``set_cold_prefetch``)
+COLD_WARM_ENV = "LUCE_TUNE_COLD_WARM"  # cold experts the CPU threads warm ahead a layer (``set_cold_prefetch``)
 
 
 def _env_int8() -> bool:
@@ -989,12 +1005,12 @@ def _env_share() -> float:
         raise ConfigError(f"{COLD_CPU_SHARE_ENV} must be a number between 0 and 1, got {text!r}") from None
 
 
-def _env_prefetch() -> int:
-    text = os.environ.get(COLD_PREFETCH_ENV, "").strip()
+def _env_prefetch(name: str) -> int:
+    text = os.environ.get(name, "").strip()
     if not text:
         return 0
     if not text.isdigit() or int(text) > PREFETCH_MAX:
-        raise ConfigError(f"{COLD_PREFETCH_ENV} must be a whole number from 0 to {PREFETCH_MAX}, got {text!r}")
+        raise ConfigError(f"{name} must be a whole number from 0 to {PREFETCH_MAX}, got {text!r}")
     return int(text)
 
 

@@ -16,7 +16,13 @@
    multiplied in integers (AVX-512 VNNI where built).
 
    Layout of the mailbox (int32 words): [0] sequence, [16] layer, [17] tokens, [18] pairs per token,
+   [20] warm-up sequence, [21] its layer, [22] its expert count, [24 ..) its expert ids [WARM_MAX],
    [32 ..) ids [max_pairs], then weights float32 [max_pairs], then x float32 [max_tokens * hidden].
+
+   Warm-ups: before a layer's router has run, the GPU may name the cold experts it predicts this pool will
+   get (engine/kernels/hybrid_split.py). Threads with no job then fetch those experts' blocks into their
+   caches, in chunks taken as they come (a third work word), and leave off at once when a job arrives, so
+   that the job's rows come from the caches rather than from memory. A warm-up never changes a result.
    The reply: [0] sequence, [1] status (0 ok; LT_ERR_* otherwise), [16 ..) y float32 [max_tokens * hidden]. */
 
 #define _GNU_SOURCE
@@ -81,6 +87,14 @@
 #define LT_ERR_LAYER 1   /* a layer with no registered matrices */
 #define LT_ERR_SHAPE 2   /* tokens or pairs over the mailbox's room, or an expert id out of range */
 #define HEADER 32
+#define WARM_SEQ 20
+#define WARM_LAYER 21
+#define WARM_N 22
+#define WARM_IDS 24
+#define WARM_MAX 8
+#ifndef LT_WARM_CHUNK
+#define LT_WARM_CHUNK 16384  /* bytes of an expert's matrix a thread fetches at a time in a warm-up */
+#endif
 #define IDLE_NS 20000000LL     /* spinning this long with no job: sleep 50 us between checks */
 #define DEEP_IDLE_NS 1000000000LL  /* and this long: 1 ms (a new generation's first layer waits at most that) */
 
@@ -96,9 +110,10 @@ typedef struct {
     matrix_t *mats;  /* [nlayers * 3]: gate, up, down */
     float *h;        /* [max_pairs * ffn] */
     int int8;        /* activations in 8 bits (x and h quantized per 32-block), or float32 */
-    uint64_t work[2];  /* phase 1 and phase 2 (W_* below) */
-    int64_t jobs;
+    uint64_t work[3];  /* phase 1, phase 2 (W_* below) and warm-ups */
+    int64_t jobs, warm_chunks;
     int32_t start_seq;  /* the mailbox's number when the pool started: a thread scheduled late still sees the first job */
+    int32_t start_warm;  /* the same for the warm-up number */
     volatile int stop;
     pthread_t *threads;
 #if LT_STATS
@@ -419,6 +434,51 @@ static int grab(pool_t *p, int ph, int32_t seq, int n) {
     }
 }
 
+/* The next chunk of warm-up `ws` (n chunks), or -1 when none is left, the warm-up is gone or a job has come
+   since the thread's last one (`job`): jobs come first. */
+static int grab_warm(pool_t *p, int32_t ws, int32_t job, int n) {
+    uint64_t *w = &p->work[2], v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+    for (;;) {
+        if (__atomic_load_n(&p->mailbox[0], __ATOMIC_ACQUIRE) != job
+            || __atomic_load_n(&p->mailbox[WARM_SEQ], __ATOMIC_ACQUIRE) != ws || p->stop)
+            return -1;
+        if (W_TAG(v) != (uint32_t)ws) {
+            if (__atomic_compare_exchange_n(w, &v, ((uint64_t)(uint32_t)ws << 32) | (1u << 16), 0,
+                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                return 0;
+            continue;
+        }
+        if (W_NEXT(v) >= n) return -1;
+        if (__atomic_compare_exchange_n(w, &v, v + (1u << 16), 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return W_NEXT(v);
+    }
+}
+
+/* Fetches the blocks of the experts warm-up `ws` names (gate, up and down of each) into this core's caches,
+   chunk by chunk, until they are all taken or a job comes. Bad headers are ignored: a warm-up is a hint. */
+static void run_warm(pool_t *p, int32_t ws, int32_t job) {
+    const int layer = p->mailbox[WARM_LAYER], n = p->mailbox[WARM_N];
+    if (layer < 0 || layer >= p->nlayers || n < 1 || n > WARM_MAX) return;
+    const matrix_t *m = &p->mats[3 * layer];
+    int per[3], all = 0, c;
+    for (int j = 0; j < 3; j++) {
+        if (m[j].base == NULL) return;
+        per[j] = (int)((m[j].expert_bytes + LT_WARM_CHUNK - 1) / LT_WARM_CHUNK);
+        all += per[j];
+    }
+    while ((c = grab_warm(p, ws, job, n * all)) >= 0) {
+        int i = c / all, r = c % all, j = 0;
+        while (r >= per[j]) r -= per[j++];
+        const int e = p->mailbox[WARM_IDS + i];
+        if (e < 0 || e >= m[j].experts) continue;
+        const uint8_t *a = m[j].base + (int64_t)e * m[j].expert_bytes + (int64_t)r * LT_WARM_CHUNK;
+        int64_t len = m[j].expert_bytes - (int64_t)r * LT_WARM_CHUNK;
+        len = len < LT_WARM_CHUNK ? len : LT_WARM_CHUNK;
+        for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(a + o, 0, 2);  /* prefetcht1 on x86: into L2 */
+        __atomic_fetch_add(&p->warm_chunks, 1, __ATOMIC_RELAXED);
+    }
+}
+
 /* Waits until all n chunks of phase `ph` of job `seq` are done; 0 when the job is gone instead. */
 static int phase_done(pool_t *p, int ph, int32_t seq, int n) {
     for (;;) {
@@ -584,12 +644,20 @@ static void *worker_main(void *arg) {
         for (int t = 0; t < p->max_tokens; t++) wk->xtag[t] = p->start_seq;
         for (int i = 0; i < p->max_pairs; i++) wk->htag[i] = p->start_seq;
     }
-    int32_t last = p->start_seq;
+    int32_t last = p->start_seq, last_warm = p->start_warm;
     int64_t idle_since = now_ns();
     unsigned spins = 0;
     while (!p->stop) {
         int32_t seq = __atomic_load_n(&p->mailbox[0], __ATOMIC_ACQUIRE);
         if (seq == last) {
+            int32_t ws = __atomic_load_n(&p->mailbox[WARM_SEQ], __ATOMIC_ACQUIRE);
+            if (ws != last_warm) {
+                last_warm = ws;
+                run_warm(p, ws, last);
+                idle_since = now_ns();
+                spins = 0;
+                continue;
+            }
             CPU_RELAX();
             if (++spins % 4096 == 0) {
                 int64_t idle = now_ns() - idle_since;
@@ -625,7 +693,9 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
     p->hidden = hidden; p->ffn = ffn; p->nlayers = nlayers;
     p->mailbox = mailbox; p->reply = reply;
     p->start_seq = __atomic_load_n(&mailbox[0], __ATOMIC_ACQUIRE);
+    p->start_warm = __atomic_load_n(&mailbox[WARM_SEQ], __ATOMIC_ACQUIRE);
     p->work[0] = p->work[1] = (uint64_t)(uint32_t)p->start_seq << 32;  /* no job's number */
+    p->work[2] = (uint64_t)(uint32_t)p->start_warm << 32;
     p->mats = (matrix_t *)calloc((size_t)nlayers * 3, sizeof(matrix_t));
     p->h = (float *)calloc((size_t)max_pairs * ffn, sizeof(float));
     p->threads = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
@@ -661,6 +731,8 @@ int lt_matrix(void *pool, int layer, int which, const uint8_t *base, int experts
 }
 
 int64_t lt_jobs(void *pool) { return __atomic_load_n(&((pool_t *)pool)->jobs, __ATOMIC_ACQUIRE); }
+
+int64_t lt_warm_chunks(void *pool) { return __atomic_load_n(&((pool_t *)pool)->warm_chunks, __ATOMIC_ACQUIRE); }
 
 /* With LT_STATS: out[0] jobs, out[1] mean ns from a job's first look to its reply, then per thread the mean ns
    of phase 1, the wait after it and phase 2 (3 values each); returns 0. Without: -1. */

@@ -47,6 +47,7 @@ CACHE_ENV = "LUCE_TUNE_CACHE"  # where the built library is kept (default ~/.cac
 CFLAGS_ENV = "LUCE_TUNE_HOST_EXPERTS_CFLAGS"  # extra compiler flags (e.g. -DLT_PF=0), part of the cache key
 QTYPES = (Q.Q4_0, Q.Q8_0)
 HEADER = 32  # int32 words before the mailbox's ids (host_experts.c)
+WARM_SEQ, WARM_LAYER, WARM_N, WARM_IDS, WARM_MAX = 20, 21, 22, 24, 8  # a warm-up's words (host_experts.c)
 REPLY_HEADER = 16
 MAX_PAIRS = 1024  # the native pool's limit
 STAT_THREADS = 64  # threads whose phases a -DLT_STATS=1 build times (LT_STAT_THREADS)
@@ -108,6 +109,8 @@ def library(cflags: Sequence[str] | None = None) -> ctypes.CDLL:
                               ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.lt_jobs.restype = ctypes.c_int64
     lib.lt_jobs.argtypes = [ctypes.c_void_p]
+    lib.lt_warm_chunks.restype = ctypes.c_int64
+    lib.lt_warm_chunks.argtypes = [ctypes.c_void_p]
     lib.lt_simd.restype = ctypes.c_int
     lib.lt_vnni.restype = ctypes.c_int
     lib.lt_dot8.restype = ctypes.c_int
@@ -177,6 +180,8 @@ class HostShare:
         self._reply_np = self.reply.numpy()  # the status word read without torch's indexing
         self.seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the last sequence number published
         self.pending = torch.zeros(1, dtype=torch.int32, device=self.device)  # the split launch's job flag
+        self.warm_seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the last warm-up number published
+        self._host_warm = 0
         self._host_seq = 0
         if pin:
             self.mailbox_dev = mapped_view(self.mailbox, self.device)
@@ -218,6 +223,23 @@ class HostShare:
         if self._lib.lt_dot8(row.data_ptr(), x.numel(), int(qtype), int(layout == "split"), x.data_ptr(), out) != 0:
             raise ValueError(f"dot8: {x.numel()} columns of {Q(qtype).name} are not a row it computes")
         return out[0], out[1]
+
+    @property
+    def warm_chunks(self) -> int:
+        """Chunks of experts' blocks the threads have fetched into their caches for warm-ups (``warm``)."""
+        return int(self._lib.lt_warm_chunks(self._pool)) if self._pool else 0
+
+    def warm(self, layer: int, experts: Sequence[int]) -> None:
+        """Name up to ``WARM_MAX`` experts of ``layer`` that a coming job is expected to hand the threads
+        (-1: none): idle threads fetch their blocks into their caches, and leave off when a job comes. From
+        the host; on CUDA ``hybrid_split.select_prefetch`` writes these words from the device."""
+        if not 1 <= len(experts) <= WARM_MAX:
+            raise ValueError(f"a warm-up names 1 to {WARM_MAX} experts, got {len(experts)}")
+        mb = self.mailbox
+        mb[WARM_LAYER], mb[WARM_N] = layer, len(experts)
+        mb[WARM_IDS:WARM_IDS + len(experts)] = torch.tensor(list(experts), dtype=torch.int32)
+        self._host_warm = (self._host_warm + 1) & 0x7FFFFFFF
+        mb[WARM_SEQ] = self._host_warm  # after the names, as publish's sequence number
 
     def fits(self, tokens: int, k: int) -> bool:
         return tokens <= self.max_tokens and tokens * k <= self.max_pairs

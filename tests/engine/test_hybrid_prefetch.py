@@ -69,6 +69,8 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
         for bad in (-1, PREFETCH_MAX + 1, 1.5):
             with pytest.raises(ConfigError, match="fetched ahead"):
                 hybrid.set_cold_prefetch(bad)
+            with pytest.raises(ConfigError, match="warmed ahead"):
+                hybrid.set_cold_prefetch(1, warm=bad)
         hybrid.set_cold_prefetch(2)
         assert hybrid.cold_prefetch == 2 and hybrid.stats_snapshot().cold_prefetch == 2
     finally:
@@ -103,14 +105,15 @@ def rel_err(out, ref):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fetch", [1, 2, PREFETCH_MAX])
-def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch):
+@pytest.mark.parametrize("fetch,warm", [(1, 0), (2, 0), (PREFETCH_MAX, 0), (0, 1), (1, 1)])
+def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm):
     """Half the experts cold, half of those on the threads (float32 activations), ``fetch`` cold experts a
-    layer fetched ahead: the captured step follows the all-on-device model teacher-forced, as it does
-    without fetches, and the fetches served pairs (the tiny random model routes alike before and after its
-    mixers)."""
+    layer fetched ahead by the bus and ``warm`` more warmed by the threads: the captured step follows the
+    all-on-device model teacher-forced, as it does without them, and they served pairs (the tiny random
+    model routes alike before and after its mixers); the threads fetched chunks for the warm-ups."""
     plain = load(qfile, "cuda", quantized=True)
-    model, hybrid = attach(qfile, 0.5, device="cuda", quantized=True, cpu_int8=False, cold_prefetch=fetch)
+    model, hybrid = attach(qfile, 0.5, device="cuda", quantized=True, cpu_int8=False, cold_prefetch=fetch,
+                           cold_warm=warm)
     try:
         ids = torch.randint(0, 256, (7 + 12,), generator=torch.Generator().manual_seed(6)).cuda()
         eager, static = plain.new_state(24), model.new_state(24)
@@ -123,7 +126,10 @@ def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch):
             ref = plain.forward(ids[t:t + 1], eager, logits="last").logits
             assert rel_err(step.step(ids[t:t + 1]), ref) < 1e-3, f"token {t}"
         stats = hybrid.stats_snapshot()
-        assert 0 < stats.prefetch_served <= stats.cold_hits and 0 < stats.prefetched <= 12 * fetch * model.cfg.n_layers
+        assert 0 < stats.prefetch_served <= stats.cold_hits
+        assert 0 < stats.prefetched <= 12 * (fetch + warm) * model.cfg.n_layers
+        if warm:
+            assert hybrid._host_share.warm_chunks > 0 and int(hybrid._host_share.warm_seq) > 0
         hybrid.check_cpu_share()
     finally:
         hybrid.close()
@@ -135,18 +141,20 @@ def test_engine_and_cli_take_the_count(qfile, capsys):
     from engine.engine import Engine
     from tuner.cli import main
 
-    with pytest.raises(ConfigError, match="cold_prefetch needs cold_device='gpu'"):
-        Engine.from_gguf(qfile, device="cpu", expert_budget_mb=0, cold_prefetch=1)
+    with pytest.raises(ConfigError, match="cold_prefetch and cold_warm need cold_device='gpu'"):
+        Engine.from_gguf(qfile, device="cpu", expert_budget_mb=0, cold_warm=1)
     options = dict(device="cpu", expert_budget_mb=0, cold_device="gpu", cold_format="quantized", hot_format="quantized")
-    eng = Engine.from_gguf(qfile, cold_cpu_share=0.5, cold_prefetch=2, **options)
+    eng = Engine.from_gguf(qfile, cold_cpu_share=0.5, cold_prefetch=2, cold_warm=1, **options)
     try:
         out = eng.generate([3, 17, 5], 4)
         assert eng.hybrid.cold_prefetch == 2 and out.timings.extra["cold_prefetch"] == 2
-        eng.set_cold_prefetch(0)
-        assert eng.hybrid.cold_prefetch == 0 and eng.generate([3, 17, 5], 4).ids == out.ids
+        assert out.timings.extra["cold_warm"] == 1
+        eng.set_cold_prefetch(0)  # the warm count as set
+        assert eng.hybrid.cold_prefetch == 0 and eng.hybrid.cold_warm == 1
+        assert eng.generate([3, 17, 5], 4).ids == out.ids
         with pytest.raises(ConfigError, match="fetched ahead"):
             eng.set_cold_prefetch(PREFETCH_MAX + 1)
     finally:
         eng.hybrid.close()
     status = main(["generate", "--model", str(qfile), "--prompt", "hi", "--device", "cpu", "--cold-prefetch", "1"])
-    assert status == 2 and "--cold-prefetch needs --cold-cpu-share" in capsys.readouterr().err
+    assert status == 2 and "--cold-prefetch and --cold-warm need --cold-cpu-share" in capsys.readouterr().err

@@ -243,3 +243,50 @@ def test_int8_threads_sum_as_the_quantized_reference(qtype, layout, hidden, ffn,
             assert err8 <= 2e-4 * scale and err8 * 4 < err, (job, err8, err, scale)
     finally:
         share.close()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_warm_ups_are_fetched_and_change_no_sum(int8):
+    """A warm-up names experts of a layer: idle threads fetch every chunk of their three matrices (16 KiB
+    chunks: ceil(bytes / 16384) each), bad names are ignored, and jobs published between warm-ups of the
+    experts they use, before or after them, sum the same bits as with no warm-up at all."""
+    import time
+
+    hidden, ffn, experts, k = 96, 64, 6, 3
+    layers = [layer(Q.Q4_0, "ggml", experts, hidden, ffn, seed=70 + i)[0] for i in range(2)]
+    plain = HostShare(layers, hidden=hidden, ffn=ffn, threads=2, device="cpu", max_tokens=2, max_pairs=8, int8=int8)
+    warmed = HostShare(layers, hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=2, max_pairs=8, int8=int8)
+    try:
+        per_expert = sum(-(-b.shape[1] * b.shape[2] // 16384) for b, *_ in layers[0])
+
+        def chunks_reach(n):
+            deadline = time.perf_counter() + 10
+            while warmed.warm_chunks < n and time.perf_counter() < deadline:
+                time.sleep(0.001)
+            return warmed.warm_chunks
+
+        warmed.warm(0, [1, 4])
+        assert chunks_reach(2 * per_expert) == 2 * per_expert
+        warmed.warm(1, [experts, -1])  # out of range and none: nothing fetched, nothing breaks
+        warmed.warm(7, [0])  # no such layer
+        time.sleep(0.05)
+        assert warmed.warm_chunks == 2 * per_expert
+        g = torch.Generator().manual_seed(3)
+        for job in range(12):
+            x, w = torch.randn(2, hidden, generator=g), torch.rand(2, k, generator=g)
+            ids = torch.randint(0, experts, (2, k), generator=g)
+            mine = torch.ones(experts, dtype=torch.int8)
+            warmed.warm(job % 2, ids.reshape(-1)[:4].tolist())
+            outs = []
+            for share in (plain, warmed):
+                out = torch.zeros(2, hidden)
+                share.publish(job % 2, x, ids, w, mine)
+                share.collect(out)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), job
+        assert warmed.jobs == 12 and chunks_reach(2 * per_expert + 1) > 2 * per_expert  # the last one, at least
+        with pytest.raises(ValueError, match="1 to 8 experts"):
+            warmed.warm(0, [])
+    finally:
+        plain.close()
+        warmed.close()

@@ -139,6 +139,12 @@ def test_select_prefetch_takes_the_first_cold_predictions_in_order(M):
     with pytest.raises(ValueError, match="int32"):
         select_prefetch(predicted.to(DEVICE), slot_of.to(DEVICE), torch.empty(2, dtype=torch.int64, device=DEVICE),
                         sent)
+    warmed = torch.empty(3, dtype=torch.int32, device=DEVICE)  # the cold ones after the bus's, no threads to tell
+    select_prefetch(predicted.to(DEVICE), slot_of.to(DEVICE), torch.empty(1, dtype=torch.int32, device=DEVICE),
+                    sent, warmed=warmed)
+    assert warmed.cpu().tolist() == [2, 11, 0] and int(sent) == 2 + M + 4
+    select_prefetch(predicted.to(DEVICE), slot_of.to(DEVICE), None, sent, warmed=warmed)
+    assert warmed.cpu().tolist() == [7, 2, 11] and int(sent) == 2 + M + 7
 
 
 def test_split_refuses_wrong_outputs():
@@ -207,5 +213,52 @@ def test_cuda_split_hands_the_threads_their_share_of_the_cold_pairs(fraction, co
             assert torch.equal(xs, x.view(-1).cpu())
         else:
             assert int(share.seq) == seq0
+    finally:
+        share.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_split_hands_the_threads_the_warmed_pairs_and_the_select_tells_them():
+    """The threads were told to warm experts 1 and 5: their cold pairs are the threads' whatever the share
+    (0 here), the other cold pairs the bus's; the select launch writes the warm-up's words into the mailbox
+    and releases its number, and the threads fetch the experts' chunks."""
+    import time
+
+    from engine.kernels.host_experts import HEADER, WARM_IDS, WARM_LAYER, WARM_N, WARM_SEQ, HostShare
+    from tests.engine.kernels.test_host_experts import layer
+
+    from gguf import GGMLQuantizationType as Q
+
+    E, k, H = 8, 4, 64
+    mats = [layer(Q.Q4_0, "ggml", E, H, 32, seed=i)[0] for i in range(2)]
+    share = HostShare(mats, hidden=H, ffn=32, threads=2, device="cuda")
+    try:
+        slot_of = torch.full((E,), -1, dtype=torch.int64, device="cuda")
+        slot_of[[0, 2]] = torch.arange(2, device="cuda")  # 0 and 2 hot
+        warmed = torch.empty(2, dtype=torch.int32, device="cuda")
+        sent = torch.zeros(1, dtype=torch.int64, device="cuda")
+        predicted = torch.tensor([0, 1, 2, 5], device="cuda")
+        select_prefetch(predicted, slot_of, None, sent, warmed=warmed, share=share, layer=1)
+        torch.cuda.synchronize()
+        mb = share.mailbox
+        assert warmed.tolist() == [1, 5] and int(sent) == 2
+        assert (int(mb[WARM_SEQ]), int(mb[WARM_LAYER]), int(mb[WARM_N])) == (1, 1, 2)
+        assert mb[WARM_IDS:WARM_IDS + 2].tolist() == [1, 5]
+        deadline = time.perf_counter() + 10
+        while share.warm_chunks == 0 and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        assert share.warm_chunks > 0
+        ids = torch.tensor([[1, 3, 5, 2]], device="cuda")
+        hits, served = (torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2))
+        codes = torch.empty((1, k), dtype=torch.int32, device="cuda")
+        stage = torch.empty(k, dtype=torch.int32, device="cuda")
+        x, w = torch.randn(1, H, device="cuda"), torch.rand(1, k, device="cuda")
+        split_pairs(ids, slot_of, hits, codes, stage, share=share, fraction=1e-6, layer=1, x=x, w=w, warmed=warmed,
+                    fetched_hits=served)
+        torch.cuda.synchronize()
+        assert codes.view(-1).tolist() == [-1, -3, -1, 1]  # 1 and 5 the threads', 3 the bus's, 2 hot in slot 1
+        assert stage.tolist() == [-1, 3, -1, -1] and int(served) == 2 and int(share.pending) == 1
+        assert share.mailbox[HEADER:HEADER + k].tolist() == [1, -1, 5, -1]
     finally:
         share.close()
