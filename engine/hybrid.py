@@ -347,6 +347,17 @@ def quantized_moe(x: torch.Tensor, experts: Sequence[QuantExperts], ids: torch.T
 SHARED_IN_MOE_ENV = "LUCE_TUNE_SHARED_IN_MOE"
 
 
+def routing_predictor(router: torch.Tensor, attn: torch.Tensor, post: torch.Tensor, *,
+                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(router float32 [E, H], scale [H]) such that the top-k of ``(x * scale) @ router.T``, with ``x`` a
+    layer's mixer input ``rms_norm(h) * attn``, is the layer's routing had its mixer added nothing (the
+    router's input is ``rms_norm(h + mixed) * post``; top-k does not see the norm's scale). An ``attn``
+    weight near 0 takes ``post`` alone there (``HybridExperts.set_predictors``)."""
+    a, b = attn.detach().float(), post.detach().float()
+    scale = torch.where(a.abs() > 1e-3 * a.abs().max().clamp(min=1e-30), b / a, b)
+    return router.detach().float().contiguous(), scale.to(device).contiguous()
+
+
 class HybridExperts:
     """The model's expert executor under a VRAM budget (``Qwen35MoE.set_expert_executor``)."""
 
@@ -513,12 +524,7 @@ class HybridExperts:
         takes ``post`` alone there)."""
         if len(layers) != len(self._layers):
             raise ValueError(f"{len(layers)} layers of predictors for {len(self._layers)} layers of experts")
-        predictors = []
-        for router, attn, post in layers:
-            a, b = attn.detach().float(), post.detach().float()
-            scale = torch.where(a.abs() > 1e-3 * a.abs().max().clamp(min=1e-30), b / a, b)
-            predictors.append((router.detach().float().contiguous(), scale.to(self.device).contiguous()))
-        self._predictors = predictors
+        self._predictors = [routing_predictor(*layer, device=self.device) for layer in layers]
 
     def set_cold_prefetch(self, n: int, *, warm: int | None = None) -> None:
         """Fetch up to ``n`` (0 to ``PREFETCH_MAX``) cold experts a layer ahead of its router in decode steps

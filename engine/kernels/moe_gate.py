@@ -174,7 +174,8 @@ def route_triton(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int |
     """Layer input x [T, H] (float32, float16 or bfloat16; T <= 16) and the float32 router [E, H]
     -> (ids [T, k] int64, weights [T, k] float32 summing to 1), in one launch of ``num_warps``
     warps per program (left out: ``engine.kernels.warps``'s entry for the router). ``side``: a launch on a
-    second stream, which may run beside the step's own routers: scratch of its own, no programmatic launch."""
+    second stream, which may run beside the step's own routers: scratch of its own, no programmatic launch,
+    16 experts a program."""
     return _route(x, router, k, num_warps, None, side=side)
 
 
@@ -217,7 +218,8 @@ def _route(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int | None,
         else (x, x)
     if T:
         scratch, counters = _route_scratch(x.device, "side " if side else "")
-        block_e = min(16, triton.next_power_of_2(triton.cdiv(E * T, PROGRAMS)))
+        # a side launch runs beside the step's own kernels: a few wide programs rather than the whole GPU
+        block_e = 16 if side else min(16, triton.next_power_of_2(triton.cdiv(E * T, PROGRAMS)))
         _route_kernel[(triton.cdiv(E, block_e), T)](
             x, router, scratch, counters, ids, weights, E, H, x.stride(0), router.stride(0), scratch.stride(0),
             K=k, BLOCK_E=block_e, BLOCK_H=min(triton.next_power_of_2(H), TILE // block_e),

@@ -1,0 +1,163 @@
+"""How well a layer's routing is predicted at the layer's start, before its mixer has run: the measure behind
+fetching and warming cold experts ahead of the router (``HybridExperts.set_cold_prefetch``).
+
+    python bench/route_prediction.py --model /tmp/q35.gguf [--tokens 32] [--cold 0.5] [--text FILE] [--json out.json]
+
+The model runs one forward over ``--tokens`` tokens (random ids, as llama-bench feeds them, or the start of
+``--text`` through the model's tokenizer) on the CPU, its projections in their GGUF blocks and its routed
+experts read from the file as the tokens route to them (``BlockExperts``: a 35B file needs no more memory
+than its other weights). At each layer's start
+the executor's ``begin_layer`` hook sees the mixer's input x; the prediction is the top-k of the router over
+``x * post / attn`` (``HybridExperts.set_predictors``), and the truth is the routing the layer then takes.
+Each layer gets a cold set of ``--cold`` of its experts (seeded, as a placement with uniform routing counts
+would leave them). Reported per layer and overall:
+
+- ``overlap``: the share of the routed experts that the prediction names;
+- ``hit[m]``: of the first m cold experts the prediction names (those the bus and the threads fetch ahead),
+  the share that the token then routes to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import commit, machine  # noqa: E402
+
+MAX_FETCH = 4
+
+
+def cold_hits(predicted: torch.Tensor, actual: torch.Tensor, cold: torch.Tensor, m: int) -> tuple[int, int]:
+    """(hits, picks): of the first ``m`` cold experts (``cold`` bool [E]) of each row of ``predicted`` [T, k]
+    (most likely first), how many the same row of ``actual`` [T, k] routes to, and how many were picked."""
+    hits = picks = 0
+    for pred, act in zip(predicted.tolist(), actual.tolist()):
+        chosen = [e for e in pred if cold[e]][:m]
+        picks += len(chosen)
+        hits += len(set(chosen) & set(act))
+    return hits, picks
+
+
+class BlockExperts:
+    """An expert executor that dequantizes each routed expert from the file's blocks when a call needs it
+    (``raw_experts``): slow, and light on memory."""
+
+    def __init__(self, raw: list[tuple[Any, Any, Any]]):
+        self.raw = raw
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        from engine.gguf.quants import dequantize
+
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
+            gate, up, down = (dequantize(m.data[e], m.qtype, (m.rows, m.cols)) for m in self.raw[layer_idx])
+            tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+            xs = x[tok].float()
+            h = torch.nn.functional.silu(xs @ gate.T) * (xs @ up.T)
+            out.index_add_(0, tok, (h @ down.T) * topk_w[tok, slot, None].float())
+        return out.to(x.dtype)
+
+
+class RecordingExecutor:
+    """Wraps a model's expert executor: predicts each layer's routing at its start and records it beside
+    the routing the layer takes (``run_layers``' ``begin_layer`` hook, then the executor's call)."""
+
+    def __init__(self, inner: Any, predictors: list[tuple[torch.Tensor, torch.Tensor]], k: int):
+        self.inner, self.predictors, self.k = inner, predictors, k
+        self.predicted: dict[int, torch.Tensor] = {}
+        self.actual: dict[int, torch.Tensor] = {}
+
+    def begin_layer(self, layer_idx: int, x: torch.Tensor) -> None:
+        router, scale = self.predictors[layer_idx]
+        logits = (x.float() * scale.to(x.device)) @ router.to(x.device).T
+        self.predicted[layer_idx] = logits.topk(self.k, dim=-1).indices.cpu()
+
+    def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        self.actual[layer_idx] = topk_ids.cpu()
+        return self.inner(layer_idx, x, topk_ids, topk_w)
+
+
+def measure(model: Any, predictors: list[tuple[torch.Tensor, torch.Tensor]], ids: torch.Tensor, cold_share: float,
+            seed: int = 0) -> dict[str, Any]:
+    """One forward of ``model`` (a ``Qwen35MoE``) over ``ids`` with its routing recorded; the table."""
+    cfg = model.cfg
+    inner = model.executor
+    rec = RecordingExecutor(inner, predictors, cfg.n_expert_used)
+    model.set_expert_executor(rec)
+    try:
+        model.forward(ids, model.new_state(len(ids)), logits="none")
+    finally:
+        model.set_expert_executor(inner)
+    g = torch.Generator().manual_seed(seed)
+    layers, totals = [], {"routed": 0, "named": 0, "hits": [0] * MAX_FETCH, "picks": [0] * MAX_FETCH}
+    for i in range(cfg.n_layers):
+        pred, act = rec.predicted[i], rec.actual[i]
+        cold = torch.zeros(cfg.n_expert, dtype=torch.bool)
+        cold[torch.randperm(cfg.n_expert, generator=g)[:round(cold_share * cfg.n_expert)]] = True
+        named = sum(len(set(p) & set(a)) for p, a in zip(pred.tolist(), act.tolist()))
+        row = {"layer": i, "overlap": named / act.numel(), "hit": []}
+        totals["routed"] += act.numel()
+        totals["named"] += named
+        for m in range(1, MAX_FETCH + 1):
+            hits, picks = cold_hits(pred, act, cold, m)
+            row["hit"].append(hits / picks if picks else None)
+            totals["hits"][m - 1] += hits
+            totals["picks"][m - 1] += picks
+        layers.append(row)
+    overall = {"overlap": totals["named"] / totals["routed"],
+               "hit": [h / p if p else None for h, p in zip(totals["hits"], totals["picks"])]}
+    return {"layers": layers, "overall": overall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--cold", type=float, default=0.5, help="share of each layer's experts taken as cold")
+    ap.add_argument("--text", type=Path, default=None, help="tokens from the start of this file (default: random)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.tokens < 1 or not 0 < args.cold <= 1:
+        ap.error("--tokens must be at least 1 and --cold in (0, 1]")
+    from engine.gguf.reader import GGUFFile
+    from engine.hybrid import routing_predictor
+    from engine.model.qwen35moe import Qwen35MoE
+    from engine.model.weights import raw_experts
+    from engine.tokenizer import Tokenizer
+
+    gguf = GGUFFile(args.model)
+    model = Qwen35MoE.from_gguf(gguf, device="cpu", dtype=torch.float32, quantized=True, expert_device="meta")
+    cfg = model.cfg
+    model.set_expert_executor(BlockExperts(raw_experts(gguf, cfg)))
+    predictors = [routing_predictor(layer.moe.router, layer.attn_norm, layer.post_norm, device="cpu")
+                  for layer in model.weights.layers]
+    if args.text is not None:
+        ids = Tokenizer.from_gguf(args.model).encode(args.text.read_text(errors="replace"))[:args.tokens]
+    else:
+        ids = torch.randint(0, cfg.vocab, (args.tokens,), generator=torch.Generator().manual_seed(args.seed))
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    table = measure(model, predictors, ids, args.cold, args.seed)
+    print(f"{args.model.name}: {len(ids)} tokens ({'text' if args.text else 'random'}), "
+          f"{round(args.cold * cfg.n_expert)} of {cfg.n_expert} experts cold a layer")
+    print(f"{'layer':>5} {'overlap':>8} " + " ".join(f"{f'hit[{m}]':>7}" for m in range(1, MAX_FETCH + 1)))
+    fmt = lambda v: f"{v:7.3f}" if v is not None else f"{'-':>7}"  # noqa: E731
+    for row in table["layers"]:
+        print(f"{row['layer']:5d} {row['overlap']:8.3f} " + " ".join(fmt(v) for v in row["hit"]))
+    o = table["overall"]
+    print(f"{'all':>5} {o['overlap']:8.3f} " + " ".join(fmt(v) for v in o["hit"]))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model),
+                                         "tokens": len(ids), "text": str(args.text) if args.text else None,
+                                         "cold": args.cold, **table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

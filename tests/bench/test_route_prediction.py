@@ -1,0 +1,42 @@
+"""``bench/route_prediction.py``: the routing predicted at a layer's start against the routing taken, on a tiny
+random model; exact where the mixers add nothing; the experts read from the file's blocks as the model's own."""
+
+import torch
+
+from bench.route_prediction import BlockExperts, cold_hits, measure
+from engine.gguf.reader import GGUFFile
+from engine.hybrid import routing_predictor
+from engine.model.qwen35moe import Qwen35MoE
+from engine.model.weights import raw_experts
+
+
+def test_cold_hits_counts_the_first_cold_names():
+    cold = torch.tensor([True, False, True, True, False, True])
+    predicted = torch.tensor([[1, 0, 2, 3], [4, 5, 3, 1]])  # cold in order: 0, 2, 3 | 5, 3
+    actual = torch.tensor([[2, 1, 4, 5], [3, 5, 0, 1]])
+    assert cold_hits(predicted, actual, cold, 1) == (1, 2)  # 0 misses, 5 hits
+    assert cold_hits(predicted, actual, cold, 2) == (3, 4)  # 0, 2 | 5, 3
+    assert cold_hits(predicted, actual, cold, 4) == (3, 5)  # three names in the first row, two in the second
+
+
+def test_prediction_is_exact_where_the_mixers_add_nothing(tmp_path):
+    from engine.gguf.make_model import make_model
+
+    path = make_model(tmp_path / "tiny.gguf", "tiny", n_expert=16, quant="q8_0", seed=3)
+    gguf = GGUFFile(path)
+    plain = Qwen35MoE.from_gguf(gguf, device="cpu", dtype=torch.float32)
+    model = Qwen35MoE.from_gguf(gguf, device="cpu", dtype=torch.float32, expert_device="meta")
+    model.set_expert_executor(BlockExperts(raw_experts(gguf, model.cfg)))
+    ids = torch.randint(0, model.cfg.vocab, (24,), generator=torch.Generator().manual_seed(1))
+    ref = plain.forward(ids, plain.new_state(24)).logits
+    torch.testing.assert_close(model.forward(ids, model.new_state(24)).logits, ref, rtol=1e-4, atol=1e-4)
+    predictors = [routing_predictor(layer.moe.router, layer.attn_norm, layer.post_norm, device="cpu")
+                  for layer in model.weights.layers]
+    table = measure(model, predictors, ids, 0.5)
+    o = table["overall"]
+    assert 0 < o["overlap"] <= 1 and all(h is None or 0 <= h <= 1 for h in o["hit"])
+    assert len(table["layers"]) == model.cfg.n_layers
+    for layer in model.weights.layers:  # the mixers' output projections zeroed: h + mixed == h
+        (layer.mixer.o if hasattr(layer.mixer, "o") else layer.mixer.out).zero_()
+    exact = measure(model, predictors, ids, 0.5)["overall"]
+    assert exact["overlap"] == 1.0 and all(h == 1.0 for h in exact["hit"] if h is not None)
