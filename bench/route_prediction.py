@@ -14,7 +14,9 @@ would leave them). Reported per layer and overall:
 
 - ``overlap``: the share of the routed experts that the prediction names;
 - ``hit[m]``: of the first m cold experts the prediction names (those the bus and the threads fetch ahead),
-  the share that the token then routes to.
+  the share that the token then routes to;
+- ``distinct``: how many experts the tokens route to in the layer, together (k where every token routes
+  alike: a random-weight file's deep layers do, so that any prediction is right there).
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def measure(model: Any, predictors: list[tuple[torch.Tensor, torch.Tensor]], ids
         cold = torch.zeros(cfg.n_expert, dtype=torch.bool)
         cold[torch.randperm(cfg.n_expert, generator=g)[:round(cold_share * cfg.n_expert)]] = True
         named = sum(len(set(p) & set(a)) for p, a in zip(pred.tolist(), act.tolist()))
-        row = {"layer": i, "overlap": named / act.numel(), "hit": []}
+        row = {"layer": i, "overlap": named / act.numel(), "hit": [], "distinct": len(set(act.reshape(-1).tolist()))}
         totals["routed"] += act.numel()
         totals["named"] += named
         for m in range(1, MAX_FETCH + 1):
@@ -112,6 +114,7 @@ def measure(model: Any, predictors: list[tuple[torch.Tensor, torch.Tensor]], ids
             totals["picks"][m - 1] += picks
         layers.append(row)
     overall = {"overlap": totals["named"] / totals["routed"],
+               "distinct": sum(r["distinct"] for r in layers) / len(layers),
                "hit": [h / p if p else None for h, p in zip(totals["hits"], totals["picks"])]}
     return {"layers": layers, "overall": overall}
 
@@ -147,12 +150,14 @@ def main() -> None:
     table = measure(model, predictors, ids, args.cold, args.seed)
     print(f"{args.model.name}: {len(ids)} tokens ({'text' if args.text else 'random'}), "
           f"{round(args.cold * cfg.n_expert)} of {cfg.n_expert} experts cold a layer")
-    print(f"{'layer':>5} {'overlap':>8} " + " ".join(f"{f'hit[{m}]':>7}" for m in range(1, MAX_FETCH + 1)))
+    print(f"{'layer':>5} {'overlap':>8} " + " ".join(f"{f'hit[{m}]':>7}" for m in range(1, MAX_FETCH + 1))
+          + f" {'distinct':>9}")
     fmt = lambda v: f"{v:7.3f}" if v is not None else f"{'-':>7}"  # noqa: E731
     for row in table["layers"]:
-        print(f"{row['layer']:5d} {row['overlap']:8.3f} " + " ".join(fmt(v) for v in row["hit"]))
+        print(f"{row['layer']:5d} {row['overlap']:8.3f} " + " ".join(fmt(v) for v in row["hit"])
+              + f" {row['distinct']:9d}")
     o = table["overall"]
-    print(f"{'all':>5} {o['overlap']:8.3f} " + " ".join(fmt(v) for v in o["hit"]))
+    print(f"{'all':>5} {o['overlap']:8.3f} " + " ".join(fmt(v) for v in o["hit"]) + f" {o['distinct']:9.1f}")
     if args.json is not None:
         args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model),
                                          "tokens": len(ids), "text": str(args.text) if args.text else None,
