@@ -12,9 +12,10 @@ from the captured step); for each share, ``Engine.set_cold_cpu_share`` re-splits
 experts between the bus and the threads, a warm-up generation captures the step, then ``--repeats``
 generations of ``--new-tokens`` tokens are timed (median and spread of decode tok/s), for each of the
 threads' activation widths (``--activations``: 8-bit rounding with integer products, or float32). The
-timed steps decode random tokens (``--feed random``, as llama-bench does): the random-weight model's greedy
-output repeats one token, routed the same way every step, so that the host's caches could keep the
-threads' experts from one step to the next (``--feed greedy`` times that). Each row's warm-up (16 greedy
+timed steps decode random tokens (``--feed random``, as llama-bench does; ``--feed greedy`` feeds the model's
+own output, which repeats one token). On the random-weight 35B file both route every token to the same 8-10
+experts a layer past layer 0 (``bench/route_prediction.py``; docs/benchmarks.md, 2026-12-05 eighth round), so
+neither varies the routing: the threads read the same experts every step, as llama.cpp's CPU layers do. Each row's warm-up (16 greedy
 tokens) is compared with the first row's: float32 sums differ from the device's only in rounding, 8-bit
 activations a little more, so they usually agree; a difference is reported, not hidden.
 

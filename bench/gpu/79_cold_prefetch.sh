@@ -7,8 +7,8 @@
 source "$(dirname "$0")/env.sh"
 start_q35
 t0=$(date +%s)
-timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
-  tests/engine/test_hybrid_prefetch.py tests/engine/test_hybrid_cpu_share.py > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
+timeout ${TESTS_S:-200} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
+  tests/engine/test_hybrid_cpu_share.py > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
 tests_summary $t0
 t0=$(date +%s)
 timeout ${KTESTS_S:-120} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \

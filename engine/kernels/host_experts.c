@@ -466,6 +466,7 @@ static void run_warm(pool_t *p, int32_t ws, int32_t job) {
         per[j] = (int)((m[j].expert_bytes + LT_WARM_CHUNK - 1) / LT_WARM_CHUNK);
         all += per[j];
     }
+    if ((int64_t)n * all > W_MAX) return;  /* more chunks than a work word counts: no warm-up */
     while ((c = grab_warm(p, ws, job, n * all)) >= 0) {
         int i = c / all, r = c % all, j = 0;
         while (r >= per[j]) r -= per[j++];

@@ -25,6 +25,7 @@ from engine.model.decode_graph import DecodeGraph, graph_blocker  # noqa: E402
 from engine.model.qwen35moe import Qwen35MoE  # noqa: E402
 from engine.model.weights import raw_experts  # noqa: E402
 from engine.placement import MB  # noqa: E402
+from tests.engine.steps import follow_captured  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TOL = 1e-5
@@ -199,16 +200,7 @@ def test_cuda_graph_captures_a_step_with_cold_experts(q4_file, fmt):
     plain = load(q4_file, "cuda")
     model, hybrid = attach(q4_file, fmt, 0.5, "gpu", device="cuda")
     assert hybrid.graph_safe and hybrid.placement.cold_count > 0
-    ids = torch.randint(0, 256, (7 + 12,), generator=torch.Generator().manual_seed(6)).cuda()
-    eager, static = plain.new_state(24), model.new_state(24)
-    plain.forward(ids[:7], eager, logits="none")
-    model.forward(ids[:7], static, logits="none")  # a 7-token call: the copied runs
-    step = DecodeGraph(model, static, graph=True)
-    assert step.captured
-    hybrid.reset_counters()
-    for t in range(7, 19):
-        ref = plain.forward(ids[t:t + 1], eager, logits="last").logits
-        assert rel_err(step.step(ids[t:t + 1]), ref) < 1e-3, f"token {t}"
+    follow_captured(plain, model, 1e-3, before=hybrid.reset_counters)  # the 7-token prompt: the copied runs
     assert hybrid.stats_snapshot().cold_hits > 0
     hybrid.close()
 

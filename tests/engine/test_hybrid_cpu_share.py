@@ -5,25 +5,28 @@ On the CPU the "device" is the CPU: the mailbox is written and read by torch, an
 compute their pairs from the same host blocks the device tier reads. The logits must follow the
 placement without a share: to summation order with float32 activations, to the rounding of the activations
 to 8 bits with int8 ones; on CUDA the captured step with the device's publish and collect launches, and a
-pool that does not answer reported, not hung."""
+pool that does not answer reported, not hung. Then cold experts fetched and warmed ahead of a layer's router
+(``set_cold_prefetch``, ``begin_layer``): the predictors' scale, the settings refused, the hook every layer
+calls, and on CUDA the captured step with them following the one without."""
 
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
 
 from engine.errors import ConfigError  # noqa: E402
 from engine.gguf.reader import GGUFFile  # noqa: E402
-from engine.hybrid import attach_hybrid  # noqa: E402
+from engine.hybrid import COLD_PREFETCH_ENV, PREFETCH_MAX, attach_hybrid  # noqa: E402
 from engine.kernels import host_experts  # noqa: E402
 from engine.kernels.host_experts import HostShareError  # noqa: E402
-from engine.model.decode_graph import DecodeGraph  # noqa: E402
 from engine.model.qwen35moe import Qwen35MoE  # noqa: E402
 from engine.model.weights import raw_experts  # noqa: E402
 from engine.placement import MB  # noqa: E402
+from tests.engine.steps import follow_captured  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -180,18 +183,10 @@ def test_cuda_captured_step_with_the_threads_follows_the_device_model(qfile, int
     plain = load(qfile, "cuda", quantized=staged)
     model, hybrid = attach(qfile, 0.5, device="cuda", cpu_int8=int8, quantized=staged)
     assert hybrid.graph_safe and sum(layer.n_mine for layer in hybrid._layers) > 0
-    ids = torch.randint(0, 256, (7 + 12,), generator=torch.Generator().manual_seed(6)).cuda()
-    eager, static = plain.new_state(24), model.new_state(24)
-    plain.forward(ids[:7], eager, logits="none")
-    model.forward(ids[:7], static, logits="none")
-    step = DecodeGraph(model, static, graph=True)
-    assert step.captured
-    before = hybrid._host_share.jobs
-    for t in range(7, 19):
-        ref = plain.forward(ids[t:t + 1], eager, logits="last").logits
-        assert rel_err(step.step(ids[t:t + 1]), ref) < bound, f"token {t}"
+    before = []
+    follow_captured(plain, model, bound, before=lambda: before.append(hybrid._host_share.jobs))
     torch.cuda.synchronize()
-    jobs = hybrid._host_share.jobs - before
+    jobs = hybrid._host_share.jobs - before[0]
     # staged: a job only for a call with a cold pair for the threads (the share of each call's cold pairs)
     assert jobs > 0 if staged else jobs >= 12 * model.cfg.n_layers
     assert any(taken) == staged
@@ -213,3 +208,107 @@ def test_cuda_wait_for_stopped_threads_ends_and_is_reported(qfile, monkeypatch):
     with pytest.raises(HostShareError, match="did not answer"):
         hybrid.check_cpu_share()
     hybrid.close()
+
+
+# Cold experts fetched and warmed ahead of a layer's router (``HybridExperts.set_cold_prefetch``, ``begin_layer``)
+
+def test_predictors_give_the_routing_of_the_residual_without_the_mixer(qfile):
+    """The predictor's input ``x * post / attn`` (x the mixer's normed input) routes as ``rms_norm(h) * post``
+    does: exactly the layer's routing had the mixer added nothing."""
+    model, hybrid = attach(qfile, 0.0)
+    try:
+        k = model.cfg.n_expert_used
+        g = torch.Generator().manual_seed(1)
+        for i, layer in enumerate(model.weights.layers):
+            h = torch.randn(5, model.cfg.hidden, generator=g)
+            x = F.rms_norm(h, (h.shape[-1],), layer.attn_norm.float(), model.cfg.rms_eps)
+            router, scale = hybrid._predictors[i]
+            want = (F.rms_norm(h, (h.shape[-1],), layer.post_norm.float(), model.cfg.rms_eps) @ router.T).topk(k).indices
+            got = ((x * scale) @ router.T).topk(k).indices
+            assert torch.equal(got, want), f"layer {i}"
+    finally:
+        hybrid.close()
+
+
+def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
+    model, hybrid = attach(qfile, 0.0)
+    try:
+        for bad in (-1, PREFETCH_MAX + 1, 1.5):
+            with pytest.raises(ConfigError, match="fetched ahead"):
+                hybrid.set_cold_prefetch(bad)
+            with pytest.raises(ConfigError, match="warmed ahead"):
+                hybrid.set_cold_prefetch(1, warm=bad)
+        hybrid.set_cold_prefetch(2)
+        assert hybrid.cold_prefetch == 2 and hybrid.stats_snapshot().cold_prefetch == 2
+    finally:
+        hybrid.close()
+    monkeypatch.setenv(COLD_PREFETCH_ENV, "9")
+    with pytest.raises(ConfigError, match=COLD_PREFETCH_ENV):
+        attach(qfile, 0.0)
+
+
+def test_every_layer_starts_with_the_executors_hook(qfile):
+    """``run_layers`` hands an executor with ``begin_layer`` each layer's index and mixer input, in order; on
+    the CPU the hybrid executor's hook fetches nothing and the logits are the same with it set."""
+    model, hybrid = attach(qfile, 0.0)
+    try:
+        ids = torch.tensor([3, 9, 27, 81])
+        ref = model.forward(ids, model.new_state(8)).logits
+        seen = []
+        real = hybrid.begin_layer
+        hybrid.begin_layer = lambda i, x: seen.append((i, tuple(x.shape))) or real(i, x)
+        hybrid.set_cold_prefetch(2)
+        out = model.forward(ids, model.new_state(8)).logits
+        assert seen == [(i, (4, model.cfg.hidden)) for i in range(model.cfg.n_layers)]
+        assert torch.equal(out, ref)
+        assert hybrid.stats_snapshot().prefetched == 0
+    finally:
+        hybrid.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fetch,warm", [(1, 0), (2, 0), (PREFETCH_MAX, 0), (0, 1), (1, 1)])
+def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm):
+    """Half the experts cold, half of those on the threads (float32 activations), ``fetch`` cold experts a
+    layer fetched ahead by the bus and ``warm`` more warmed by the threads: the captured step follows the
+    all-on-device model teacher-forced, as it does without them, and they served pairs (the tiny random
+    model routes alike before and after its mixers); the threads fetched chunks for the warm-ups."""
+    plain = load(qfile, "cuda", quantized=True)
+    model, hybrid = attach(qfile, 0.5, device="cuda", quantized=True, cpu_int8=False, cold_prefetch=fetch,
+                           cold_warm=warm)
+    try:
+        follow_captured(plain, model, 1e-3, before=hybrid.reset_counters)
+        stats = hybrid.stats_snapshot()
+        assert 0 < stats.prefetch_served <= stats.cold_hits
+        assert 0 < stats.prefetched <= 12 * (fetch + warm) * model.cfg.n_layers
+        if warm:
+            assert hybrid._host_share.warm_chunks > 0 and int(hybrid._host_share.warm_seq) > 0
+        hybrid.check_cpu_share()
+    finally:
+        hybrid.close()
+
+
+def test_engine_and_cli_take_the_count(qfile, capsys):
+    """``Engine.from_gguf(cold_prefetch=)`` and ``set_cold_prefetch`` reach the executor and its stats; the CLI
+    refuses ``--cold-prefetch`` without a CPU share, and the engine without a budget on the GPU tier."""
+    from engine.engine import Engine
+    from tuner.cli import main
+
+    with pytest.raises(ConfigError, match="cold_prefetch and cold_warm need cold_device='gpu'"):
+        Engine.from_gguf(qfile, device="cpu", expert_budget_mb=0, cold_warm=1)
+    options = dict(device="cpu", expert_budget_mb=0, cold_device="gpu", cold_format="quantized", hot_format="quantized")
+    eng = Engine.from_gguf(qfile, cold_cpu_share=0.5, cold_prefetch=2, cold_warm=1, **options)
+    try:
+        out = eng.generate([3, 17, 5], 4)
+        assert eng.hybrid.cold_prefetch == 2 and out.timings.extra["cold_prefetch"] == 2
+        assert out.timings.extra["cold_warm"] == 1
+        eng.set_cold_prefetch(0)  # the warm count as set
+        assert eng.hybrid.cold_prefetch == 0 and eng.hybrid.cold_warm == 1
+        assert eng.generate([3, 17, 5], 4).ids == out.ids
+        with pytest.raises(ConfigError, match="fetched ahead"):
+            eng.set_cold_prefetch(PREFETCH_MAX + 1)
+    finally:
+        eng.hybrid.close()
+    status = main(["generate", "--model", str(qfile), "--prompt", "hi", "--device", "cpu", "--cold-prefetch", "1"])
+    assert status == 2 and "--cold-prefetch and --cold-warm need --cold-cpu-share" in capsys.readouterr().err
