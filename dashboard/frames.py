@@ -12,7 +12,8 @@ from storage.records import HardwareRecord, MeasurementRecord, TelemetrySample
 
 NO_DRAFT = "none"  # the tuner's name for plain decoding in the draft dimension
 # Numeric knobs of the landscape and what a trial without the knob means on that axis.
-LANDSCAPE_DIMS = {"expert_budget_mb": None, "spec_len": 0, "pflash_keep_ratio": 1.0, "cold_cpu_share": 0.0}
+LANDSCAPE_DIMS = {"expert_budget_mb": None, "spec_len": 0, "pflash_keep_ratio": 1.0, "cold_cpu_share": 0.0,
+                  "cold_prefetch": 0, "cold_warm": 0}
 
 
 def draft_label(params: dict) -> str:

@@ -24,9 +24,10 @@ from engine.errors import ConfigError
 SCHEMA = 1
 ENGINE_KEYS = ("device", "dtype", "threads", "expert_budget_mb", "pflash_threshold", "spec_len",
                "pflash_keep_ratio", "weights", "cold_format", "hot_format", "cuda_graph", "cold_device",
-               "cold_cpu_share", "placement_unit")
+               "cold_cpu_share", "placement_unit", "cold_prefetch", "cold_warm")
 LOAD_KEYS = ("device", "dtype", "threads", "expert_budget_mb", "pflash_threshold", "weights", "cold_format",
-             "hot_format", "cuda_graph", "cold_device", "cold_cpu_share", "placement_unit")
+             "hot_format", "cuda_graph", "cold_device", "cold_cpu_share", "placement_unit", "cold_prefetch",
+             "cold_warm")
 GENERATE_KEYS = ("spec_len", "pflash_keep_ratio")
 MODEL_ROLES = ("target", "draft", "drafter")
 FINGERPRINT_KEYS = ("gpu_name", "gpu_uuid", "gpu_driver", "gpu_vram_mb", "cpu", "cpu_count", "ram_mb")

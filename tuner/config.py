@@ -71,6 +71,7 @@ class HardwareConfig:
 ENGINE_FORMATS = ("dense", "quantized")
 COLD_DEVICES = ("cpu", "gpu")
 PLACEMENT_UNITS = ("expert", "layer")  # engine.placement.PLACEMENT_UNITS
+PREFETCH_MAX = 4  # engine.hybrid.PREFETCH_MAX: cold experts fetched or warmed ahead a layer, at most
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,10 @@ class SearchConfig:
     # share of the cold experts' pairs CPU threads compute beside the bus (cold_device = "gpu" with quantized
     # experts); [0, 0] leaves it out of the search
     cold_cpu_share: tuple[float, float] = (0.0, 0.8)
+    # cold experts a layer the bus fetches, and the CPU threads warm, ahead of the router from the predicted
+    # routing (with the CPU share's dimension); [0, 0] leaves each out of the search
+    cold_prefetch: tuple[int, int] = (0, 0)
+    cold_warm: tuple[int, int] = (0, 0)
     # what the hot set grows by at budgets that leave experts cold: single experts by routed mass, whole layers,
     # or both searched
     placement_unit: tuple[str, ...] = ("expert",)
@@ -135,6 +140,11 @@ class SearchConfig:
         lo, hi = self.cold_cpu_share
         if not 0.0 <= lo <= hi <= 1.0:
             raise ValueError(f"cold_cpu_share: expected [low, high] with 0 <= low <= high <= 1, found [{lo}, {hi}]")
+        for name in ("cold_prefetch", "cold_warm"):
+            lo, hi = getattr(self, name)
+            if not 0 <= lo <= hi <= PREFETCH_MAX:
+                raise ValueError(f"{name}: expected [low, high] with 0 <= low <= high <= {PREFETCH_MAX}, "
+                                 f"found [{lo}, {hi}]")
         units = self.placement_unit
         if not units or len(set(units)) != len(units) or any(u not in PLACEMENT_UNITS for u in units):
             raise ValueError(f"placement_unit: expected distinct names among {', '.join(PLACEMENT_UNITS)}, "
@@ -443,7 +453,8 @@ _SECTIONS: dict[str, tuple[type, dict[str, Reader]]] = {
     "search": (SearchConfig, {
         "expert_budget_step_mb": _int, "expert_budget_max_mb": _live_mb, "spec_len": _int_pair,
         "pflash_keep_ratio": _float_pair, "pflash": _bool, "pflash_threshold": _auto_int,
-        "cold_cpu_share": _float_pair, "placement_unit": _names}),
+        "cold_cpu_share": _float_pair, "cold_prefetch": _int_pair, "cold_warm": _int_pair,
+        "placement_unit": _names}),
     "workload": (WorkloadConfig, {
         "code_prompts": _int, "long_form_prompts": _int, "niah_cases": _int,
         "long_prompt_tokens": _int, "max_new_tokens": _int, "warmup": _int, "repeats": _int,

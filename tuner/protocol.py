@@ -47,6 +47,8 @@ class Measure:
     pflash_keep_ratio: float | None = None
     cold_cpu_share: float | None = None  # set before measuring (Engine.set_cold_cpu_share); None: leave at 0
     placement_unit: str | None = None  # what the budget's hot set grows by (Engine.set_expert_budget); None: expert
+    cold_prefetch: int | None = None  # cold experts fetched ahead a layer (Engine.set_cold_prefetch); None: 0
+    cold_warm: int | None = None  # cold experts the CPU threads warm ahead a layer; None: 0
     warmup: int = 1
     repeats: int = 1
     seed: int = 0

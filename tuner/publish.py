@@ -99,7 +99,8 @@ def build_profile(c: ApplianceConfig, model_files: Mapping[str, Any], number: in
     if c.hardware.threads is not None:
         engine["threads"] = c.hardware.threads
     engine.update(c.engine.load_options())
-    for key in ("expert_budget_mb", "spec_len", "pflash_keep_ratio", "cold_cpu_share", "placement_unit"):
+    for key in ("expert_budget_mb", "spec_len", "pflash_keep_ratio", "cold_cpu_share", "placement_unit",
+                "cold_prefetch", "cold_warm"):
         if getattr(params, key) is not None:
             engine[key] = getattr(params, key)
     models = {"target": _entry(model_files["target"])}
@@ -158,7 +159,7 @@ def export_trial(c: ApplianceConfig, number: int, out: Path) -> Path:
         metrics[key] = {"mean": value}
     params = TrialParams(**{k: m.params.get(k) for k in
                             ("expert_budget_mb", "draft", "spec_len", "pflash_keep_ratio", "cold_cpu_share",
-                             "placement_unit")})
+                             "placement_unit", "cold_prefetch", "cold_warm")})
     profile = build_profile(c, study.user_attrs["model_files"], number, params, metrics,
                             m.metrics.get("device", ""), fingerprint)
     text = write_profile(out, profile)

@@ -4,8 +4,9 @@ Dimensions appear only where they mean something: the expert budget only with a 
 draft only with compatible candidates, spec_len only with a draft, PFlash only with a
 compatible drafter and long prompts, its keep ratio only when it is on, the cold experts' CPU
 share only with ``cold_device = "gpu"``, quantized experts and a budget that leaves some cold, the
-placement unit only with more than one unit configured and a budget that leaves some cold (but not
-all).
+cold experts fetched and warmed ahead of the router only beside the CPU share (a range wider than
+one value configured), the placement unit only with more than one unit configured and a budget that
+leaves some cold (but not all).
 """
 
 from __future__ import annotations
@@ -31,10 +32,16 @@ class TrialParams:
     pflash_keep_ratio: float | None = None
     cold_cpu_share: float | None = None  # share of the cold pairs CPU threads compute; None: not searched
     placement_unit: str | None = None  # what the hot set grows by (engine.placement); None: not searched
+    cold_prefetch: int | None = None  # cold experts a layer the bus fetches ahead; None: not searched
+    cold_warm: int | None = None  # cold experts a layer the CPU threads warm ahead; None: not searched
 
     def __post_init__(self) -> None:
         if self.cold_cpu_share is not None and not 0.0 <= self.cold_cpu_share <= 1.0:
             raise ValueError(f"cold_cpu_share {self.cold_cpu_share} is outside [0, 1]")
+        for name in ("cold_prefetch", "cold_warm"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} {value} is negative")
         if self.spec_len is not None and self.draft is None:
             raise ValueError(f"spec_len {self.spec_len} is set without a draft")
         if self.draft is not None and self.spec_len is None:
@@ -50,6 +57,8 @@ class TrialParams:
             parts.append(f"cpu share {self.cold_cpu_share:.2f}")
         if self.placement_unit is not None:
             parts.append(f"by {self.placement_unit}")
+        if self.cold_prefetch is not None or self.cold_warm is not None:
+            parts.append(f"ahead {self.cold_prefetch or 0} fetched, {self.cold_warm or 0} warmed")
         return ", ".join(parts)
 
 
@@ -63,6 +72,8 @@ class SearchSpace:
     full_model_mb: int | None = None  # the budget that holds every expert, when it fits
     cpu_share: tuple[float, float] | None = None  # None: no CPU-share dimension
     units: tuple[str, ...] | None = None  # None: no placement-unit dimension (one unit, the engine's default)
+    prefetch: tuple[int, int] | None = None  # None: no fetched-ahead dimension (with the CPU share's only)
+    warm: tuple[int, int] | None = None  # None: no warmed-ahead dimension (with the CPU share's only)
 
     def __post_init__(self) -> None:
         if self.budget_max_mb is not None and self.budget_max_mb % self.budget_step_mb:
@@ -97,10 +108,12 @@ class SearchSpace:
         cpu_share = share if (hardware.gpu is not None and config.engine.cold_device == "gpu"
                               and config.engine.experts == "quantized" and share[1] > 0) else None
         units = search.placement_unit if hardware.gpu is not None and len(search.placement_unit) > 1 else None
+        ahead = {name: rng if cpu_share is not None and rng[1] > rng[0] else None
+                 for name, rng in (("prefetch", search.cold_prefetch), ("warm", search.cold_warm))}
         return cls(budget_max_mb=budget_max, budget_step_mb=search.expert_budget_step_mb,
                    drafts=tuple(p.name for p in drafts), spec_len=search.spec_len,
                    keep_ratio=search.pflash_keep_ratio if pflash else None, full_model_mb=full,
-                   cpu_share=cpu_share, units=units)
+                   cpu_share=cpu_share, units=units, **ahead)
 
     @property
     def is_empty(self) -> bool:
@@ -116,10 +129,14 @@ class SearchSpace:
                 budget = trial.suggest_int("expert_budget_mb", 0, self.budget_max_mb,
                                            step=self.budget_step_mb)
         unit = trial.suggest_categorical("placement_unit", list(self.units)) if self.places_units(budget) else None
-        share = None
+        share = prefetch = warm = None
         if self.shares_cold(budget):
             lo, hi = self.cpu_share
             share = trial.suggest_float("cold_cpu_share", lo, hi) if hi > lo else lo
+            if self.prefetch is not None:
+                prefetch = trial.suggest_int("cold_prefetch", *self.prefetch)
+            if self.warm is not None:
+                warm = trial.suggest_int("cold_warm", *self.warm)
         draft = spec_len = None
         if self.drafts:
             choice = trial.suggest_categorical("draft", [NO_DRAFT, *self.drafts])
@@ -131,7 +148,8 @@ class SearchSpace:
             if trial.suggest_categorical("pflash", ["off", "on"]) == "on":
                 keep = trial.suggest_float("pflash_keep_ratio", *self.keep_ratio, log=True)
         return TrialParams(expert_budget_mb=budget, draft=draft, spec_len=spec_len,
-                           pflash_keep_ratio=keep, cold_cpu_share=share, placement_unit=unit)
+                           pflash_keep_ratio=keep, cold_cpu_share=share, placement_unit=unit,
+                           cold_prefetch=prefetch, cold_warm=warm)
 
     def places_units(self, budget: int | None) -> bool:
         """Whether a point at ``budget`` has a placement unit to choose: the dimension is on and the budget
@@ -149,6 +167,7 @@ class SearchSpace:
         """The point an Optuna trial's stored params describe."""
         draft = stored.get("draft", NO_DRAFT)
         budget = stored.get("expert_budget_mb", 0 if self.budget_max_mb is not None else None)
+        cold = self.shares_cold(int(budget) if budget is not None else None)
         return TrialParams(
             expert_budget_mb=int(budget) if budget is not None else None,
             draft=None if draft == NO_DRAFT else draft,
@@ -158,7 +177,9 @@ class SearchSpace:
             cold_cpu_share=(float(stored.get("cold_cpu_share", self.cpu_share[0]))
                             if self.shares_cold(int(budget) if budget is not None else None) else None),
             placement_unit=(str(stored.get("placement_unit", self.units[0]))
-                            if self.places_units(int(budget) if budget is not None else None) else None))
+                            if self.places_units(int(budget) if budget is not None else None) else None),
+            cold_prefetch=int(stored.get("cold_prefetch", self.prefetch[0])) if cold and self.prefetch else None,
+            cold_warm=int(stored.get("cold_warm", self.warm[0])) if cold and self.warm else None)
 
     def to_params(self, p: TrialParams) -> dict[str, Any]:
         """The inverse of ``params_of``: what ``enqueue_trial`` takes."""
@@ -177,6 +198,11 @@ class SearchSpace:
             out["cold_cpu_share"] = p.cold_cpu_share if p.cold_cpu_share is not None else self.cpu_share[0]
         if self.places_units(p.expert_budget_mb):
             out["placement_unit"] = p.placement_unit or self.units[0]
+        if self.shares_cold(p.expert_budget_mb):
+            if self.prefetch is not None:
+                out["cold_prefetch"] = p.cold_prefetch if p.cold_prefetch is not None else self.prefetch[0]
+            if self.warm is not None:
+                out["cold_warm"] = p.cold_warm if p.cold_warm is not None else self.warm[0]
         return out
 
     def warm_start(self) -> list[TrialParams]:
@@ -197,10 +223,15 @@ class SearchSpace:
                 unit = self.units[0] if self.places_units(half) else None
                 if self.shares_cold(half):  # the bus alone, then the middle of the threads' share
                     lo, hi = self.cpu_share
-                    points += [TrialParams(expert_budget_mb=half, cold_cpu_share=lo, placement_unit=unit)]
+                    low = dict(cold_prefetch=self.prefetch[0] if self.prefetch else None,
+                               cold_warm=self.warm[0] if self.warm else None)
+                    points += [TrialParams(expert_budget_mb=half, cold_cpu_share=lo, placement_unit=unit, **low)]
                     if hi > lo:
                         points.append(TrialParams(expert_budget_mb=half, cold_cpu_share=(lo + hi) / 2,
-                                                  placement_unit=unit))
+                                                  placement_unit=unit, **low))
+                    if self.prefetch or self.warm:  # there, the most fetched and warmed ahead
+                        points.append(replace(points[-1], cold_prefetch=self.prefetch[1] if self.prefetch else None,
+                                              cold_warm=self.warm[1] if self.warm else None))
                 else:
                     points.append(TrialParams(expert_budget_mb=half, placement_unit=unit))
                 if unit is not None:  # the other units at the last of those points
@@ -210,8 +241,9 @@ class SearchSpace:
     def coarse_grid(self, budget_points: int = 4) -> list[TrialParams]:
         """Every combination of a few values per knob: the budget at ``budget_points`` even steps
         from 0 to the maximum, no draft or each draft at the lowest, middle and highest
-        spec_len, PFlash off or at the lowest, geometric-middle and highest keep ratio. The
-        exhaustive reference a study's best is compared against."""
+        spec_len, PFlash off or at the lowest, geometric-middle and highest keep ratio, the cold
+        experts fetched and warmed ahead at each end of their ranges. The exhaustive reference a
+        study's best is compared against."""
         budgets: list[int | None] = [None]
         if self.budget_max_mb:
             step = self.budget_step_mb
@@ -233,9 +265,13 @@ class SearchSpace:
         def units(b: int | None) -> list[str | None]:
             return list(self.units) if self.places_units(b) else [None]
 
+        def ahead(b: int | None, rng: tuple[int, int] | None) -> list[int | None]:
+            return sorted(set(rng)) if rng is not None and self.shares_cold(b) else [None]
+
         return [TrialParams(expert_budget_mb=b, draft=d, spec_len=n, pflash_keep_ratio=k, cold_cpu_share=s,
-                            placement_unit=u)
-                for b in budgets for u in units(b) for s in shares(b) for d, n in drafts for k in keeps]
+                            placement_unit=u, cold_prefetch=f, cold_warm=w)
+                for b in budgets for u in units(b) for s in shares(b) for f in ahead(b, self.prefetch)
+                for w in ahead(b, self.warm) for d, n in drafts for k in keeps]
 
     def describe(self) -> dict[str, Any]:
         """A JSON form stored with the study: resuming with another space is refused."""
@@ -243,4 +279,6 @@ class SearchSpace:
                 "drafts": list(self.drafts), "spec_len": list(self.spec_len),
                 "keep_ratio": list(self.keep_ratio) if self.keep_ratio else None,
                 **({"cpu_share": list(self.cpu_share)} if self.cpu_share else {}),
-                **({"placement_units": list(self.units)} if self.units else {})}
+                **({"placement_units": list(self.units)} if self.units else {}),
+                **({"cold_prefetch": list(self.prefetch)} if self.prefetch else {}),
+                **({"cold_warm": list(self.warm)} if self.warm else {})}

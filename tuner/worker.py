@@ -204,6 +204,7 @@ class _EngineHost:
         self.spec: LoadSpec | None = None
         self.budget_mb: int | None = None
         self.cpu_share = 0.0  # the loaded engine's cold experts' CPU share
+        self.ahead = (0, 0)  # the loaded engine's cold experts fetched and warmed ahead a layer
         self.unit = "expert"  # what the loaded engine's hot set grows by
         self.load_s = 0.0
 
@@ -229,7 +230,7 @@ class _EngineHost:
         self.engine = self._load(spec.target, device=spec.device,
                                  **{k: v for k, v in options.items() if v is not None})
         self.load_s = time.perf_counter() - t0
-        self.spec, self.budget_mb, self.cpu_share = spec, budget_mb, 0.0
+        self.spec, self.budget_mb, self.cpu_share, self.ahead = spec, budget_mb, 0.0, (0, 0)
         self.unit = unit if unit is not None and budget_mb is not None else "expert"
         return True
 
@@ -241,10 +242,18 @@ class _EngineHost:
             self.engine.set_cold_cpu_share(share)
         self.cpu_share = share
 
+    def fetch_ahead(self, prefetch: int | None, warm: int | None) -> None:
+        """Set the cold experts fetched and warmed ahead a layer (None: 0) where they differ from the engine's."""
+        ahead = (prefetch or 0, warm or 0)
+        if ahead != self.ahead:
+            self.engine.set_cold_prefetch(ahead[0], warm=ahead[1])
+        self.ahead = ahead
+
     def measure(self, m: Measure) -> Measured:
         if self.ensure(m.spec, m.expert_budget_mb, m.placement_unit):
             self._conn.send(Loaded(load_s=self.load_s, device=self.device))
         self.share(m.cold_cpu_share)
+        self.fetch_ahead(m.cold_prefetch, m.cold_warm)
         if m.hang_s > 0:
             time.sleep(m.hang_s)
         tok = self.engine.tokenizer

@@ -60,6 +60,7 @@ class FakeEngine:
         self.drafter = drafter
         self.budget_mb = 0
         self.cpu_share = 0.0
+        self.ahead = (0, 0)  # cold experts fetched and warmed ahead a layer
         self.unit = "expert"
         self.set_expert_budget(budget_mb or 0)
 
@@ -90,6 +91,9 @@ class FakeEngine:
     def set_cold_cpu_share(self, share: float) -> None:
         self.cpu_share = share
 
+    def set_cold_prefetch(self, n: int, *, warm: int | None = None) -> None:
+        self.ahead = (n, self.ahead[1] if warm is None else warm)
+
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop: Any = None,
                  ignore_eos: bool = False, spec_len: int | None = None, pflash_keep_ratio: float | None = None) -> Generation:
@@ -103,6 +107,7 @@ class FakeEngine:
         ms = float(self.behaviour.get("ms_per_token", 2.0))
         ms /= 1.0 + self.budget_mb / 1024.0
         ms *= 1.0 - 0.3 * self.cpu_share  # CPU threads beside the bus: faster cold experts
+        ms *= 1.0 - 0.02 * sum(self.ahead) * self.cpu_share  # fetched and warmed ahead beside the threads
         ms *= 0.9 if self.unit == "layer" else 1.0  # fewer layers with cold experts
         if spec_len and self.draft:
             ms /= 1.0 + 0.1 * spec_len

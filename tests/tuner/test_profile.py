@@ -126,6 +126,11 @@ def test_the_searched_cpu_share_is_published(tmp_path):
     assert p.load_options()["cold_cpu_share"] == 0.45 and p.load_options()["expert_budget_mb"] == 1024
     bare = build_profile(cfg, files, 2, TrialParams(expert_budget_mb=1024), {}, "cuda", FINGERPRINT)
     assert "cold_cpu_share" not in bare.engine and "placement_unit" not in bare.engine
+    ahead = build_profile(cfg, files, 2, TrialParams(expert_budget_mb=1024, cold_cpu_share=0.5, cold_prefetch=2,
+                                                     cold_warm=1), {}, "cuda", FINGERPRINT)
+    assert (ahead.engine["cold_prefetch"], ahead.engine["cold_warm"]) == (2, 1)
+    assert ahead.load_options()["cold_prefetch"] == 2 and ahead.load_options()["cold_warm"] == 1
+    assert "cold_prefetch" not in bare.engine
     by_layer = build_profile(cfg, files, 2, TrialParams(expert_budget_mb=1024, placement_unit="layer"), {}, "cuda",
                              FINGERPRINT)
     assert by_layer.engine["placement_unit"] == "layer" and by_layer.load_options()["placement_unit"] == "layer"

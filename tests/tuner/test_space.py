@@ -246,3 +246,55 @@ def test_the_tuner_knows_the_engine_placement_units():
     from tuner.config import PLACEMENT_UNITS as CONFIG_UNITS
 
     assert CONFIG_UNITS == PLACEMENT_UNITS
+
+
+def test_cold_experts_ahead_are_searched_beside_the_cpu_share(tmp_path):
+    """``cold_prefetch`` and ``cold_warm`` ranges are integer dimensions wherever the CPU share is one (a GPU,
+    cold experts on the bus, a budget that leaves some cold); warm start adds the half budget with both at
+    the top of their ranges; the coarse grid takes each end; points round-trip; [0, 0] (the default), no
+    CPU-share dimension or no GPU leave them out; bad ranges are refused."""
+    gpu = "[engine]\ncold_device = \"gpu\"\nexperts = \"quantized\"\n"
+    ahead = gpu + "[search]\ncold_prefetch = [0, 2]\ncold_warm = [1, 2]\n"
+    space = SearchSpace.build(_config(tmp_path, ahead), H200, drafts=(), drafter_ok=False, experts_mb=2000)
+    assert space.prefetch == (0, 2) and space.warm == (1, 2)
+    assert space.describe()["cold_prefetch"] == [0, 2] and space.describe()["cold_warm"] == [1, 2]
+    seen = set()
+    for p, params in _sample(space, 60):
+        if p.expert_budget_mb < 2048:
+            assert 0 <= p.cold_prefetch <= 2 and 1 <= p.cold_warm <= 2
+            assert (params["cold_prefetch"], params["cold_warm"]) == (p.cold_prefetch, p.cold_warm)
+            seen.add((p.cold_prefetch, p.cold_warm))
+        else:
+            assert p.cold_prefetch is None and p.cold_warm is None and "cold_prefetch" not in params
+        assert space.params_of(params) == p
+    assert len(seen) == 6
+    points = space.warm_start()
+    assert points == [TrialParams(expert_budget_mb=2048),
+                      TrialParams(expert_budget_mb=1024, cold_cpu_share=0.0, cold_prefetch=0, cold_warm=1),
+                      TrialParams(expert_budget_mb=1024, cold_cpu_share=0.4, cold_prefetch=0, cold_warm=1),
+                      TrialParams(expert_budget_mb=1024, cold_cpu_share=0.4, cold_prefetch=2, cold_warm=2)]
+    _assert_enqueued_as_given(space, points)
+    grid = space.coarse_grid(budget_points=3)
+    assert {(p.expert_budget_mb, p.cold_prefetch, p.cold_warm) for p in grid} == {
+        (2048, None, None), *((b, f, w) for b in (0, 1024) for f in (0, 2) for w in (1, 2))}
+    assert len(grid) == 1 + 2 * 3 * 4  # the full budget, then two budgets x three shares x four ends
+    for p in grid:
+        assert space.params_of(space.to_params(p)) == p
+    assert "ahead 2 fetched, 1 warmed" in TrialParams(expert_budget_mb=1024, cold_prefetch=2, cold_warm=1).label()
+    for extra, hardware in ((gpu, H200), (ahead, CPU_ONLY),
+                            (ahead.replace("[search]\n", "[search]\ncold_cpu_share = [0.0, 0.0]\n"), H200)):
+        off = SearchSpace.build(_config(tmp_path, extra), hardware, drafts=(), drafter_ok=False, experts_mb=2000)
+        assert off.prefetch is None and off.warm is None and "cold_prefetch" not in off.describe()
+        assert all(p.cold_prefetch is None and p.cold_warm is None for p, _ in _sample(off, 5))
+    from tuner.config import ConfigError
+
+    for bad in ("[2, 1]", "[0, 5]", "[-1, 1]"):
+        with pytest.raises(ConfigError, match="search.cold_warm: expected"):
+            _config(tmp_path, f"[search]\ncold_warm = {bad}\n")
+
+
+def test_the_tuner_knows_the_engine_prefetch_bound():
+    from engine.hybrid import PREFETCH_MAX
+    from tuner.config import PREFETCH_MAX as CONFIG_MAX
+
+    assert CONFIG_MAX == PREFETCH_MAX

@@ -118,6 +118,30 @@ def test_the_cold_cpu_share_is_set_before_measuring_and_put_back_after():
     assert calls == [0.5, 0.5, 0.0]
 
 
+def test_cold_experts_ahead_are_set_where_they_change():
+    """A Measure's counts fetched and warmed ahead reach the engine where they differ from what it has (None: 0);
+    a fresh load starts from none."""
+    from types import SimpleNamespace
+
+    from tuner.worker import _EngineHost
+
+    calls = []
+    engine = SimpleNamespace(device="cpu", set_cold_prefetch=lambda n, *, warm: calls.append((n, warm)))
+    host = _EngineHost(lambda path, **kw: engine, SimpleNamespace(send=lambda message: None))
+    host.ensure(LoadSpec(target="t.gguf"), 512)
+    host.fetch_ahead(None, None)
+    assert calls == []
+    host.fetch_ahead(2, None)
+    host.fetch_ahead(2, 0)
+    host.fetch_ahead(2, 1)
+    host.fetch_ahead(None, None)
+    assert calls == [(2, 0), (2, 1), (0, 0)]
+    host.fetch_ahead(1, 1)
+    host.ensure(LoadSpec(target="other.gguf"), 512)  # a fresh engine: nothing set on it yet
+    host.fetch_ahead(1, 1)
+    assert calls[-2:] == [(1, 1), (1, 1)]
+
+
 def test_the_placement_unit_reaches_the_budget_and_the_load():
     """A Measure's placement unit goes to the load's options on a fresh load, and to ``set_expert_budget`` when the
     budget or the unit changes on a loaded engine; without one the budget is set as before."""
