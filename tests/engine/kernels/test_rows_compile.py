@@ -329,14 +329,20 @@ def test_word_gate_up_waits_before_the_down_launch_may_start(wait_first, tmp_pat
     ("_split_kernel", "engine.kernels.hybrid_split",
      {"ids_ptr": "*i64", "slot_ptr": "*i64", "codes_ptr": "*i32", "stage_codes_ptr": "*i32", "stage_ptr": "*i32",
       "hits_ptr": "*i64", "pending_ptr": "*i32", "mb_i": "*i32", "mb_f": "*fp32", "seq_ptr": "*i32", "x_ptr": "*bf16",
-      "w_ptr": "*fp32", "share": "fp32"},
-     {"P": 8, "K": 8, "MAX_PAIRS": 128, "HEADER": 32, "BLOCK_P": 16, "BLOCK": 1024, "PUBLISH": True, "APART": True}),
-], ids=["collect_into", "collect", "split_publish"])
+      "w_ptr": "*fp32", "share": "fp32", "pf_ptr": "*i32", "pf_hits_ptr": "*i64", "warm_ptr": "*i32"},
+     {"P": 8, "K": 8, "MAX_PAIRS": 128, "HEADER": 32, "BLOCK_P": 16, "BLOCK": 1024, "PUBLISH": True, "APART": True,
+      "M": 2, "MW": 2}),
+    ("_select_kernel", "engine.kernels.hybrid_split",
+     {"pred_ptr": "*i64", "slot_ptr": "*i64", "out_ptr": "*i32", "sent_ptr": "*i64", "warm_ptr": "*i32",
+      "mb_i": "*i32", "wseq_ptr": "*i32"},
+     {"K": 8, "M": 1, "MW": 2, "PUBLISH": True, "BLOCK_K": 8, "WARM_SEQ": 20, "WARM_LAYER": 21, "WARM_N": 22,
+      "WARM_IDS": 24}),
+], ids=["collect_into", "collect", "split_publish", "select_warm"])
 def test_host_share_launches_compile_with_system_scope_accesses(name, module, types, consts, tmp_path):
     """The launches that talk to the CPU threads build for sm_90 (they run only on CUDA): the wait's acquire
-    loads and the publication's fence and release store at system scope, in the PTX."""
+    loads and the publications' fence and release store at system scope (a job's, a warm-up's), in the PTX."""
     out = _sass(name, types, consts, 4, tmp_path, module=module, ptx=True)
-    if name == "_split_kernel":
+    if name in ("_split_kernel", "_select_kernel"):
         assert "fence.sc.sys" in out and "st.release.sys" in out
     else:
         assert "ld.acquire.sys" in out
