@@ -3,7 +3,7 @@ gate/up [512, 2048], down [2048, 512], split layout), the mailbox written and re
 CPU device, per thread count; GB/s of expert blocks read per job.
 
     python bench/host_share_pool.py [--threads 1,8,15] [--pairs 2,4,8] [--jobs 200] [--pinned]
-        [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_PIN=1"] [--bus] [--json out.json]
+        [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_PIN=1"] [--bus] [--warm] [--json out.json]
 
 Each job picks new random experts among 128 per layer over 40 layers (5.1 GB of blocks, far over the
 caches), as decode does. Median of ``--jobs`` jobs after 20 warm-up jobs; the Python side's write and
@@ -12,7 +12,9 @@ between them); a build with ``-DLT_STATS=1`` also reports the pool's own time a 
 thread's look at the mailbox to its reply) and the threads' mean time in gate/up, in the wait after
 it and in down, with the slowest thread's gate/up. ``--bus`` keeps host -> device copies of 256 MiB of
 other pinned memory running the whole time (needs CUDA), as the bus's share reads beside the threads in the
-half-cold step.
+half-cold step. ``--warm`` repeats each row with the job's experts named to the pool as a warm-up first
+(``HostShare.warm``) and the job published once the threads have fetched every chunk of them (that wait not
+timed): the job's time with its experts in the caches, the most a warm-up ahead of the router can give.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import commit, machine  # noqa: E402
 from engine.kernels.host_experts import HostShare  # noqa: E402
 
+WARM_CHUNK = 16384  # host_experts.c's LT_WARM_CHUNK: bytes a warm-up's chunk fetches
+
 H, FFN, E, LAYERS, K = 2048, 512, 128, 40, 8
 
 
@@ -45,6 +49,7 @@ def main() -> None:
     ap.add_argument("--cflags", default="", help="build variants of the pool, separated by ';'")
     ap.add_argument("--activations", default="float32", help="float32, int8 or both (comma-separated)")
     ap.add_argument("--bus", action="store_true", help="host -> device copies running beside the threads (needs CUDA)")
+    ap.add_argument("--warm", action="store_true", help="also each row with the job's experts warmed first")
     ap.add_argument("--json", type=Path, default=None, help="the rows, for scripts that pick a build")
     args = ap.parse_args()
     rows = []
@@ -71,22 +76,31 @@ def main() -> None:
         share = HostShare(layers, hidden=H, ffn=FFN, threads=threads, device="cpu", max_tokens=1, max_pairs=K,
                           cflags=cflags.split(), int8=act == "int8")
         out = torch.zeros(1, H)
-        for pairs in (int(p) for p in args.pairs.split(",")):
+        per_expert = sum(-(-m[0].shape[1] * m[0].shape[2] // WARM_CHUNK) for m in layers[0])
+        for pairs, warm in ((int(p), w) for p in args.pairs.split(",") for w in ((False, True) if args.warm
+                                                                                 else (False,))):
             times = []
             before = share.stats()
             for j in range(20 + args.jobs):
                 ids = torch.full((1, K), -1, dtype=torch.long)
                 ids[0, :pairs] = torch.randperm(E, generator=g)[:pairs]
                 mine = torch.ones(E, dtype=torch.int8)
+                if warm:  # every chunk of the job's experts fetched before the job is published
+                    want = share.warm_chunks + pairs * per_expert
+                    share.warm(j % LAYERS, ids[0, :pairs].tolist())
+                    deadline = time.perf_counter() + 1.0
+                    while share.warm_chunks < want and time.perf_counter() < deadline:
+                        pass
                 t = time.perf_counter()
                 share.publish(j % LAYERS, x, ids, torch.ones(1, K), mine)
                 share.collect(out)
                 times.append(time.perf_counter() - t)
             med = statistics.median(times[20:])
-            line = (f"[{cflags or 'default'}] {act} threads {threads:2d} (simd {share.simd}), {pairs} pairs: "
-                    f"{med * 1e6:8.1f} us a job, {pairs * per_pair / med / 1e9:6.1f} GB/s")
+            line = (f"[{cflags or 'default'}] {act} threads {threads:2d} (simd {share.simd}), {pairs} pairs"
+                    f"{', warmed' if warm else ''}: {med * 1e6:8.1f} us a job, {pairs * per_pair / med / 1e9:6.1f} GB/s")
             stats = share.stats()
-            row = {"cflags": cflags, "activations": act, "threads": threads, "pairs": pairs, "job_us": med * 1e6}
+            row = {"cflags": cflags, "activations": act, "threads": threads, "pairs": pairs, "warmed": warm,
+                   "job_us": med * 1e6}
             if stats is not None:
                 line += phases(before, stats, pairs * per_pair, row)
             rows.append(row)
