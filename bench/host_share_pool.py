@@ -33,9 +33,7 @@ from gguf import GGMLQuantizationType as Q
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import commit, machine  # noqa: E402
-from engine.kernels.host_experts import HostShare  # noqa: E402
-
-WARM_CHUNK = 16384  # host_experts.c's LT_WARM_CHUNK: bytes a warm-up's chunk fetches
+from engine.kernels.host_experts import WARM_CHUNK, HostShare  # noqa: E402
 
 H, FFN, E, LAYERS, K = 2048, 512, 128, 40, 8
 

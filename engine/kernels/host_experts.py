@@ -48,6 +48,7 @@ CFLAGS_ENV = "LUCE_TUNE_HOST_EXPERTS_CFLAGS"  # extra compiler flags (e.g. -DLT_
 QTYPES = (Q.Q4_0, Q.Q8_0)
 HEADER = 32  # int32 words before the mailbox's ids (host_experts.c)
 WARM_SEQ, WARM_LAYER, WARM_N, WARM_IDS, WARM_MAX = 20, 21, 22, 24, 8  # a warm-up's words (host_experts.c)
+WARM_CHUNK = 16384  # bytes of an expert's matrix a thread fetches at a time in a warm-up (LT_WARM_CHUNK)
 REPLY_HEADER = 16
 MAX_PAIRS = 1024  # the native pool's limit
 STAT_THREADS = 64  # threads whose phases a -DLT_STATS=1 build times (LT_STAT_THREADS)

@@ -18,8 +18,10 @@ the experts' routed mass on average. With none for the threads nothing is publis
 Cold experts fetched ahead (``select_prefetch``): before a layer's router has run, its routing is predicted
 from the layer's input (the residual stream changes little over one mixer), and the bus copies the predicted
 cold experts into rows of their own of the stage stacks while the mixer runs. The split then gives a cold pair
-whose expert was fetched that row's ``-2 - row``; only the cold pairs left are shared between the threads and
-the bus, and the layer's prefetch counter gains the pairs served so.
+whose expert was fetched that row's ``-2 - row``; the next predicted cold experts are named to the CPU threads
+as a warm-up (they fetch the blocks into their caches meanwhile), and the split hands those experts' pairs to
+the threads; only the cold pairs left are shared between the threads and the bus at the set fraction, and the
+layer's prefetch counter gains the pairs served by fetched or warmed experts.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_codes_ptr, stage_ptr, hits
         fetched = tl.where((fetched < 0) & (f >= 0) & (e == f) & pm & (slot < 0), pf_row + j, fetched)
     ahead = fetched >= 0
     cold = pm & (e >= 0) & (slot < 0) & (fetched < 0)
-    warmed = cold & (cold == 0)  # cold pairs of experts the threads were told to warm: theirs
+    warmed = tl.zeros([BLOCK_P], dtype=tl.int1)  # cold pairs of experts the threads were told to warm: theirs
     if PUBLISH:
         for j in tl.static_range(MW):
             f = tl.load(warm_ptr + j)
@@ -158,6 +160,12 @@ def split_pairs(ids: torch.Tensor, slot_of: torch.Tensor, hits: torch.Tensor, co
 
 
 @triton.jit
+def _nth(e, cold, rank, j):
+    """The id of the ``j``-th cold prediction (``rank`` counts those before each), -1 past the last."""
+    return (tl.sum(tl.where((cold != 0) & (rank == j), e + 1, 0), axis=0) - 1).to(tl.int32)
+
+
+@triton.jit
 def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, warm_ptr, mb_i, wseq_ptr, layer, K: tl.constexpr,
                    M: tl.constexpr, MW: tl.constexpr, PUBLISH: tl.constexpr, BLOCK_K: tl.constexpr,
                    WARM_SEQ: tl.constexpr, WARM_LAYER: tl.constexpr, WARM_N: tl.constexpr, WARM_IDS: tl.constexpr):
@@ -169,11 +177,9 @@ def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, warm_ptr, mb_i, wseq_p
     rank = tl.cumsum(cold, axis=0) - cold  # cold predictions before this one
     n = tl.sum(cold, axis=0)
     for j in tl.static_range(M):
-        pick = (cold != 0) & (rank == j)
-        tl.store(out_ptr + j, (tl.sum(tl.where(pick, e + 1, 0), axis=0) - 1).to(tl.int32))
+        tl.store(out_ptr + j, _nth(e, cold, rank, j))
     for j in tl.static_range(MW):
-        pick = (cold != 0) & (rank == M + j)
-        v = (tl.sum(tl.where(pick, e + 1, 0), axis=0) - 1).to(tl.int32)
+        v = _nth(e, cold, rank, M + j)
         tl.store(warm_ptr + j, v)
         if PUBLISH:
             tl.store(mb_i + WARM_IDS + j, v)

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.errors import ConfigError
 from engine.gguf import quants
-from engine.kernels.host_experts import HostShare, HostShareError
+from engine.kernels.host_experts import WARM_CHUNK, HostShare, HostShareError
 from engine.kernels.quant.reference import split_rows
 
 SIZES = {Q.Q4_0: 18, Q.Q8_0: 34}
@@ -257,7 +257,7 @@ def test_warm_ups_are_fetched_and_change_no_sum(int8):
     plain = HostShare(layers, hidden=hidden, ffn=ffn, threads=2, device="cpu", max_tokens=2, max_pairs=8, int8=int8)
     warmed = HostShare(layers, hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=2, max_pairs=8, int8=int8)
     try:
-        per_expert = sum(-(-b.shape[1] * b.shape[2] // 16384) for b, *_ in layers[0])
+        per_expert = sum(-(-b.shape[1] * b.shape[2] // WARM_CHUNK) for b, *_ in layers[0])
 
         def chunks_reach(n):
             deadline = time.perf_counter() + 10
