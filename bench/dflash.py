@@ -2,8 +2,8 @@
 
     python bench/dflash.py --target T.gguf --draft D.gguf [--spec-lens 4,8,16] [--budgets all,50%]
         [--long-form 3] [--code 3] [--prompt-tokens 512] [--new-tokens 400]
-        [--rollbacks capture,recompute] [--corpus HELD_OUT.txt] [--graph] [--cold-device cpu|gpu]
-        [--json out.json]
+        [--rollbacks capture,recompute] [--restores auto] [--corpus HELD_OUT.txt] [--graph]
+        [--cold-device cpu|gpu] [--json out.json]
 
 ``--draft random`` builds an untrained draft of the default shape: acceptance stays near 1,
 so its rows measure what drafting and verification cost, not what they gain.
@@ -17,6 +17,8 @@ tok/s over plain decode tok/s; ``accept`` the mean tokens committed per target f
 ``same`` the share of prompts whose DFlash output equals the plain output (bf16 near-ties
 can flip a token). ``verify``, ``draft`` and ``rollback`` are milliseconds per verify step.
 A budget is ``all`` (every expert on the GPU), megabytes, or a percentage of the expert bytes.
+``--rollbacks`` applies to eager verify blocks; ``--restores`` (``states``, ``replay``, ``auto``) to the
+fixed-shape ones (``--graph``), each adding its rows; ``restore`` names the one a row used.
 """
 
 from __future__ import annotations
@@ -86,14 +88,14 @@ def plain_run(eng: Engine, ids: list[int], n: int) -> dict:
 
 
 def spec_run(eng: Engine, draft: DFlashDraft, ids: list[int], n: int, spec_len: int, rollback: str,
-             fallback: float | str = 0.0) -> dict:
+             fallback: float | str = 0.0, restore: str = "auto") -> dict:
     new, s = speculative_generate(eng.model, draft, ids, n, spec_len=spec_len, rollback=rollback,
                                   fallback_threshold=fallback, stall_timeout_s=eng.stall_timeout_s,
-                                  verify_path="graph" if eng.cuda_graph else "eager")
+                                  verify_path="graph" if eng.cuda_graph else "eager", restore=restore)
     steps = max(s.verify_steps, 1)
     return {"tok_s": (len(new) - 1) / s.decode_s, "ids": new, "accept": s.acceptance_length,
             "verify_ms": 1000 * s.verify_s / steps, "draft_ms": 1000 * s.draft_s / steps,
-            "rollback_ms": 1000 * s.rollback_s / steps, "verify_path": s.verify_path,
+            "rollback_ms": 1000 * s.rollback_s / steps, "verify_path": s.verify_path, "restore": s.restore,
             "plain_share": s.plain_steps / max(len(new) - 1, 1), "fallbacks": s.fallbacks}
 
 
@@ -104,6 +106,7 @@ def main() -> None:
     ap.add_argument("--spec-lens", default="4,8,16")
     ap.add_argument("--budgets", default="all,50%")
     ap.add_argument("--rollbacks", default="capture,recompute")
+    ap.add_argument("--restores", default="auto", help="comma-separated restores of fixed-shape verify blocks")
     ap.add_argument("--long-form", type=int, default=3, help="long-form prompts (0: none)")
     ap.add_argument("--code", type=int, default=3, help="HumanEval code prompts (0: none)")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="tokens of each long-form prompt")
@@ -125,6 +128,11 @@ def main() -> None:
     args = ap.parse_args()
     spec_lens = [int(x) for x in args.spec_lens.split(",") if x]
     rollbacks = [x for x in args.rollbacks.split(",") if x]
+    restores = [x for x in args.restores.split(",") if x]
+    from engine.model.decode_graph import RESTORES
+
+    if not restores or any(r not in RESTORES for r in restores):
+        raise SystemExit(f"--restores takes comma-separated values of {RESTORES}, got {args.restores!r}")
     try:
         fallbacks = [x if x == "auto" else float(x) for x in args.fallbacks.split(",") if x]
         for f in fallbacks:
@@ -146,7 +154,8 @@ def main() -> None:
               "commit": commit(), "target": str(args.target), "draft": args.draft, "device": str(eng.device),
               "dtype": str(eng.dtype), "new_tokens": args.new_tokens, "cold_device": args.cold_device, "rows": []}
 
-    header = (f"{'budget':>7} {'workload':>9} {'spec':>4} {'rollback':>9} {'fallbk':>6} {'plain':>7} {'dflash':>7} "
+    header = (f"{'budget':>7} {'workload':>9} {'spec':>4} {'rollback':>9} {'restore':>7} {'fallbk':>6} {'plain':>7} "
+              f"{'dflash':>7} "
               f"{'speed-up':>8} {'accept':>6} {'verify':>7} {'draft':>6} {'rollbk':>6} {'plain%':>6} {'same':>5}")
     lines = [header]
     print(header, flush=True)
@@ -157,19 +166,23 @@ def main() -> None:
             eng.set_expert_budget(budget if budget is not None else total_mb * 1.05)
         plain_run(eng, first_ids, 8)  # warm-up: allocator, kernels, caches
         for spec_len in spec_lens:  # and each spec_len's captured draft and verify steps, outside the timings
-            spec_run(eng, draft, first_ids, 2 * spec_len, spec_len, rollbacks[0])
+            for restore in restores:
+                spec_run(eng, draft, first_ids, 2 * spec_len, spec_len, rollbacks[0], restore=restore)
         if any(fallbacks):  # the captured one-token step of plain stretches
             spec_run(eng, draft, first_ids, 4 * spec_lens[0], spec_lens[0], rollbacks[0], fallback=100.0)
         for name, prompts in sets.items():
             plain = [plain_run(eng, ids, args.new_tokens) for ids in prompts]
             plain_tok_s = statistics.median(p["tok_s"] for p in plain)
-            for spec_len, rollback, fallback in ((s, r, f) for s in spec_lens for r in rollbacks for f in fallbacks):
-                runs = [spec_run(eng, draft, ids, args.new_tokens, spec_len, rollback, fallback) for ids in prompts]
+            for spec_len, rollback, restore, fallback in ((s, r, x, f) for s in spec_lens for r in rollbacks
+                                                          for x in restores for f in fallbacks):
+                runs = [spec_run(eng, draft, ids, args.new_tokens, spec_len, rollback, fallback, restore)
+                        for ids in prompts]
                 med = {k: statistics.median(r[k] for r in runs)
                        for k in ("tok_s", "accept", "verify_ms", "draft_ms", "rollback_ms", "plain_share")}
                 same = sum(r["ids"] == p["ids"] for r, p in zip(runs, plain)) / len(runs)
                 row = {"budget": budget_text, "budget_mb": budget, "workload": name, "spec_len": spec_len,
-                       "rollback": rollback, "fallback_threshold": fallback, "plain_tok_s": plain_tok_s,
+                       "rollback": rollback, "restore": runs[0]["restore"], "fallback_threshold": fallback,
+                       "plain_tok_s": plain_tok_s,
                        "dflash_tok_s": med["tok_s"],
                        "speedup": med["tok_s"] / plain_tok_s, "acceptance_length": med["accept"],
                        "verify_ms": med["verify_ms"], "draft_ms": med["draft_ms"],
@@ -179,7 +192,8 @@ def main() -> None:
                        "per_prompt_tok_s": [r["tok_s"] for r in runs],
                        "per_prompt_accept": [r["accept"] for r in runs]}
                 result["rows"].append(row)
-                line = (f"{budget_text:>7} {name:>9} {spec_len:>4} {rollback:>9} {str(fallback):>6} "
+                line = (f"{budget_text:>7} {name:>9} {spec_len:>4} {rollback:>9} {str(runs[0]['restore']):>7} "
+                        f"{str(fallback):>6} "
                         f"{plain_tok_s:>7.1f} {med['tok_s']:>7.1f} {row['speedup']:>8.2f} {med['accept']:>6.2f} "
                         f"{med['verify_ms']:>7.2f} {med['draft_ms']:>6.2f} {med['rollback_ms']:>6.2f} "
                         f"{100 * med['plain_share']:>6.1f} {same:>5.2f}")

@@ -2,7 +2,7 @@
 
     python bench/dflash_step.py --target T.gguf --draft D.gguf [--spec-lens 4,8,16] [--new-tokens 200]
         [--prompt-tokens 256] [--replays 200] [--dtype float32] [--cold-device gpu] [--json out.json]
-        [--trace 64 --trace-dir DIR] [--host-loop]
+        [--trace 64 --trace-dir DIR] [--host-loop] [--restores states,replay]
 
 Needs CUDA. For each spec_len, one greedy generation of ``--new-tokens`` from a held-out prompt
 with graph verify (pure speculation), whose wall time per verify step is the figure to explain;
@@ -21,6 +21,10 @@ times are the generation's own spans between them (CUDA events between the launc
 run back to back): ``draft``, ``verify`` (with the acceptance) and ``advance`` (the draft cache's
 extension and the state restore, in the ``restore`` column). ``host`` is then the step's wall time
 less those three: what the device waited for the host.
+
+``--restores``: one row per spec_len and way of restoring the Gated DeltaNet states to the kept prefix
+(``engine.model.decode_graph.RESTORES``: the per-token states the verify wrote, or a replay of the kept
+tokens), so that both are timed in one run.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from common import commit, machine
 from engine.dflash.compat import open_compatible
 from engine.dflash.speculative import SpecOptions, _Generation
 from engine.engine import Engine
-from engine.model.decode_graph import DecodeGraph
+from engine.model.decode_graph import RESTORES, DecodeGraph
 from engine.sampling import SamplingParams
 from tuner.workloads import long_form_prompts
 
@@ -74,7 +78,11 @@ def main() -> None:
     ap.add_argument("--trace", type=int, default=0, help="new tokens of a profiled generation per spec_len (0: none)")
     ap.add_argument("--trace-dir", type=Path, default=Path("."))
     ap.add_argument("--host-loop", action="store_true", help="the host loop (each step's graphs replayed alone)")
+    ap.add_argument("--restores", default="states,replay", help="comma-separated restores, a row each")
     args = ap.parse_args()
+    restores = [x for x in args.restores.split(",") if x]
+    if not restores or any(r not in RESTORES for r in restores):
+        raise SystemExit(f"--restores takes comma-separated values of {RESTORES}, got {args.restores!r}")
     if not torch.cuda.is_available():
         raise SystemExit("dflash_step.py times CUDA graphs: it needs a CUDA device")
 
@@ -91,18 +99,19 @@ def main() -> None:
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "commit": commit(), "target": str(args.target), "draft": str(args.draft), "dtype": str(eng.dtype),
               "new_tokens": args.new_tokens, "replays": args.replays, "rows": []}
-    header = (f"{'spec':>4} {'accept':>6} {'step':>7} {'draft':>7} {'verify':>7} {'extend':>7} {'restore':>7} "
-              f"{'host':>7} {'plain':>7}   (us; step = wall time per verify step)")
+    header = (f"{'spec':>4} {'how':>7} {'accept':>6} {'step':>7} {'draft':>7} {'verify':>7} {'extend':>7} "
+              f"{'restore':>7} {'host':>7} {'plain':>7}   (us; step = wall time per verify step)")
     print(header, flush=True)
-    for spec_len in (int(x) for x in args.spec_lens.split(",") if x):
+    for spec_len, how in ((int(x), r) for x in args.spec_lens.split(",") if x for r in restores):
         opts = SpecOptions(spec_len=spec_len, fallback_threshold=0.0, verify_path="graph",
-                           device_loop=not args.host_loop)
+                           device_loop=not args.host_loop, restore=how)
         for _ in range(2):  # the first run captures; the second is the one timed
             run = _Generation(eng.model, draft, ids, args.new_tokens, opts, SamplingParams(), set(), None)
             _, stats = run.run()
         steps = max(stats.verify_steps, 1)
         step_us = 1e6 * stats.decode_s / steps
-        row = {"spec_len": spec_len, "acceptance_length": stats.acceptance_length, "step_us": step_us,
+        row = {"spec_len": spec_len, "restore": stats.restore, "acceptance_length": stats.acceptance_length,
+               "step_us": step_us,
                "draft_path": stats.draft_path, "verify_path": stats.verify_path, "device_loop": stats.device_loop}
         if stats.device_loop:
             if run.loop.graphs is None:
@@ -119,16 +128,17 @@ def main() -> None:
                     "restore_us": replay_us(verify._rollbacks[1], args.replays) if 1 in verify._rollbacks else 0.0}
         plain = DecodeGraph(eng.model, eng.model.new_state(len(ids) + args.new_tokens + 16), tokens=1)
         row["plain_us"] = replay_us(plain.graph, args.replays) if plain.graph is not None else float("nan")
-        restores = 1.0 if stats.device_loop else stats.rollbacks / steps  # the loop restores at every step
-        row["host_us"] = step_us - row["draft_us"] - row["verify_us"] - row["extend_us"] - row["restore_us"] * restores
+        per_step = 1.0 if stats.device_loop else stats.rollbacks / steps  # the loop restores at every step
+        row["host_us"] = step_us - row["draft_us"] - row["verify_us"] - row["extend_us"] - row["restore_us"] * per_step
         result["rows"].append(row)
-        print(f"{spec_len:>4} {row['acceptance_length']:>6.2f} {step_us:>7.0f} {row['draft_us']:>7.0f} "
+        print(f"{spec_len:>4} {str(stats.restore):>7} {row['acceptance_length']:>6.2f} {step_us:>7.0f} "
+              f"{row['draft_us']:>7.0f} "
               f"{row['verify_us']:>7.0f} {row['extend_us']:>7.0f} {row['restore_us']:>7.0f} {row['host_us']:>7.0f} "
               f"{row['plain_us']:>7.0f}", flush=True)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
         if args.trace:
-            trace(eng, draft, ids, args.trace, opts, args.trace_dir / f"dflash_trace_spec{spec_len}.txt")
+            trace(eng, draft, ids, args.trace, opts, args.trace_dir / f"dflash_trace_spec{spec_len}_{how}.txt")
 
 
 def trace(eng: Engine, draft, ids: list[int], new_tokens: int, opts: SpecOptions, out: Path) -> None:

@@ -43,14 +43,16 @@ ROOM_STEPS = LAG + 2  # verify blocks of room past the generation's end that the
 class SpecLoop:
     """Greedy DFlash steps of ``tokens`` with their counters on the device, over ``state`` and ``cache``.
 
-    ``graph``: capture the three launches (CUDA), else run them eagerly (any device). Needs a draft that
+    ``graph``: capture the three launches (CUDA), else run them eagerly (any device). ``restore``: how the
+    verify step's Gated DeltaNet states go back to the kept prefix (``DecodeGraph``). Needs a draft that
     attends in its cache (``DraftStep.in_cache``); ``ValueError`` otherwise.
     """
 
     def __init__(self, model: Qwen35MoE, state: ModelState, draft: DFlashDraft, cache: DraftCache, embed: torch.Tensor,
-                 output: Weight, *, tokens: int, layer_ids: tuple[int, ...], graph: bool) -> None:
+                 output: Weight, *, tokens: int, layer_ids: tuple[int, ...], graph: bool, restore: str = "auto") -> None:
         self.state, self.cache, self.tokens = state, cache, tokens
-        self.verify = DecodeGraph(model, state, tokens=tokens, capture_layers=layer_ids, graph=False, rollback=True)
+        self.verify = DecodeGraph(model, state, tokens=tokens, capture_layers=layer_ids, graph=False, rollback=True,
+                                  restore=restore)
         self.draft = DraftStep(draft, cache, embed, output, tokens=tokens, graph=False, context=self.verify.hidden)
         if not self.draft.in_cache:
             raise ValueError("the device loop needs a draft that attends in its cache (non-causal, full attention)")

@@ -75,12 +75,17 @@ class SpecOptions:
     verify_path: str = "eager"  # see VERIFY_PATHS
     device_loop: bool = True  # greedy, fixed-shape verify: steps advance their own counters on the device
                               # (engine.dflash.device_loop) and the host reads each one a step late
+    restore: str = "auto"  # the fixed-shape verify's state restore (engine.model.decode_graph.RESTORES)
 
     def __post_init__(self) -> None:
         if self.verify_path not in VERIFY_PATHS:
             raise ValueError(f"verify_path must be one of {VERIFY_PATHS}, got {self.verify_path!r}")
         if self.rollback not in ROLLBACK_MODES:
             raise ValueError(f"rollback must be one of {ROLLBACK_MODES}, got {self.rollback!r}")
+        from engine.model.decode_graph import RESTORES
+
+        if self.restore not in RESTORES:
+            raise ValueError(f"restore must be one of {RESTORES}, got {self.restore!r}")
         check_fallback(self.fallback_threshold)
         if self.fallback_window < 1:
             raise ValueError(f"fallback_window must be at least 1, got {self.fallback_window}")
@@ -119,6 +124,7 @@ class SpecStats:
     verify_path: str = "eager"  # the path full verify blocks took (a shorter last block runs eagerly)
     verify_path_note: str | None = None  # why a requested graph was not captured
     draft_path: str = "eager"  # the path full blocks' proposals took: eager, static or cuda_graph
+    restore: str | None = None  # the fixed-shape verify's state restore: "states" or "replay" (None: eager verify)
     device_loop: bool = False  # verify steps ran back to back on the device, the host reading them a step late
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step
 
@@ -169,8 +175,8 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
                          eos_ids: Collection[int] = (), stop: Callable[[list[int]], bool] | None = None,
                          rollback: str = DEFAULT_ROLLBACK, fallback_threshold: float | str = DEFAULT_FALLBACK,
                          fallback_window: int = 8, reprobe_after: int = 32, stall_timeout_s: float = 120.0,
-                         prefilled: Any = None, verify_path: str = "eager",
-                         device_loop: bool = True) -> tuple[list[int], SpecStats]:
+                         prefilled: Any = None, verify_path: str = "eager", device_loop: bool = True,
+                         restore: str = "auto") -> tuple[list[int], SpecStats]:
     """Generate up to ``max_new_tokens`` after ``ids`` with ``draft`` proposing blocks.
 
     ``stop(new_ids)`` is called after every committed token, in order (streaming can live
@@ -192,6 +198,8 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     step, replayed from a CUDA graph with ``"graph"`` where the configuration allows it. There, greedy
     generations run the device loop (``engine.dflash.device_loop``, ``device_loop=False``: the host loop):
     each step advances its own counters on the device, and the host reads its result a step late.
+    ``restore`` (``engine.model.decode_graph.RESTORES``): how that step's Gated DeltaNet states go back to
+    an accepted prefix (``stats.restore`` names the one used).
 
     ``prefilled`` continues from a prompt already prefilled elsewhere (PFlash's
     ``CompressedPrefill``, made with ``capture_layers`` = the draft's target layers and
@@ -201,7 +209,8 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     try:
         opts = SpecOptions(spec_len=spec_len, rollback=rollback, fallback_threshold=fallback_threshold,
                            fallback_window=fallback_window, reprobe_after=reprobe_after,
-                           stall_timeout_s=stall_timeout_s, verify_path=verify_path, device_loop=device_loop)
+                           stall_timeout_s=stall_timeout_s, verify_path=verify_path, device_loop=device_loop,
+                           restore=restore)
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -280,10 +289,10 @@ class _Generation:
             if self.wants_loop and in_cache_blocker(self.draft.cfg) is None:
                 self.loop = SpecLoop(self.model, self.state, self.draft, self.cache, self.model.weights.embed,
                                      self.model.weights.output, tokens=self.opts.spec_len,
-                                     layer_ids=self.layer_ids, graph=graph)
+                                     layer_ids=self.layer_ids, graph=graph, restore=self.opts.restore)
                 return self.loop.verify, self.loop.draft
             step = DecodeGraph(self.model, self.state, tokens=self.opts.spec_len, capture_layers=self.layer_ids,
-                               graph=graph, rollback=True)
+                               graph=graph, rollback=True, restore=self.opts.restore)
             draft_step = DraftStep(self.draft, self.cache, self.model.weights.embed, self.model.weights.output,
                                    tokens=self.opts.spec_len, graph=graph and self.draft.device.type == "cuda",
                                    context=step.hidden)
@@ -297,6 +306,7 @@ class _Generation:
             self.stats.verify_path_note = f"capturing the verify or draft step failed: {exc}"
             warnings.warn(self.stats.verify_path_note, stacklevel=4)
             step, self.draft_step = build(False)
+        self.stats.restore = step.restore
         if self.loop is not None:
             self.stats.device_loop = True
             self.stats.verify_path = self.stats.draft_path = self.loop.path

@@ -7,7 +7,9 @@ The maths is ``engine.model.gated_deltanet.delta_rule_recurrent``: per value hea
 The grid is (head, block of value columns). Every column of ``S`` evolves on its own (the
 update mixes rows through ``k_t`` only), so a program keeps its [dk, BLOCK_V] slice of the
 state in registers across all T tokens and writes it back once: the state is read and
-written once per call whatever T is, and nothing needs a second launch.
+written once per call whatever T is, and nothing needs a second launch. With ``states``, the
+state after every token is also stored (a DFlash verify block's: the state at any accepted
+prefix is then a copy, not a replay of the block).
 
 With ``norm``, the launch also applies Gated DeltaNet's gated RMSNorm to each head's output
 (``rms_norm(o, weight, eps, gate=z)``, ``engine.model.norm``), which needs the head's whole row
@@ -49,8 +51,10 @@ def _delta_rule_decode_kernel(
     stride_gt, stride_gh, stride_bt, stride_bh,
     stride_sh, stride_sk, stride_sv, stride_ot, stride_oh, stride_zh, stride_zk, stride_zv,
     gate_ptr, nw_ptr, y_ptr, count_ptr, eps, stride_gate_t, stride_gate_h, stride_yt, stride_yh,
+    st_ptr, stride_st, stride_sth, stride_stk, stride_stv,
     T: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     NORM: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    STATES: tl.constexpr,
 ):
     if PREFETCH:  # the state first, while the kernel before still runs (``engine.kernels.pdl``)
         launch_next(PDL)
@@ -80,6 +84,9 @@ def _delta_rule_decode_kernel(
         b_s = b_s + b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
         tl.store(o_ptr + t * stride_ot + i_h * stride_oh + o_v, b_o, mask=m_v)
+        if STATES:  # the state after token t
+            p_t = st_ptr + t * stride_st + i_h * stride_sth + o_k[:, None] * stride_stk + o_v[None, :] * stride_stv
+            tl.store(p_t, b_s, mask=m_s)
 
     p_z = s_out_ptr + i_h * stride_zh + o_k[:, None] * stride_zk + o_v[None, :] * stride_zv
     tl.store(p_z, b_s, mask=m_s)
@@ -103,7 +110,7 @@ def _delta_rule_decode_kernel(
             tl.atomic_xchg(count_ptr + i_h, 0)  # ready for the next call (a graph replays it)
 
 
-def _check(q, k, v, g, beta, state, out_state, block_v):
+def _check(q, k, v, g, beta, state, out_state, block_v, states=None):
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [T, H, dk], got {tuple(q.shape)} and {tuple(k.shape)}")
     T, H, dk = q.shape
@@ -118,13 +125,17 @@ def _check(q, k, v, g, beta, state, out_state, block_v):
     if out_state is not None and (out_state.shape != state.shape or out_state.dtype != torch.float32):
         raise ValueError(f"out_state must be float32 {tuple(state.shape)}, got {out_state.dtype} "
                          f"{tuple(out_state.shape)}")
+    if states is not None and (states.shape != (T, *state.shape) or states.dtype != torch.float32):
+        raise ValueError(f"states must be float32 [T, H, dk, dv] = {(T, H, dk, dv)}, got {states.dtype} "
+                         f"{tuple(states.shape)}")
     if T > MAX_TOKENS:
         raise ValueError(f"the decode kernel takes at most {MAX_TOKENS} tokens, got T={T}")
     if not (1 <= dk <= MAX_HEAD_DIM and 1 <= dv <= MAX_HEAD_DIM):
         raise ValueError(f"head sizes must be 1..{MAX_HEAD_DIM}, got dk={dk}, dv={dv}")
     if block_v < 1 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
-    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state, "out_state": out_state}
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state, "out_state": out_state,
+               "states": states}
     for name, x in tensors.items():
         if x is not None and not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
@@ -149,8 +160,8 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              beta: torch.Tensor, state: torch.Tensor, scale: float, *,
                              out_state: torch.Tensor | None = None, block_v: int = 32,
                              num_warps: int | None = None,
-                             norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype] | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             norm: tuple[torch.Tensor, torch.Tensor, float, torch.dtype] | None = None,
+                             states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``DeltaRuleFn`` contract of ``delta_rule_recurrent`` for T of 0..``MAX_TOKENS`` tokens.
 
     q, k [T, H, dk] unit rows and v [T, H, dv] in any float dtype; g, beta [T, H]; state
@@ -162,8 +173,11 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``norm`` (gate [T, H, dv], weight [dv], eps, dtype): the output is instead
     ``rms_norm(o, weight, eps, gate=gate)`` in that dtype, Gated DeltaNet's gated norm, applied by
     each head's last program.
+
+    ``states`` [T, H, dk, dv] float32: also receives the state after each token (the last equals
+    the new state).
     """
-    _check(q, k, v, g, beta, state, out_state, block_v)
+    _check(q, k, v, g, beta, state, out_state, block_v, states)
     T, H, dk = q.shape
     dv = v.shape[2]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -178,6 +192,7 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         counters = scratch("delta rule norm counters", (MAX_HEADS,), torch.int32, q.device)
     else:  # unread stand-ins
         gate, weight, eps, y, counters = o, o, 0.0, o, o
+    st = states if states is not None else s_out.unsqueeze(0)  # an unread stand-in without ``states``
     _delta_rule_decode_kernel[(H, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, o, s_out,
         float(scale),
@@ -186,10 +201,12 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
         s_out.stride(0), s_out.stride(1), s_out.stride(2),
         gate, weight, y, counters, float(eps), gate.stride(0), gate.stride(1), y.stride(0), y.stride(1),
+        st, st.stride(0), st.stride(1), st.stride(2), st.stride(3),
         T=T, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, NORM=norm is not None,
-        BLOCK_DV=triton.next_power_of_2(dv), PREFETCH=prefetch(),
+        BLOCK_DV=triton.next_power_of_2(dv), PREFETCH=prefetch(), STATES=states is not None,
         num_warps=warps("delta_rule") if num_warps is None else num_warps, **launch(q.device, T, "gdn"))
     return (y if norm is not None else o), s_out
 
 
 delta_rule_decode_triton.takes_norm = True  # ``norm=``: see above (``engine.model.gated_deltanet``)
+delta_rule_decode_triton.takes_states = True  # ``states=``: likewise

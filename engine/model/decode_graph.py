@@ -39,6 +39,14 @@ from engine.model.weights import AttentionWeights
 MAX_TOKENS = 16  # the Triton GDN decode kernel's limit; verify blocks are shorter
 KERNELS = ("auto", "triton", "torch")
 WARMUP_RUNS = 2  # the first compiles the Triton kernels, the second runs as the graph will
+# How a rollback step brings the Gated DeltaNet states back to a kept prefix: "states" stores the
+# state after every token of the step (the delta rule's launch writes them) and copies the kept
+# one; "replay" runs the delta rule again over the kept tokens from the states before the step.
+# "auto": "states" while its buffer ([GDN layers, T, v_heads, head_k, head_v] float32) takes at
+# most TOKEN_STATES_MAX_BYTES (6.5 MB for the shipped target at 17 tokens; the 35B's 30 layers
+# need 60 MB a token, where the writes would cost more than the replay saves).
+RESTORES = ("auto", "states", "replay")
+TOKEN_STATES_MAX_BYTES = 64 << 20
 
 
 def resolve_kernels(kernels: str, device: torch.device) -> str:
@@ -80,15 +88,18 @@ class DecodeGraph:
     ``graph_blocker`` allows, True insists (``ConfigError`` otherwise), False never captures.
     ``kernels`` picks the Triton or torch implementations (``resolve_kernels``); on the CPU
     ``triton`` needs TRITON_INTERPRET=1. ``rollback`` makes every step keep what
-    ``rollback(keep)`` needs (a DFlash verify step: the recurrent states it started from, the
-    conv windows and the delta rule's inputs of each Gated DeltaNet layer). The warm-up before a capture runs the step twice
-    (the state is restored afterwards; an executor's hit counters see those runs).
+    ``rollback(keep)`` needs (a DFlash verify step: each Gated DeltaNet layer's conv window and, as
+    ``restore`` picks (``RESTORES``), its state after every token, or the states it started from and the
+    delta rule's inputs). The warm-up before a capture runs the step twice (the state is restored
+    afterwards; an executor's hit counters see those runs).
     """
 
     def __init__(self, model: Qwen35MoE, state: ModelState, *, tokens: int = 1,
                  capture_layers: Collection[int] = (), kernels: str = "auto", graph: bool | None = None,
-                 rollback: bool = False):
+                 rollback: bool = False, restore: str = "auto"):
         cfg = model.cfg
+        if restore not in RESTORES:
+            raise ValueError(f"restore must be one of {RESTORES}, got {restore!r}")
         if not 1 <= tokens <= MAX_TOKENS:
             raise ValueError(f"a static decode step takes 1 to {MAX_TOKENS} tokens, got {tokens}")
         if state.kv and tokens > state.max_len:
@@ -124,13 +135,23 @@ class DecodeGraph:
             self.records: dict[int, GDNRecord] | None = None
             self._windows: torch.Tensor | None = None  # [n_gdn, conv_dim, kernel - 1 + T]: the records' conv windows
             self._start: torch.Tensor | None = None  # [n_gdn, v_heads, head_k, head_v]: states before the step
+            self._states: torch.Tensor | None = None  # [n_gdn, T, v_heads, head_k, head_v]: after each token
+            self.restore: str | None = None  # "states" or "replay" in a rollback step with GDN layers
             if rollback and state.recurrent:
-                # the conv windows side by side: a restore selects every layer's in one launch
-                self._windows = torch.zeros(len(state.recurrent), cfg.gdn_conv_dim, cfg.conv_kernel - 1 + tokens,
+                n_gdn, shape = len(state.recurrent), next(iter(state.recurrent.values())).shape
+                per_token = n_gdn * tokens * shape.numel() * 4
+                self.restore = restore if restore != "auto" else (
+                    "states" if per_token <= TOKEN_STATES_MAX_BYTES else "replay")
+                # the conv windows side by side: a restore selects every layer's in one launch; the states too
+                self._windows = torch.zeros(n_gdn, cfg.gdn_conv_dim, cfg.conv_kernel - 1 + tokens,
                                             device=dev, dtype=model.dtype)
-                self.records = {i: GDNRecord.empty(cfg, tokens, device=dev, dtype=model.dtype, window=self._windows[j])
+                if self.restore == "states":
+                    self._states = torch.zeros(n_gdn, tokens, *shape, device=dev, dtype=torch.float32)
+                self.records = {i: GDNRecord.empty(cfg, tokens, device=dev, dtype=model.dtype, window=self._windows[j],
+                                                   states=None if self._states is None else self._states[j])
                                 for j, i in enumerate(state.recurrent)}
-                self._start = torch.stack([state.recurrent[i] for i in self.records])
+                if self._states is None:
+                    self._start = torch.stack([state.recurrent[i] for i in self.records])
         self.graph: torch.cuda.CUDAGraph | None = None
         self._replay_counts: list[int] | None = None  # the executor's host counts one replay adds
         if graph is not False and self.blocker is None:
@@ -188,7 +209,8 @@ class DecodeGraph:
     def rollback(self, keep: int) -> None:
         """After a ``step`` of T tokens, leave the state as if only its first ``keep`` had run:
         KV caches cropped, each GDN layer's conv state taken from its window and its recurrent
-        state rebuilt by one delta-rule call over the kept tokens of every layer at once.
+        state copied from the step's per-token states (``restore`` "states") or rebuilt by one
+        delta-rule call over the kept tokens of every layer at once ("replay").
 
         With the step captured, the restore for each ``keep`` is captured too, the first time
         that ``keep`` occurs, and replayed after: one launch instead of some twenty from Python
@@ -246,26 +268,34 @@ class DecodeGraph:
     @torch.inference_mode()
     def restore_at(self, keep: torch.Tensor) -> None:
         """``rollback``'s restore of the Gated DeltaNet states with ``keep`` a device scalar (1..T), so that it
-        needs no host value and can be captured once for every ``keep``: every token of the step is replayed,
-        those from ``keep`` on with g = beta = 0 (exp(0) = 1 and a zero correction leave the state exactly as it
-        was), and each conv window is taken from ``keep`` on. The KV caches and the state's lengths are the
-        caller's: attention reads the caches up to a length it keeps on the device."""
+        needs no host value and can be captured once for every ``keep``: the per-token state at ``keep`` is
+        selected ("states"), or every token of the step is replayed, those from ``keep`` on with g = beta = 0
+        (exp(0) = 1 and a zero correction leave the state exactly as it was; "replay"); each conv window is taken
+        from ``keep`` on. The KV caches and the state's lengths are the caller's: attention reads the caches up
+        to a length it keeps on the device."""
         if self.records is None and self.state.recurrent:
             raise ValueError("this decode step was built without rollback=True")
         if not self.records:
+            return
+        conv = self._windows.index_select(2, keep + self._tail)
+        if self._states is not None:
+            self._put_states(self._states.index_select(1, (keep - 1).view(1)).squeeze(1), conv)
             return
         live = (self._offsets < keep).float()[:, None]  # [T, 1]
         inputs = [(r.q, r.k, r.v, r.g, r.beta) for r in self.records.values()]
         s = replay_prefix(self._replay_rule, self._start, inputs, self.tokens, self.model.cfg.gdn_head_k ** -0.5,
                           live=live)
-        self._put_states(s, self._windows.index_select(2, keep + self._tail))
+        self._put_states(s, conv)
 
     def _restore(self, keep: int) -> None:
         """The GDN layers' states after the first ``keep`` tokens of the last step, from what the
-        step recorded; reads only the records and the start states, so running it twice is harmless."""
+        step recorded; reads only the records (and the start states), so running it twice is harmless."""
         cfg = self.model.cfg
-        inputs = [(r.q, r.k, r.v, r.g, r.beta) for r in self.records.values()]
-        s = replay_prefix(self._replay_rule, self._start, inputs, keep, cfg.gdn_head_k ** -0.5)
+        if self._states is not None:
+            s = self._states[:, keep - 1]
+        else:
+            inputs = [(r.q, r.k, r.v, r.g, r.beta) for r in self.records.values()]
+            s = replay_prefix(self._replay_rule, self._start, inputs, keep, cfg.gdn_head_k ** -0.5)
         self._put_states(s, self._windows[:, :, keep:keep + cfg.conv_kernel - 1])
 
     def _put_states(self, recurrent: torch.Tensor, conv: torch.Tensor) -> None:
@@ -293,7 +323,7 @@ class DecodeGraph:
         def attend(i: int, mixer: AttentionWeights, x: torch.Tensor) -> torch.Tensor:
             return attention_static(mixer, x, self.positions, slots, visible, state.kv[i], cfg, rope, self.kernels)
 
-        if self.records:
+        if self._start is not None:
             torch.stack([state.recurrent[i] for i in self.records], out=self._start)
         h = F.embedding(self.ids, model.weights.embed)
         observer = None if self.graph is not None else model.routing_observer

@@ -63,8 +63,10 @@ def _unit_weight(dim: int, device: torch.device) -> torch.Tensor:
 
 
 def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token gated delta rule (the definition), float32 inside."""
+                         state: torch.Tensor, scale: float, *,
+                         states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule (the definition), float32 inside. ``states`` [T, H, dk, dv]:
+    also receives the state after each token."""
     s = state.float().clone()
     q, k, v = q.float() * scale, k.float(), v.float()
     out = torch.empty_like(v)
@@ -74,7 +76,12 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", s, kt))
         s = s + kt[:, :, None] * u[:, None, :]
         out[t] = torch.einsum("hkv,hk->hv", s, q[t])
+        if states is not None:
+            states[t].copy_(s)
     return out, s
+
+
+delta_rule_recurrent.takes_states = True  # ``states=``: see above
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -200,7 +207,8 @@ def decode_delta_rule(head_k: int, head_v: int, *, impl: str, in_place: bool = T
     ``triton``: the Triton decode kernel (``engine.kernels.gdn_decode``), for head sizes it
     handles (on the CPU it needs TRITON_INTERPRET=1); it writes the new state over the old one,
     or to a new tensor with ``in_place=False``. ``torch``, or head sizes beyond the kernel: the
-    token-by-token torch definition (a new tensor). Neither synchronises with the host.
+    token-by-token torch definition (a new tensor). Neither synchronises with the host. Both take
+    ``states=`` (the state after each token, for a verify block's restore).
     """
     if impl not in ("triton", "torch"):
         raise ValueError(f"delta rule implementation must be triton or torch, got {impl!r}")
@@ -208,11 +216,11 @@ def decode_delta_rule(head_k: int, head_v: int, *, impl: str, in_place: bool = T
         from engine.kernels.gdn_decode import MAX_HEAD_DIM, delta_rule_decode_triton
 
         if max(head_k, head_v) <= MAX_HEAD_DIM:
-            def triton_rule(q, k, v, g, beta, state, scale, norm=None):
+            def triton_rule(q, k, v, g, beta, state, scale, norm=None, states=None):
                 return delta_rule_decode_triton(q, k, v, g, beta, state, scale, out_state=state if in_place else None,
-                                                norm=norm)
+                                                norm=norm, states=states)
 
-            triton_rule.takes_norm = True
+            triton_rule.takes_norm = triton_rule.takes_states = True
             return triton_rule, "triton"
     return delta_rule_recurrent, "torch"
 
@@ -261,7 +269,8 @@ class PadMask:
 class GDNRecord:
     """Device buffers a fixed-shape step of T tokens fills for one GDN layer, so that the layer's
     state after any prefix of the T tokens can be rebuilt without running the layer again:
-    the conv window (the state before the step, then the T new inputs) and the delta rule's inputs."""
+    the conv window (the state before the step, then the T new inputs) and the delta rule's inputs,
+    or, with ``states``, the recurrent state after each token itself."""
 
     window: torch.Tensor  # [conv_dim, kernel - 1 + T]
     q: torch.Tensor  # [T, v_heads, head_k] float32
@@ -269,21 +278,26 @@ class GDNRecord:
     v: torch.Tensor  # [T, v_heads, head_v]
     g: torch.Tensor  # [T, v_heads] float32
     beta: torch.Tensor  # [T, v_heads] float32
+    states: torch.Tensor | None = None  # [T, v_heads, head_k, head_v] float32: the state after each token
 
     @classmethod
     def empty(cls, cfg: ModelConfig, tokens: int, *, device: torch.device | str, dtype: torch.dtype,
-              window: torch.Tensor | None = None) -> "GDNRecord":
+              window: torch.Tensor | None = None, states: torch.Tensor | None = None) -> "GDNRecord":
         """Zeroed buffers; ``window``: a contiguous [conv_dim, kernel - 1 + tokens] buffer to use (a layer's row of
-        one stacked buffer, so that a restore selects every layer's conv window in one launch)."""
+        one stacked buffer, so that a restore selects every layer's conv window in one launch); ``states``: a
+        [tokens, v_heads, head_k, head_v] float32 buffer (likewise) that the step's delta rule fills."""
         hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
         f32 = dict(device=device, dtype=torch.float32)
         shape = (cfg.gdn_conv_dim, cfg.conv_kernel - 1 + tokens)
         if window is not None and (tuple(window.shape) != shape or not window.is_contiguous()):
             raise ValueError(f"a record's window must be a contiguous {shape} buffer, got {tuple(window.shape)}")
+        if states is not None and (tuple(states.shape) != (tokens, hv, dk, dv) or states.dtype != torch.float32):
+            raise ValueError(f"a record's states must be a float32 {(tokens, hv, dk, dv)} buffer, got "
+                             f"{states.dtype} {tuple(states.shape)}")
         return cls(window=torch.zeros(shape, device=device, dtype=dtype) if window is None else window,
                    q=torch.zeros(tokens, hv, dk, **f32), k=torch.zeros(tokens, hv, dk, **f32),
                    v=torch.zeros(tokens, hv, dv, device=device, dtype=dtype),
-                   g=torch.zeros(tokens, hv, **f32), beta=torch.zeros(tokens, hv, **f32))
+                   g=torch.zeros(tokens, hv, **f32), beta=torch.zeros(tokens, hv, **f32), states=states)
 
 
 def replay_prefix(delta_rule: DeltaRuleFn, start: torch.Tensor, inputs: "list[tuple[torch.Tensor, ...]]", keep: int,
@@ -363,10 +377,16 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     ``record``, copies what rebuilding a shorter prefix's state needs into its buffers. ``pad``: x's
     last tokens are padding, and the states are left as the real tokens leave them."""
     hv, dk, dv = cfg.gdn_v_heads, cfg.gdn_head_k, cfg.gdn_head_v
-    qkv, z, b, alpha = _gdn_projections(w, x, cfg)
-    inputs = None
     if record is not None and pad is not None:
         raise ValueError("a padded call keeps no record")
+    extra = {}
+    if record is not None and record.states is not None:  # the state after each token, into the record
+        if not getattr(delta_rule, "takes_states", False):
+            raise ValueError(f"a record with per-token states needs a delta rule that writes them; "
+                             f"{getattr(delta_rule, '__name__', delta_rule)!r} does not")
+        extra["states"] = record.states
+    qkv, z, b, alpha = _gdn_projections(w, x, cfg)
+    inputs = None
     if pad is None and _fused_prologue(qkv, w, cfg):  # one launch; with a record, straight into its buffers
         out = (record.q, record.k, record.v, record.g, record.beta) if record is not None else None
         inputs = fused.attempt(PROLOGUE, FUSED_PROLOGUE, lambda: _prologue_kernel()(
@@ -386,9 +406,9 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
     T = x.shape[0]
     norm = (z.view(T, hv, dv), w.norm, cfg.rms_eps, x.dtype)
     if NORM_IN_RULE and getattr(delta_rule, "takes_norm", False):  # the gated norm inside the rule's launch
-        y, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5, norm=norm)
+        y, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5, norm=norm, **extra)
     else:
-        o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5)
+        o, s = delta_rule(q, k, v, g, beta, recurrent_state, dk ** -0.5, **extra)
         y = gated_norm(o, norm)
     recurrent_state.copy_(s)
     return linear(y.reshape(T, hv * dv), w.out)

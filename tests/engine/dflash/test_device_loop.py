@@ -10,10 +10,11 @@ from engine.errors import ConfigError
 from engine.model.decode_graph import DecodeGraph
 
 
+@pytest.mark.parametrize("restore", ["states", "replay"])
 @pytest.mark.parametrize("tokens", [2, 5])
-def test_restore_at_a_device_keep_is_the_host_restore(target, prompt, tokens):
+def test_restore_at_a_device_keep_is_the_host_restore(target, prompt, tokens, restore):
     """For every kept length, ``restore_at(tensor(keep))`` gives the recurrent and conv states of ``rollback(keep)``
-    bit for bit; at keep == T it gives the step's own states back."""
+    bit for bit; at keep == T it gives the step's own states back (the very bits with the per-token states)."""
     block = torch.tensor([7, 300, 12, 99, 1024][:tokens])
     for keep in range(1, tokens + 1):
         states = []
@@ -21,7 +22,7 @@ def test_restore_at_a_device_keep_is_the_host_restore(target, prompt, tokens):
             state = target.new_state(len(prompt) + tokens)
             with torch.inference_mode():
                 target.forward(torch.tensor(prompt), state, logits="none")
-                step = DecodeGraph(target, state, tokens=tokens, graph=False, rollback=True)
+                step = DecodeGraph(target, state, tokens=tokens, graph=False, rollback=True, restore=restore)
                 step.step(block)
                 after = [t.clone() for t in (*state.conv.values(), *state.recurrent.values())]
                 if how == "host":
@@ -33,17 +34,20 @@ def test_restore_at_a_device_keep_is_the_host_restore(target, prompt, tokens):
             assert torch.equal(a, b), keep
         if keep == tokens:
             for a, b in zip(states[1], after):
-                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+                if restore == "states":
+                    assert torch.equal(a, b)
+                else:
+                    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-def run_loop(target, draft, prompt, steps, spec_len):
+def run_loop(target, draft, prompt, steps, spec_len, restore="auto"):
     """``steps`` device-loop steps after a prefill, every report read; the loop, the state and the reports."""
     total = len(prompt) + steps * spec_len + ROOM_STEPS * spec_len
     state = target.new_state(total)
     cache = DraftCache.empty(draft, total)
     layer_ids = tuple(draft.cfg.target_layer_ids)
     loop = SpecLoop(target, state, draft, cache, target.weights.embed, target.weights.output, tokens=spec_len,
-                    layer_ids=layer_ids, graph=False)
+                    layer_ids=layer_ids, graph=False, restore=restore)
     with torch.inference_mode():
         out = target.forward(torch.tensor(prompt), state, capture_layers=layer_ids, logits="last")
         features = torch.cat([out.hidden[i] for i in layer_ids], dim=-1)
@@ -54,14 +58,15 @@ def run_loop(target, draft, prompt, steps, spec_len):
     return loop, state, cache, int(token), reports
 
 
-@pytest.mark.parametrize("spec_len", [3, 8])
+@pytest.mark.parametrize("spec_len, restore", [(3, "states"), (8, "states"), (3, "replay")])
 def test_steps_commit_plain_greedy_tokens_and_store_the_state(target, right_draft, prompt, plain, plain_state,
-                                                             assert_states_equal, spec_len):
+                                                             assert_states_equal, spec_len, restore):
     """Each step's report holds ``keep`` and the target's choices; the tokens committed are plain greedy decoding's,
     and after ``store`` the state (lengths, KV caches, conv and recurrent states) is plain decoding's over every
     token run, the last committed one excepted (it opens the next block)."""
     # past the 48 tokens the draft was trained on: whole blocks first, then partial acceptances
-    loop, state, cache, first, reports = run_loop(target, right_draft, prompt, 64 // spec_len + 2, spec_len)
+    loop, state, cache, first, reports = run_loop(target, right_draft, prompt, 64 // spec_len + 2, spec_len, restore)
+    assert loop.verify.restore == restore
     committed = [first]
     for row in reports:
         keep = row[0]
@@ -89,7 +94,8 @@ def test_load_refuses_a_state_without_room(target, random_draft, prompt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_restore_at_is_the_host_restore_in_a_graph(target_path, prompt):
+@pytest.mark.parametrize("restore", ["states", "replay"])
+def test_cuda_restore_at_is_the_host_restore_in_a_graph(target_path, prompt, restore):
     """On CUDA (the Triton delta rule), ``restore_at`` captured once in a CUDA graph and replayed for each ``keep``
     gives the states of the host's ``rollback(keep)``, bit for bit."""
     from engine.gguf.reader import GGUFFile
@@ -106,7 +112,7 @@ def test_cuda_restore_at_is_the_host_restore_in_a_graph(target_path, prompt):
             state = model.new_state(len(prompt) + 5)
             with torch.inference_mode():
                 model.forward(torch.tensor(prompt, device="cuda"), state, logits="none")
-                step = DecodeGraph(model, state, tokens=5, graph=True, rollback=True)
+                step = DecodeGraph(model, state, tokens=5, graph=True, rollback=True, restore=restore)
                 step.step(block)
                 if how == "host":
                     step.rollback(keep)

@@ -96,6 +96,29 @@ def test_consecutive_steps_carry_the_state():
     assert rel_err(torch.cat(outs), o_ref) <= TOL_CPU and rel_err(s, s_ref) <= TOL_CPU
 
 
+@pytest.mark.parametrize("T, H, dk, dv, block_v, norm", [
+    (1, 1, 32, 32, 32, False), (3, 3, 24, 40, 16, True), (5, 2, 64, 17, 8, False), (16, 1, 16, 48, 16, True),
+])
+def test_per_token_states_are_the_state_after_each_token(T, H, dk, dv, block_v, norm):
+    """``states=``: the state after token t in row t, as the definition leaves it after the first t + 1
+    tokens (odd head sizes, several value blocks, the norm's launch too), into a strided view of a larger
+    buffer (a layer's row of a verify step's stack); the last row is the new state, the output unchanged."""
+    q, k, v, g, beta, s0 = inputs(T, H, dk, dv, seed=T * 7 + dv)
+    big = torch.full((3, T, H, dk, dv), float("nan"))
+    kw = {"norm": (torch.randn(T, H, dv), torch.rand(dv) + 0.5, 1e-6, torch.float32)} if norm else {}
+    o_plain, s_plain = delta_rule_decode_triton(q, k, v, g, beta, s0, dk ** -0.5, block_v=block_v, **kw)
+    o, s = delta_rule_decode_triton(q, k, v, g, beta, s0, dk ** -0.5, block_v=block_v, states=big[1], **kw)
+    assert torch.equal(o, o_plain) and torch.equal(s, s_plain)
+    assert torch.equal(big[1, -1], s)
+    assert big[0].isnan().all() and big[2].isnan().all()
+    ref_states = torch.empty(T, H, dk, dv)
+    delta_rule_recurrent(q, k, v, g, beta, s0, dk ** -0.5, states=ref_states)
+    for t in range(T):
+        _, s_ref = delta_rule_recurrent(q[:t + 1], k[:t + 1], v[:t + 1], g[:t + 1], beta[:t + 1], s0, dk ** -0.5)
+        assert torch.equal(ref_states[t], s_ref)
+        assert rel_err(big[1, t], s_ref) <= TOL_CPU
+
+
 @pytest.mark.parametrize("change, match", [
     (lambda a: a.update(k=a["k"][:, :, :-1]), "q and k"),
     (lambda a: a.update(v=a["v"][:1]), "v must be"),
@@ -104,6 +127,8 @@ def test_consecutive_steps_carry_the_state():
     (lambda a: a.update(out_state=a["state"][:1]), "out_state"),
     (lambda a: a.update(beta=a["beta"].long()), "beta must be a floating-point"),
     (lambda a: a.update(block_v=24), "block_v"),
+    (lambda a: a.update(states=torch.zeros(1, 3, 16, 16)), "states must be float32"),
+    (lambda a: a.update(states=torch.zeros(2, 3, 16, 16, dtype=torch.float64)), "states must be float32"),
 ])
 def test_bad_input_gets_one_clear_error(change, match):
     q, k, v, g, beta, s0 = inputs(2, 3, 16, 16)
@@ -175,6 +200,22 @@ def test_matches_reference_real_shape(T, v_dtype):
     state = s0.clone()
     delta_rule_decode_triton(q, k, v, g, beta, state, 128 ** -0.5, out_state=state)
     assert rel_err(state, s_ref) <= TOL_GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T, H, dk, dv", [(5, 4, 64, 64), (16, 4, 64, 64), (5, 32, 128, 128)])
+def test_per_token_states_on_cuda(T, H, dk, dv):
+    """The per-token states compiled: the shipped target's GDN heads at verify blocks of 5 and 16, and the
+    35B's; each row against the definition after that many tokens, the output and new state unchanged."""
+    q, k, v, g, beta, s0 = inputs(T, H, dk, dv, seed=30 + T, device="cuda")
+    states = torch.full((T, H, dk, dv), float("nan"), device="cuda")
+    o_plain, s_plain = delta_rule_decode_triton(q, k, v, g, beta, s0, dk ** -0.5)
+    o, s = delta_rule_decode_triton(q, k, v, g, beta, s0, dk ** -0.5, states=states)
+    assert torch.equal(o, o_plain) and torch.equal(s, s_plain) and torch.equal(states[-1], s)
+    ref = torch.empty_like(states)
+    delta_rule_recurrent(q, k, v, g, beta, s0, dk ** -0.5, states=ref)
+    assert all(rel_err(states[t], ref[t]) <= TOL_GPU for t in range(T))
 
 
 @pytest.mark.gpu

@@ -117,7 +117,7 @@ DOWN_PAIRS_TYPES = {"act_ptr": "*bf16", "d_ptr": "*u8", "ids_ptr": "*i64", "w_pt
                     "sd_ptr": "*u8", "sgate_ptr": "*fp32", "td_ptr": "*u8", "part_ptr": "*fp32", "count_ptr": "*i32"}
 DELTA_RULE_TYPES = {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                     "s_ptr": "*fp32", "o_ptr": "*fp32", "s_out_ptr": "*fp32", "scale": "fp32", "gate_ptr": "*bf16",
-                    "nw_ptr": "*fp32", "y_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32"}
+                    "nw_ptr": "*fp32", "y_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32", "st_ptr": "*fp32"}
 ROUTER_TYPES = {"x_ptr": "*bf16", "r_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr": "*i32", "ids_ptr": "*i64",
                 "w_ptr": "*fp32", "res_ptr": "*bf16", "nw_ptr": "*fp32", "h_out_ptr": "*bf16", "x_out_ptr": "*bf16",
                 "eps": "fp32"}
@@ -147,15 +147,19 @@ ROUTER_TYPES = {"x_ptr": "*bf16", "r_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr
     ("engine.kernels.gdn_decode", "_delta_rule_decode_kernel",
      {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "s_ptr": "*fp32",
       "o_ptr": "*fp32", "s_out_ptr": "*fp32", "scale": "fp32", "gate_ptr": "*bf16", "nw_ptr": "*fp32",
-      "y_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32"},
+      "y_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32", "st_ptr": "*fp32"},
      {"T": 1, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": True, "BLOCK_DV": 128, "PDL": True,
-      "PREFETCH": False}),
+      "PREFETCH": False, "STATES": False}),
+    ("engine.kernels.gdn_decode", "_delta_rule_decode_kernel", DELTA_RULE_TYPES,
+     {"T": 5, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": True, "BLOCK_DV": 128, "PDL": True,
+      "PREFETCH": False, "STATES": True}),
 ], ids=["cache_write", "gated_combine", "router", "router_add_norm", "down_per_pair", "down_per_pair_staged",
-        "delta_rule_gated_norm"])
+        "delta_rule_gated_norm", "delta_rule_token_states"])
 def test_attention_glue_kernels_compile(module, name, types, consts, tmp_path):
     """The attention layer's fused cache write and gated combine, the router (with the residual add +
-    norm and without), the experts' down launch per pair and the delta rule with the gated norm build for sm_90 (the interpreter runs code the compiler may
-    reject), without spills, waiting on the kernel before them."""
+    norm and without), the experts' down launch per pair and the delta rule with the gated norm (and a verify
+    block's per-token states) build for sm_90 (the interpreter runs code the compiler may reject), without
+    spills, waiting on the kernel before them."""
     sass = _sass(name, types, consts, 4, tmp_path, module=module)
     assert "ACQBULK" in sass and "LDL" not in sass and "STL" not in sass
 
@@ -286,7 +290,8 @@ def _before_wait(sass: str, pattern: str) -> tuple[int, int]:
     ("engine.kernels.moe_gate", "_route_kernel", ROUTER_TYPES,
      {"H": 2048, "K": 8, "BLOCK_E": 1, "BLOCK_H": 2048, "ALL_E": 256, "ADD_NORM": True, "PDL": True}, 2),
     ("engine.kernels.gdn_decode", "_delta_rule_decode_kernel", DELTA_RULE_TYPES,
-     {"T": 1, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": False, "BLOCK_DV": 128, "PDL": True}, 4),
+     {"T": 1, "DK": 128, "DV": 128, "BLOCK_K": 128, "BLOCK_V": 32, "NORM": False, "BLOCK_DV": 128, "PDL": True,
+      "STATES": False}, 4),
     ("engine.kernels.quant.triton", "_moe_down_pairs_kernel", DOWN_PAIRS_TYPES,
      {"FFN": 512, "TOP_K": 8, "QTYPE": 0, "BLOCK_N": 16, "BLOCK_K": 512, "BLOCKWISE": True, "SPLIT_AT": 256,
       "HAS_SHARED": True, "HAS_STAGE": True, "PDL": True}, 2),

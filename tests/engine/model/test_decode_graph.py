@@ -113,14 +113,16 @@ def test_static_steps_match_eager_forward_and_eager_continues(engine_model, kern
     assert static.seq_len == 5 + 4 * T + 2 and static.kv[3].length == static.seq_len
 
 
+@pytest.mark.parametrize("restore", ["states", "replay"])
 @pytest.mark.parametrize("kernels", ["torch", "triton", "triton+prologue"])
 @pytest.mark.parametrize("keep", [1, 3, 5])
-def test_rollback_leaves_the_state_of_the_kept_prefix(engine_model, kernels, keep, monkeypatch):
+def test_rollback_leaves_the_state_of_the_kept_prefix(engine_model, kernels, keep, restore, monkeypatch):
     """A verify step of 5 tokens, rolled back to ``keep``: KV, conv and recurrent states equal
     those of an eager forward over the kept tokens only; the next step and eager tokens then
     continue from there as they would from the eager state. ``triton+prologue``: the GDN
     inputs of every short call (the step's, filling the rollback's record, and eager ones)
-    come from the fused prologue kernel."""
+    come from the fused prologue kernel. ``restore``: the recurrent states copied from those the
+    step wrote after each token, or replayed from the step's start."""
     if kernels.startswith("triton"):
         pytest.importorskip("triton")
     if kernels == "triton+prologue":
@@ -135,7 +137,8 @@ def test_rollback_leaves_the_state_of_the_kept_prefix(engine_model, kernels, kee
     with torch.inference_mode():
         model.forward(ids[:6], eager, logits="none")
         model.forward(ids[:6], static, logits="none")
-    step = DecodeGraph(model, static, tokens=T, capture_layers=(2,), kernels=kernels, rollback=True)
+    step = DecodeGraph(model, static, tokens=T, capture_layers=(2,), kernels=kernels, rollback=True, restore=restore)
+    assert step.restore == restore and (step._states is not None) == (restore == "states")
     step.step(ids[6:6 + T])
     step.rollback(keep)
     model.forward(ids[6:6 + keep], eager, logits="none")
@@ -150,11 +153,13 @@ def test_rollback_leaves_the_state_of_the_kept_prefix(engine_model, kernels, kee
     assert rel_err(model.forward(ids[-1:], static, logits="last").logits, a) <= LOGITS_TOL
 
 
-def test_device_restore_launches_do_not_grow_with_the_layers(tmp_path):
+@pytest.mark.parametrize("restore, most", [("replay", 16), ("states", 7)])
+def test_device_restore_launches_do_not_grow_with_the_layers(tmp_path, restore, most):
     """``restore_at`` (the device loop's restore, ``keep`` a device value) gives the host restore's states, and the
     ops it launches besides the delta rule's replay are as many for 6 Gated DeltaNet layers as for 3: the masks go
     on after the layers' inputs are concatenated, the conv windows are one stacked buffer and the states go back in
-    multi-tensor copies (a CUDA graph replays each launch; 160 of them at the 35B's 30 layers before)."""
+    multi-tensor copies (a CUDA graph replays each launch; 160 of them at the 35B's 30 layers before). With the
+    per-token states there is no replay: a selection of the kept token's states and the copies."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -176,7 +181,7 @@ def test_device_restore_launches_do_not_grow_with_the_layers(tmp_path):
         with torch.inference_mode():
             model.forward(ids[:4], host, logits="none")
             model.forward(ids[:4], dev, logits="none")
-        steps = [DecodeGraph(model, s, tokens=5, rollback=True) for s in (host, dev)]
+        steps = [DecodeGraph(model, s, tokens=5, rollback=True, restore=restore) for s in (host, dev)]
         for step in steps:
             step.step(ids[4:])
         steps[0].rollback(2)
@@ -189,7 +194,7 @@ def test_device_restore_launches_do_not_grow_with_the_layers(tmp_path):
             steps[1].restore_at(keep)
         counts.append((len(host.recurrent), ops.n))
     (n3, ops3), (n6, ops6) = counts
-    assert (n3, n6) == (3, 6) and ops3 == ops6 <= 16, counts
+    assert (n3, n6) == (3, 6) and ops3 == ops6 <= most, counts
 
 
 def test_a_restore_that_cannot_be_captured_runs_eagerly(engine_model, monkeypatch):
@@ -226,6 +231,28 @@ def test_a_restore_that_cannot_be_captured_runs_eagerly(engine_model, monkeypatc
         assert_same_state(eager, static)
         pos += keep
     assert len(calls) == 1
+
+
+def test_the_restore_is_picked_by_the_per_token_states_size(engine_model, monkeypatch):
+    """``auto``: the per-token states while their buffer fits ``TOKEN_STATES_MAX_BYTES`` (then the step keeps no
+    start states to replay from), the replay past it (and no per-token buffer); an unknown restore is refused;
+    a step without rollback has none."""
+    from engine.model import decode_graph
+
+    model = engine_model
+    n_gdn = len(model.cfg.gdn_layers)
+    shape = model.new_state(8).recurrent[model.cfg.gdn_layers[0]].shape
+    need = n_gdn * 4 * shape.numel() * 4  # 4 tokens of float32 states
+    monkeypatch.setattr(decode_graph, "TOKEN_STATES_MAX_BYTES", need)
+    step = DecodeGraph(model, model.new_state(12), tokens=4, rollback=True)
+    assert step.restore == "states" and step._states.shape == (n_gdn, 4, *shape) and step._start is None
+    monkeypatch.setattr(decode_graph, "TOKEN_STATES_MAX_BYTES", need - 1)
+    step = DecodeGraph(model, model.new_state(12), tokens=4, rollback=True)
+    assert step.restore == "replay" and step._states is None and step._start is not None
+    assert all(r.states is None for r in step.records.values())
+    assert DecodeGraph(model, model.new_state(12), tokens=4).restore is None
+    with pytest.raises(ValueError, match="restore must be one of"):
+        DecodeGraph(model, model.new_state(12), tokens=4, rollback=True, restore="copy")
 
 
 def test_rollback_needs_the_option_and_a_valid_keep(engine_model):
@@ -511,8 +538,9 @@ def test_cuda_graph_replays_a_verify_block_with_captured_layers(made_path):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("restore", ["states", "replay"])
 @pytest.mark.parametrize("up_front", [False, True])
-def test_cuda_graph_rollbacks_replay_their_captured_restore(made_path, up_front):
+def test_cuda_graph_rollbacks_replay_their_captured_restore(made_path, up_front, restore):
     """Verify blocks of 5 replayed from the graph, each rolled back through the restore captured
     for its ``keep`` (captured at its first use and replayed at the next, or all of them up front
     by ``capture_rollbacks``, which leaves the state as it was): after every block the state
@@ -524,7 +552,7 @@ def test_cuda_graph_rollbacks_replay_their_captured_restore(made_path, up_front)
     eager, static = model.new_state(48), model.new_state(48)
     model.forward(ids[:6], eager, logits="none")
     model.forward(ids[:6], static, logits="none")
-    step = DecodeGraph(model, static, tokens=T, capture_layers=(2,), graph=True, rollback=True)
+    step = DecodeGraph(model, static, tokens=T, capture_layers=(2,), graph=True, rollback=True, restore=restore)
     if up_front:
         step.capture_rollbacks()
         assert sorted(step._rollbacks) == [1, 2, 3, 4]
@@ -575,3 +603,25 @@ def test_a_captured_step_adds_one_runs_host_counts_at_each_replay(gguf_path, mon
     with pytest.raises(ValueError, match="counts for"):
         hybrid.add_host_counts([1])
     hybrid.close()
+
+
+def test_a_record_with_per_token_states_needs_a_rule_that_writes_them(engine_model):
+    """``gdn_forward`` with a record holding per-token states and a delta rule that cannot write them (fla's, the
+    chunked form) refuses with one error, before the states move, rather than leaving the buffer stale; a buffer of the wrong shape is
+    refused where the record is made."""
+    from engine.model.gated_deltanet import GDNRecord, delta_rule_chunked, gdn_forward
+
+    model = engine_model
+    cfg, i = model.cfg, model.cfg.gdn_layers[0]
+    state = model.new_state(8)
+    shape = state.recurrent[i].shape
+    record = GDNRecord.empty(cfg, 3, device="cpu", dtype=model.dtype, states=torch.zeros(3, *shape))
+    x = torch.randn(3, cfg.hidden, dtype=model.dtype)
+    state.conv[i].normal_()
+    before = state.conv[i].clone()
+    with pytest.raises(ValueError, match="per-token states needs a delta rule that writes them"):
+        gdn_forward(model.weights.layers[i].mixer, x, state.conv[i], state.recurrent[i], cfg, delta_rule_chunked,
+                    record)
+    assert torch.equal(state.conv[i], before)  # refused before anything moved
+    with pytest.raises(ValueError, match="record's states must be a float32"):
+        GDNRecord.empty(cfg, 3, device="cpu", dtype=model.dtype, states=torch.zeros(2, *shape))
