@@ -39,16 +39,18 @@ def test_right_draft_accepts_blocks_and_matches_plain(target, right_draft, promp
     assert stats.accepted == stats.spec_tokens - stats.verify_steps
 
 
-@pytest.mark.parametrize("spec_len", [3, 8])
-def test_static_verify_step_matches_plain(target, right_draft, prompt, plain, spec_len):
+@pytest.mark.parametrize("spec_len, restore", [(3, "auto"), (8, "auto"), (3, "replay")])
+def test_static_verify_step_matches_plain(target, right_draft, prompt, plain, spec_len, restore):
     """Full verify blocks through the fixed-shape decode step and its own rollback (the path a
     CUDA graph replays), the shorter last block eagerly: the same greedy output, partial
-    acceptances included."""
+    acceptances included. ``auto`` restores the shipped target's states from those written after
+    each token; ``replay`` replays the kept tokens."""
     ref = plain(target, prompt, 61)
     new, stats = speculative_generate(target, right_draft, prompt, 61, spec_len=spec_len, fallback_threshold=0,
-                                      verify_path="static")
+                                      verify_path="static", restore=restore)
     assert new == ref
     assert stats.verify_path == "static" and stats.draft_path == "static" and stats.verify_path_note is None
+    assert stats.restore == ("states" if restore == "auto" else restore)
     assert stats.rollbacks > 0 and max(stats.accept_lengths) == spec_len
     # whole blocks to the end (a last single token is a plain step); only what was kept is counted
     assert stats.plain_steps <= 1 and 1 + stats.spec_tokens + stats.plain_steps == 61
@@ -56,7 +58,19 @@ def test_static_verify_step_matches_plain(target, right_draft, prompt, plain, sp
     eager, eager_stats = speculative_generate(target, right_draft, prompt, 61, spec_len=spec_len,
                                               fallback_threshold=0)
     assert eager_stats.accept_lengths == stats.accept_lengths  # the fixed-shape draft proposed the same blocks
-    assert eager_stats.verify_path == eager_stats.draft_path == "eager"
+    assert eager_stats.verify_path == eager_stats.draft_path == "eager" and eager_stats.restore is None
+
+
+@pytest.mark.parametrize("restore", ["states", "replay"])
+def test_the_host_loop_restores_either_way(target, right_draft, prompt, plain, restore):
+    """The host loop (``device_loop=False``) rolls its fixed-shape verify back through the restore asked for, with
+    plain decoding's output; an unknown restore is one clear error."""
+    new, stats = speculative_generate(target, right_draft, prompt, 40, spec_len=4, fallback_threshold=0,
+                                      verify_path="static", device_loop=False, restore=restore)
+    assert new == plain(target, prompt, 40)
+    assert not stats.device_loop and stats.restore == restore and stats.rollbacks > 0
+    with pytest.raises(ConfigError, match="restore must be one of"):
+        speculative_generate(target, right_draft, prompt, 4, spec_len=4, verify_path="static", restore="copy")
 
 
 def test_graph_verify_falls_back_where_it_cannot_capture(target, random_draft, prompt, plain):
