@@ -2,7 +2,7 @@
 
     python bench/dflash.py --target T.gguf --draft D.gguf [--spec-lens 4,8,16] [--budgets all,50%]
         [--long-form 3] [--code 3] [--prompt-tokens 512] [--new-tokens 400]
-        [--rollbacks capture,recompute] [--restores auto] [--corpus HELD_OUT.txt] [--graph]
+        [--rollbacks capture,recompute] [--restores auto] [--lag 1] [--corpus HELD_OUT.txt] [--graph]
         [--cold-device cpu|gpu] [--json out.json]
 
 ``--draft random`` builds an untrained draft of the default shape: acceptance stays near 1,
@@ -88,10 +88,11 @@ def plain_run(eng: Engine, ids: list[int], n: int) -> dict:
 
 
 def spec_run(eng: Engine, draft: DFlashDraft, ids: list[int], n: int, spec_len: int, rollback: str,
-             fallback: float | str = 0.0, restore: str = "auto") -> dict:
+             fallback: float | str = 0.0, restore: str = "auto", lag: int = 1) -> dict:
     new, s = speculative_generate(eng.model, draft, ids, n, spec_len=spec_len, rollback=rollback,
                                   fallback_threshold=fallback, stall_timeout_s=eng.stall_timeout_s,
-                                  verify_path="graph" if eng.cuda_graph else "eager", restore=restore)
+                                  verify_path="graph" if eng.cuda_graph else "eager", restore=restore,
+                                  lag=lag)
     steps = max(s.verify_steps, 1)
     return {"tok_s": (len(new) - 1) / s.decode_s, "ids": new, "accept": s.acceptance_length,
             "verify_ms": 1000 * s.verify_s / steps, "draft_ms": 1000 * s.draft_s / steps,
@@ -107,6 +108,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="all,50%")
     ap.add_argument("--rollbacks", default="capture,recompute")
     ap.add_argument("--restores", default="auto", help="comma-separated restores of fixed-shape verify blocks")
+    ap.add_argument("--lag", type=int, default=1, help="the device loop's steps launched past the one waited for")
     ap.add_argument("--long-form", type=int, default=3, help="long-form prompts (0: none)")
     ap.add_argument("--code", type=int, default=3, help="HumanEval code prompts (0: none)")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="tokens of each long-form prompt")
@@ -175,7 +177,7 @@ def main() -> None:
             plain_tok_s = statistics.median(p["tok_s"] for p in plain)
             for spec_len, rollback, restore, fallback in ((s, r, x, f) for s in spec_lens for r in rollbacks
                                                           for x in restores for f in fallbacks):
-                runs = [spec_run(eng, draft, ids, args.new_tokens, spec_len, rollback, fallback, restore)
+                runs = [spec_run(eng, draft, ids, args.new_tokens, spec_len, rollback, fallback, restore, args.lag)
                         for ids in prompts]
                 med = {k: statistics.median(r[k] for r in runs)
                        for k in ("tok_s", "accept", "verify_ms", "draft_ms", "rollback_ms", "plain_share")}

@@ -2,7 +2,7 @@
 
     python bench/dflash_step.py --target T.gguf --draft D.gguf [--spec-lens 4,8,16] [--new-tokens 200]
         [--prompt-tokens 256] [--replays 200] [--dtype float32] [--cold-device gpu] [--json out.json]
-        [--trace 64 --trace-dir DIR] [--host-loop] [--restores states,replay]
+        [--trace 64 --trace-dir DIR] [--host-loop] [--restores states,replay] [--lags 1]
 
 Needs CUDA. For each spec_len, one greedy generation of ``--new-tokens`` from a held-out prompt
 with graph verify (pure speculation), whose wall time per verify step is the figure to explain;
@@ -24,7 +24,8 @@ less those three: what the device waited for the host.
 
 ``--restores``: one row per spec_len and way of restoring the Gated DeltaNet states to the kept prefix
 (``engine.model.decode_graph.RESTORES``: the per-token states the verify wrote, or a replay of the kept
-tokens), so that both are timed in one run.
+tokens), so that both are timed in one run. ``--lags``: likewise per device-loop lag (the steps the host
+launches past the one it waits for; ``host`` is what the device still waited for it).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 from common import commit, machine
 
 from engine.dflash.compat import open_compatible
+from engine.dflash.device_loop import MAX_LAG
 from engine.dflash.speculative import SpecOptions, _Generation
 from engine.engine import Engine
 from engine.model.decode_graph import RESTORES, DecodeGraph
@@ -79,7 +81,14 @@ def main() -> None:
     ap.add_argument("--trace-dir", type=Path, default=Path("."))
     ap.add_argument("--host-loop", action="store_true", help="the host loop (each step's graphs replayed alone)")
     ap.add_argument("--restores", default="states,replay", help="comma-separated restores, a row each")
+    ap.add_argument("--lags", default="1", help="comma-separated device-loop lags, a row each")
     args = ap.parse_args()
+    try:
+        lags = [int(x) for x in args.lags.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"--lags takes comma-separated integers, got {args.lags!r}") from None
+    if not lags or not all(0 <= lag <= MAX_LAG for lag in lags):
+        raise SystemExit(f"--lags takes values 0..{MAX_LAG}, got {args.lags!r}")
     restores = [x for x in args.restores.split(",") if x]
     if not restores or any(r not in RESTORES for r in restores):
         raise SystemExit(f"--restores takes comma-separated values of {RESTORES}, got {args.restores!r}")
@@ -99,19 +108,19 @@ def main() -> None:
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "commit": commit(), "target": str(args.target), "draft": str(args.draft), "dtype": str(eng.dtype),
               "new_tokens": args.new_tokens, "replays": args.replays, "rows": []}
-    header = (f"{'spec':>4} {'how':>7} {'accept':>6} {'step':>7} {'draft':>7} {'verify':>7} {'extend':>7} "
+    header = (f"{'spec':>4} {'how':>7} {'lag':>3} {'accept':>6} {'step':>7} {'draft':>7} {'verify':>7} {'extend':>7} "
               f"{'restore':>7} {'host':>7} {'plain':>7}   (us; step = wall time per verify step)")
     print(header, flush=True)
-    for spec_len, how in ((int(x), r) for x in args.spec_lens.split(",") if x for r in restores):
+    for spec_len, how, lag in ((int(x), r, g) for x in args.spec_lens.split(",") if x for r in restores for g in lags):
         opts = SpecOptions(spec_len=spec_len, fallback_threshold=0.0, verify_path="graph",
-                           device_loop=not args.host_loop, restore=how)
+                           device_loop=not args.host_loop, restore=how, lag=lag)
         for _ in range(2):  # the first run captures; the second is the one timed
             run = _Generation(eng.model, draft, ids, args.new_tokens, opts, SamplingParams(), set(), None)
             _, stats = run.run()
         steps = max(stats.verify_steps, 1)
         step_us = 1e6 * stats.decode_s / steps
-        row = {"spec_len": spec_len, "restore": stats.restore, "acceptance_length": stats.acceptance_length,
-               "step_us": step_us,
+        row = {"spec_len": spec_len, "restore": stats.restore, "lag": lag,
+               "acceptance_length": stats.acceptance_length, "step_us": step_us,
                "draft_path": stats.draft_path, "verify_path": stats.verify_path, "device_loop": stats.device_loop}
         if stats.device_loop:
             if run.loop.graphs is None:
@@ -131,14 +140,14 @@ def main() -> None:
         per_step = 1.0 if stats.device_loop else stats.rollbacks / steps  # the loop restores at every step
         row["host_us"] = step_us - row["draft_us"] - row["verify_us"] - row["extend_us"] - row["restore_us"] * per_step
         result["rows"].append(row)
-        print(f"{spec_len:>4} {str(stats.restore):>7} {row['acceptance_length']:>6.2f} {step_us:>7.0f} "
+        print(f"{spec_len:>4} {str(stats.restore):>7} {lag:>3} {row['acceptance_length']:>6.2f} {step_us:>7.0f} "
               f"{row['draft_us']:>7.0f} "
               f"{row['verify_us']:>7.0f} {row['extend_us']:>7.0f} {row['restore_us']:>7.0f} {row['host_us']:>7.0f} "
               f"{row['plain_us']:>7.0f}", flush=True)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
         if args.trace:
-            trace(eng, draft, ids, args.trace, opts, args.trace_dir / f"dflash_trace_spec{spec_len}_{how}.txt")
+            trace(eng, draft, ids, args.trace, opts, args.trace_dir / f"dflash_trace_spec{spec_len}_{how}_lag{lag}.txt")
 
 
 def trace(eng: Engine, draft, ids: list[int], new_tokens: int, opts: SpecOptions, out: Path) -> None:

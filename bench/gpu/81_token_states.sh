@@ -2,8 +2,10 @@
 # Issue 4: the verify block's Gated DeltaNet states written after every token and copied at the kept one, against
 # the replay of the kept tokens (`DecodeGraph(restore=...)`): the CUDA tests (the delta rule's per-token states at
 # the shipped and 35B shapes, the captured rollbacks and the device loop's restore per way), then the step bench
-# with both (`bench/dflash_step.py --restores states,replay`), then issue 4's table with the per-token states
-# (`auto` picks them for the shipped target). DRAFT: the draft of the table and the step (default the 8192x960).
+# with both and the device loop's lag at 1 and 2 (`bench/dflash_step.py --restores states,replay --lags 1,2`: does
+# the step's `host` share shrink when the host launches two steps ahead?), then issue 4's table with the per-token
+# states (`auto` picks them for the shipped target; `LAG`). DRAFT: the table's and the step's draft (default the
+# 8192x960).
 source "$(dirname "$0")/env.sh"
 [ -f /tmp/corpus/held_out.txt ] || python3 -c "from engine.train.corpus import build_corpus; build_corpus('/tmp/corpus', n_retrieval=0)" \
   > "$OUT/corpus.log" 2>&1
@@ -15,12 +17,12 @@ timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cach
   "tests/engine/dflash/test_gpu.py::test_graph_verify_matches_plain_on_cuda" > "$OUT/tests.log" 2>&1 \
   || echo "tests rc=$?"
 tests_summary $t0
-timeout ${STEP_S:-120} python3 bench/dflash_step.py --target models/luce-target.gguf --draft "$DRAFT" \
-  --corpus /tmp/corpus/held_out.txt --spec-lens ${STEP_SPECS:-4,16} --restores states,replay \
+timeout ${STEP_S:-150} python3 bench/dflash_step.py --target models/luce-target.gguf --draft "$DRAFT" \
+  --corpus /tmp/corpus/held_out.txt --spec-lens ${STEP_SPECS:-4,16} --restores states,replay --lags ${LAGS:-1,2} \
   --json "$OUT/dflash_step_restores.json" 2>&1 | grep -v Warn | tee "$OUT/dflash_step_restores.log" \
   || echo "step bench rc=$?"
 timeout ${DFLASH_S:-300} python3 bench/dflash.py --target models/luce-target.gguf --draft "$DRAFT" \
   --corpus /tmp/corpus/held_out.txt --dtype float32 --graph --spec-lens ${SPECS:-4,8,16} --budgets ${BUDGETS:-all,50%} \
-  --rollbacks capture --restores ${RESTORES:-auto} --cold-device gpu --long-form ${LONG:-2} --code ${CODE:-2} \
+  --rollbacks capture --restores ${RESTORES:-auto} --lag ${LAG:-1} --cold-device gpu --long-form ${LONG:-2} --code ${CODE:-2} \
   --new-tokens 400 --fallbacks 0 --json "$OUT/dflash_table.json" 2>&1 | grep -v Warn | tee "$OUT/dflash_table.log" \
   | tail -16 || echo "table rc=$?"

@@ -14,9 +14,9 @@ graphs where the configuration allows, the same functions run eagerly otherwise)
    Gated DeltaNet states restored to the kept prefix with ``keep`` a device value
    (``DecodeGraph.restore_at``), the next opening token ``choice[keep - 1]`` and the counters moved on.
 
-The host launches step ``k + 1`` before it waits for step ``k``'s report (copied to pinned memory with an
-event), so the device runs the steps back to back while the host streams, checks stops and judges the
-fallback. When it stops launching, the steps still in flight finish; their tokens are committed (a
+The host launches step ``k + lag`` before it waits for step ``k``'s report (copied to pinned memory with
+an event; ``lag`` 1 by default), so the device runs the steps back to back while the host streams, checks
+stops and judges the fallback. When it stops launching, the steps still in flight finish; their tokens are committed (a
 fallback) or dropped (the generation ended), and ``store`` writes the counters back into the state and
 the draft cache. Committed tokens are the target's own greedy choices: the output is plain greedy
 decoding's, as in the host loop.
@@ -36,21 +36,34 @@ from engine.model.linear import Weight
 from engine.model.qwen35moe import Qwen35MoE
 from engine.model.state import ModelState
 
-LAG = 1  # steps launched past the one whose report the host waits for
-ROOM_STEPS = LAG + 2  # verify blocks of room past the generation's end that the state and draft cache need
+LAG = 1  # steps launched past the one whose report the host waits for (SpecOptions.lag's default)
+MAX_LAG = 4
+
+
+def room_steps(lag: int = LAG) -> int:
+    """Verify blocks of room past the generation's end that the state and the draft cache need: the steps in
+    flight when the host stops, and the last block's rows."""
+    return lag + 2
+
+
+ROOM_STEPS = room_steps()
 
 
 class SpecLoop:
     """Greedy DFlash steps of ``tokens`` with their counters on the device, over ``state`` and ``cache``.
 
     ``graph``: capture the three launches (CUDA), else run them eagerly (any device). ``restore``: how the
-    verify step's Gated DeltaNet states go back to the kept prefix (``DecodeGraph``). Needs a draft that
-    attends in its cache (``DraftStep.in_cache``); ``ValueError`` otherwise.
+    verify step's Gated DeltaNet states go back to the kept prefix (``DecodeGraph``). ``lag``: the steps the
+    host launches past the one it waits for (0..``MAX_LAG``), which sizes the report slots and the room ``load``
+    asks for. Needs a draft that attends in its cache (``DraftStep.in_cache``); ``ValueError`` otherwise.
     """
 
     def __init__(self, model: Qwen35MoE, state: ModelState, draft: DFlashDraft, cache: DraftCache, embed: torch.Tensor,
-                 output: Weight, *, tokens: int, layer_ids: tuple[int, ...], graph: bool, restore: str = "auto") -> None:
-        self.state, self.cache, self.tokens = state, cache, tokens
+                 output: Weight, *, tokens: int, layer_ids: tuple[int, ...], graph: bool, restore: str = "auto",
+                 lag: int = LAG) -> None:
+        if not 0 <= lag <= MAX_LAG:
+            raise ValueError(f"the device loop's lag must be 0..{MAX_LAG}, got {lag}")
+        self.state, self.cache, self.tokens, self.lag = state, cache, tokens, lag
         self.verify = DecodeGraph(model, state, tokens=tokens, capture_layers=layer_ids, graph=False, rollback=True,
                                   restore=restore)
         self.draft = DraftStep(draft, cache, embed, output, tokens=tokens, graph=False, context=self.verify.hidden)
@@ -64,7 +77,7 @@ class SpecLoop:
             self.draft_len = torch.zeros((), dtype=torch.long, device=dev)  # the draft cache's length
             self.keep = torch.ones((), dtype=torch.long, device=dev)
             self.report = torch.zeros(tokens + 1, dtype=torch.long, device=dev)  # [keep, choice...]
-            self._slots = torch.zeros(LAG + 2, tokens + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
+            self._slots = torch.zeros(lag + 2, tokens + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._events: list[Any] = [None] * self._slots.shape[0]
         self._launched = 0
         self._start = (0, 0)  # the host's KV length and seq_len at load
@@ -85,9 +98,9 @@ class SpecLoop:
     def load(self, token: torch.Tensor, new_left: int) -> None:
         """Start from the host's view of the state and the draft cache: ``token`` (one id on the device) opens the
         next block; at most ``new_left`` more tokens are wanted. The KV caches and the draft cache need room for
-        them and ``ROOM_STEPS`` blocks more (steps in flight when the host stops, and the last block's rows)."""
+        them and ``room_steps(lag)`` blocks more (steps in flight when the host stops, and the last block's rows)."""
         kv_len, draft_len = self.verify._cache_length(), self.cache.length
-        room = new_left + ROOM_STEPS * self.tokens
+        room = new_left + room_steps(self.lag) * self.tokens
         if kv_len + room > self.state.max_len or draft_len + room > self.cache.max_len:
             raise ConfigError(f"the device loop needs room for {room} more tokens: the KV caches hold "
                               f"{self.state.max_len} ({kv_len} used), the draft cache {self.cache.max_len} "
@@ -176,7 +189,7 @@ class SpecLoop:
     def _capture(self) -> tuple[tuple[torch.cuda.CUDAGraph, ...], list[int] | None]:
         """The three launches captured (one memory pool), with the state, the draft cache and the counters put
         back as they were: the warm-up runs write rows from the counters' start and move the counters."""
-        state, cache, rows = self.state, self.cache, (ROOM_STEPS + 1) * self.tokens
+        state, cache, rows = self.state, self.cache, (room_steps(self.lag) + 1) * self.tokens
         saved = [(t, t.clone()) for t in (*state.conv.values(), *state.recurrent.values(), self.token, self.pos,
                                           self.kv_len, self.draft_len, self.keep, self.report)]
         saved += [(t[:, :rows], t[:, :rows].clone()) for c in state.kv.values() for t in (c.k, c.v)]

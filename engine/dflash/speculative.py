@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.dflash.compat import check_spec_len
-from engine.dflash.device_loop import LAG, ROOM_STEPS
+from engine.dflash.device_loop import LAG, MAX_LAG, room_steps
 from engine.dflash.draft import DFlashDraft, DraftCache, block_hidden
 from engine.dflash.rollback import ROLLBACK_MODES, make_rollback
 from engine.errors import ConfigError, GenerationStalled
@@ -76,6 +76,7 @@ class SpecOptions:
     device_loop: bool = True  # greedy, fixed-shape verify: steps advance their own counters on the device
                               # (engine.dflash.device_loop) and the host reads each one a step late
     restore: str = "auto"  # the fixed-shape verify's state restore (engine.model.decode_graph.RESTORES)
+    lag: int = LAG  # the device loop's steps launched past the one the host waits for (0..MAX_LAG)
 
     def __post_init__(self) -> None:
         if self.verify_path not in VERIFY_PATHS:
@@ -86,6 +87,8 @@ class SpecOptions:
 
         if self.restore not in RESTORES:
             raise ValueError(f"restore must be one of {RESTORES}, got {self.restore!r}")
+        if not 0 <= self.lag <= MAX_LAG:
+            raise ValueError(f"lag must be 0..{MAX_LAG}, got {self.lag}")
         check_fallback(self.fallback_threshold)
         if self.fallback_window < 1:
             raise ValueError(f"fallback_window must be at least 1, got {self.fallback_window}")
@@ -176,7 +179,7 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
                          rollback: str = DEFAULT_ROLLBACK, fallback_threshold: float | str = DEFAULT_FALLBACK,
                          fallback_window: int = 8, reprobe_after: int = 32, stall_timeout_s: float = 120.0,
                          prefilled: Any = None, verify_path: str = "eager", device_loop: bool = True,
-                         restore: str = "auto") -> tuple[list[int], SpecStats]:
+                         restore: str = "auto", lag: int = LAG) -> tuple[list[int], SpecStats]:
     """Generate up to ``max_new_tokens`` after ``ids`` with ``draft`` proposing blocks.
 
     ``stop(new_ids)`` is called after every committed token, in order (streaming can live
@@ -199,7 +202,8 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     generations run the device loop (``engine.dflash.device_loop``, ``device_loop=False``: the host loop):
     each step advances its own counters on the device, and the host reads its result a step late.
     ``restore`` (``engine.model.decode_graph.RESTORES``): how that step's Gated DeltaNet states go back to
-    an accepted prefix (``stats.restore`` names the one used).
+    an accepted prefix (``stats.restore`` names the one used); ``lag``: the device loop's steps launched past
+    the one whose result the host waits for.
 
     ``prefilled`` continues from a prompt already prefilled elsewhere (PFlash's
     ``CompressedPrefill``, made with ``capture_layers`` = the draft's target layers and
@@ -210,7 +214,7 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
         opts = SpecOptions(spec_len=spec_len, rollback=rollback, fallback_threshold=fallback_threshold,
                            fallback_window=fallback_window, reprobe_after=reprobe_after,
                            stall_timeout_s=stall_timeout_s, verify_path=verify_path, device_loop=device_loop,
-                           restore=restore)
+                           restore=restore, lag=lag)
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -244,9 +248,9 @@ class _Generation:
             total = len(prefilled.kept_positions) + max_new
         else:
             total = len(ids) + max_new
-            self.state = model.new_state(total + opts.spec_len * (ROOM_STEPS if wants_loop else 1))
+            self.state = model.new_state(total + opts.spec_len * (room_steps(opts.lag) if wants_loop else 1))
         # room for a fixed-shape block's rows (the device loop's: for the blocks in flight too)
-        self.cache = DraftCache.empty(draft, total + opts.spec_len * (ROOM_STEPS if wants_loop else 1))
+        self.cache = DraftCache.empty(draft, total + opts.spec_len * (room_steps(opts.lag) if wants_loop else 1))
         self.wants_loop = wants_loop
         self.rollback = make_rollback(opts.rollback, model, self.state)
         self.gen = make_generator(params, model.device)
@@ -289,7 +293,8 @@ class _Generation:
             if self.wants_loop and in_cache_blocker(self.draft.cfg) is None:
                 self.loop = SpecLoop(self.model, self.state, self.draft, self.cache, self.model.weights.embed,
                                      self.model.weights.output, tokens=self.opts.spec_len,
-                                     layer_ids=self.layer_ids, graph=graph, restore=self.opts.restore)
+                                     layer_ids=self.layer_ids, graph=graph, restore=self.opts.restore,
+                                     lag=self.opts.lag)
                 return self.loop.verify, self.loop.draft
             step = DecodeGraph(self.model, self.state, tokens=self.opts.spec_len, capture_layers=self.layer_ids,
                                graph=graph, rollback=True, restore=self.opts.restore)
@@ -431,8 +436,8 @@ class _Generation:
             # each step commits a token at least; a last single token is a plain step's, as in the host loop
             if not stopping and self.max_new - len(self.new) - len(in_flight) >= 2:
                 in_flight.append(loop.launch(self.clock))
-                if len(in_flight) <= LAG:
-                    continue  # the device gets LAG steps ahead before the host waits
+                if len(in_flight) <= self.opts.lag:
+                    continue  # the device gets ``lag`` steps ahead before the host waits
             if not in_flight:
                 break
             row = loop.result(in_flight.popleft())

@@ -92,6 +92,29 @@ def test_load_refuses_a_state_without_room(target, random_draft, prompt):
         loop.load(torch.tensor(3), 8)
 
 
+def test_the_room_and_the_slots_follow_the_lag(target, random_draft, prompt):
+    """A loop of lag 3 keeps 5 report slots and asks for 5 blocks of room past the tokens wanted: a state sized for
+    the default lag's room is refused; a lag past ``MAX_LAG`` is refused where the loop is built."""
+    from engine.dflash.device_loop import MAX_LAG, room_steps
+
+    total = len(prompt) + 8 + ROOM_STEPS * 4
+    state, cache = target.new_state(total), DraftCache.empty(random_draft, total + 64)
+    layers = tuple(random_draft.cfg.target_layer_ids)
+    with torch.inference_mode():
+        target.forward(torch.tensor(prompt), state, logits="none")
+    cache.length = len(prompt)
+    loop = SpecLoop(target, state, random_draft, cache, target.weights.embed, target.weights.output, tokens=4,
+                    layer_ids=layers, graph=False, lag=3)
+    assert loop._slots.shape[0] == room_steps(3) == 5
+    with pytest.raises(ConfigError, match="needs room for 28 more tokens"):
+        loop.load(torch.tensor(3), 8)
+    SpecLoop(target, state, random_draft, cache, target.weights.embed, target.weights.output, tokens=4,
+             layer_ids=layers, graph=False, lag=1).load(torch.tensor(3), 8)
+    with pytest.raises(ValueError, match="lag must be 0..4"):
+        SpecLoop(target, state, random_draft, cache, target.weights.embed, target.weights.output, tokens=4,
+                 layer_ids=layers, graph=False, lag=MAX_LAG + 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("restore", ["states", "replay"])

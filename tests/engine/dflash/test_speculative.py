@@ -61,6 +61,21 @@ def test_static_verify_step_matches_plain(target, right_draft, prompt, plain, sp
     assert eager_stats.verify_path == eager_stats.draft_path == "eager" and eager_stats.restore is None
 
 
+@pytest.mark.parametrize("lag", [0, 2])
+def test_the_device_loop_runs_at_any_lag(target, right_draft, prompt, plain, lag):
+    """The host launching 0 or 2 steps past the one it waits for: plain decoding's output to the exact length, the
+    tokens of the steps in flight at the end dropped; a lag past ``MAX_LAG`` is one clear error."""
+    from engine.dflash.device_loop import MAX_LAG
+
+    for n in (33, 50):
+        new, stats = speculative_generate(target, right_draft, prompt, n, spec_len=4, fallback_threshold=0,
+                                          verify_path="static", lag=lag)
+        assert new == plain(target, prompt, n) and stats.device_loop
+        assert 1 + stats.spec_tokens + stats.plain_steps == n
+    with pytest.raises(ConfigError, match="lag must be"):
+        speculative_generate(target, right_draft, prompt, 4, spec_len=4, verify_path="static", lag=MAX_LAG + 1)
+
+
 @pytest.mark.parametrize("restore", ["states", "replay"])
 def test_the_host_loop_restores_either_way(target, right_draft, prompt, plain, restore):
     """The host loop (``device_loop=False``) rolls its fixed-shape verify back through the restore asked for, with
