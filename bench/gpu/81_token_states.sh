@@ -5,7 +5,7 @@
 # with both and the device loop's lag at 1 and 2 (`bench/dflash_step.py --restores states,replay --lags 1,2`: does
 # the step's `host` share shrink when the host launches two steps ahead?), then issue 4's table with the per-token
 # states (`auto` picks them for the shipped target; `LAG`). DRAFT: the table's and the step's draft (default the
-# 8192x960).
+# 8192x960). Between them, the loop's Python per step with its launches stood in for (`bench/dflash_host.py`).
 source "$(dirname "$0")/env.sh"
 [ -f /tmp/corpus/held_out.txt ] || python3 -c "from engine.train.corpus import build_corpus; build_corpus('/tmp/corpus', n_retrieval=0)" \
   > "$OUT/corpus.log" 2>&1
@@ -21,6 +21,8 @@ timeout ${STEP_S:-150} python3 bench/dflash_step.py --target models/luce-target.
   --corpus /tmp/corpus/held_out.txt --spec-lens ${STEP_SPECS:-4,16} --restores states,replay --lags ${LAGS:-1,2} \
   --json "$OUT/dflash_step_restores.json" 2>&1 | grep -v Warn | tee "$OUT/dflash_step_restores.log" \
   || echo "step bench rc=$?"
+timeout ${HOST_S:-60} python3 bench/dflash_host.py --target models/luce-target.gguf --draft "$DRAFT" --device cuda \
+  --spec-lens 4,16 --lags 1,2 --json "$OUT/dflash_host.json" 2>&1 | grep -v Warn || echo "host bench rc=$?"
 timeout ${DFLASH_S:-300} python3 bench/dflash.py --target models/luce-target.gguf --draft "$DRAFT" \
   --corpus /tmp/corpus/held_out.txt --dtype float32 --graph --spec-lens ${SPECS:-4,8,16} --budgets ${BUDGETS:-all,50%} \
   --rollbacks capture --restores ${RESTORES:-auto} --lag ${LAG:-1} --cold-device gpu --long-form ${LONG:-2} --code ${CODE:-2} \
