@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 4: the verify block's Gated DeltaNet states written after every token and copied at the kept one, against
 # the replay of the kept tokens (`DecodeGraph(restore=...)`): the CUDA tests (the delta rule's per-token states at
-# the shipped and 35B shapes, the captured rollbacks and the device loop's restore per way), then the step bench
+# the shipped and 35B shapes, the captured rollbacks and the device loop's restore per way), the verify step and its
+# restore alone per way (`bench/restore.py`: what writing the states costs, what copying them saves), the step bench
 # with both and the device loop's lag at 1 and 2 (`bench/dflash_step.py --restores states,replay --lags 1,2`: does
 # the step's `host` share shrink when the host launches two steps ahead?), then issue 4's table with the per-token
 # states (`auto` picks them for the shipped target; `LAG`). DRAFT: the table's and the step's draft (default the
@@ -17,6 +18,8 @@ timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cach
   "tests/engine/dflash/test_gpu.py::test_graph_verify_matches_plain_on_cuda" > "$OUT/tests.log" 2>&1 \
   || echo "tests rc=$?"
 tests_summary $t0
+timeout ${RESTORE_S:-60} python3 bench/restore.py --target models/luce-target.gguf --spec-lens 4,8,16 \
+  --json "$OUT/restore.json" 2>&1 | grep -v Warn | tee "$OUT/restore.log" || echo "restore bench rc=$?"
 timeout ${STEP_S:-150} python3 bench/dflash_step.py --target models/luce-target.gguf --draft "$DRAFT" \
   --corpus /tmp/corpus/held_out.txt --spec-lens ${STEP_SPECS:-4,16} --restores states,replay --lags ${LAGS:-1,2} \
   --json "$OUT/dflash_step_restores.json" 2>&1 | grep -v Warn | tee "$OUT/dflash_step_restores.log" \
