@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import apply_rope, norm_rope, rope_cos_sin, sdpa, static_attention
+from engine.model.attention import apply_rope, norm_rope, rope_cos_sin, sdpa, static_attention, write_kv
 from engine.model.norm import add_rms_norm, rms_norm
 from engine.model.linear import linear
+from engine.model.moe import swiglu
 
 
 def default_layer_ids(n_target_layers: int, n_features: int) -> tuple[int, ...]:
@@ -173,6 +174,22 @@ class DFlashDraft(nn.Module):
             out.append((k.view(shape).transpose(-3, -2), v.view(shape).transpose(-3, -2)))
         return out
 
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, cache: "DraftCache", slots: torch.Tensor,
+                      fused: "FusedDraftWeights") -> None:
+        """``project_context`` of rows features [C, n_features * hidden] at ``positions`` [C], written into
+        ``cache`` at ``slots`` [C] (positions too) without counting them in: each layer's keys and values in
+        one merged product and one norm + RoPE + cache write launch where it applies (a fixed-shape
+        extension's per-layer launches: two rather than some eight)."""
+        cfg = self.cfg
+        ctx = rms_norm(linear(features.to(self.dtype), self.fc), self.hidden_norm, cfg.rms_eps)
+        rope = self._rope(positions)
+        C, Hkv, D = ctx.shape[0], cfg.n_head_kv, cfg.head_dim
+        for i, layer in enumerate(self.layers):
+            k, v = linear(ctx, fused.kv[i]).split([Hkv * D, Hkv * D], dim=-1)
+            write_kv(k.view(C, Hkv, D), v.view(C, Hkv, D), layer.k_norm, rope, cache.k[i], cache.v[i], slots,
+                     cfg.rms_eps)
+        cache.positions.index_copy_(0, slots, positions)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 context: list[tuple[torch.Tensor, torch.Tensor]], context_positions: torch.Tensor,
                 visible: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,8 +244,9 @@ class DFlashDraft(nn.Module):
         written into ``cache`` at ``slots`` [T] (the rows just past the context, which the next
         extension overwrites) and the queries attending over the cache's buffers under ``visible``
         [T, max_len] (the context rows and the block's own). No concatenation, no mask per layer:
-        the engine's fused norm, norm + RoPE and split-key attention kernels where they apply,
-        the projections merged in ``fused``. x [T, hidden] -> normed hidden [T, hidden].
+        the engine's fused norm, norm + RoPE (with the cache writes) and split-key attention kernels
+        and SwiGLU where they apply, the projections merged in ``fused``. x [T, hidden] -> normed hidden
+        [T, hidden].
         """
         cfg = self.cfg
         T = x.shape[0]
@@ -239,23 +257,24 @@ class DFlashDraft(nn.Module):
             h, a = add_rms_norm(h, r, layer.attn_norm, cfg.rms_eps)
             q, k, v = linear(a, fused.qkv[i]).split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = norm_rope(q.view(T, H, D), layer.q_norm, cos, sin, cfg.rms_eps)
-            k = norm_rope(k.view(T, Hkv, D), layer.k_norm, cos, sin, cfg.rms_eps)
-            cache.k[i].index_copy_(1, slots, k.transpose(0, 1))
-            cache.v[i].index_copy_(1, slots, v.view(T, Hkv, D).transpose(0, 1))
+            write_kv(k.view(T, Hkv, D), v.view(T, Hkv, D), layer.k_norm, (cos, sin), cache.k[i], cache.v[i], slots,
+                     cfg.rms_eps)
             att = static_attention(q, cache.k[i], cache.v[i], visible, slots)  # [T, H * D]
             h, m = add_rms_norm(h, linear(att, layer.o), layer.ffn_norm, cfg.rms_eps)
             gate, up = linear(m, fused.gate_up[i]).chunk(2, dim=-1)
-            r = linear(F.silu(gate) * up, layer.down)
+            r = linear(swiglu(gate, up), layer.down)
         return add_rms_norm(h, r, self.norm, cfg.rms_eps)[1]
 
 
 @dataclass(frozen=True)
 class FusedDraftWeights:
     """Each draft layer's q, k, v and gate, up matrices concatenated (one product each), for
-    ``DFlashDraft.forward_in_cache``: copies of the draft's weights."""
+    ``DFlashDraft.forward_in_cache``, and its k, v (a context row's, ``write_context``): copies of the
+    draft's weights."""
 
     qkv: list[torch.Tensor]
     gate_up: list[torch.Tensor]
+    kv: list[torch.Tensor]
 
     @classmethod
     def of(cls, draft: DFlashDraft) -> "FusedDraftWeights":
@@ -268,7 +287,8 @@ class FusedDraftWeights:
             return cached[1]
         with torch.no_grad():
             fused = cls([torch.cat([l.q, l.k, l.v]).detach() for l in draft.layers],
-                        [torch.cat([l.gate, l.up]).detach() for l in draft.layers])
+                        [torch.cat([l.gate, l.up]).detach() for l in draft.layers],
+                        [torch.cat([l.k, l.v]).detach() for l in draft.layers])
         object.__setattr__(draft, "_fused_weights", (key, fused))  # a plain attribute, not a module buffer
         return fused
 

@@ -146,6 +146,9 @@ class DraftStep:
         features = torch.cat([self.context[i] for i in self.draft.cfg.target_layer_ids], dim=-1)
         positions = self._context_start + self._offsets
         slots = self.length + self._offsets
+        if self._fused is not None:  # merged k/v products, norm + RoPE + cache writes in one launch a layer
+            self.draft.write_context(features, positions, self.cache, slots, self._fused)
+            return
         for i, (k, v) in enumerate(self.draft.project_context(features, positions)):
             self.cache.k[i].index_copy_(1, slots, k)
             self.cache.v[i].index_copy_(1, slots, v)

@@ -249,17 +249,23 @@ def attention_static(w: AttentionWeights, x: torch.Tensor, positions: torch.Tens
 
 def _write_cache(w: AttentionWeights, k: torch.Tensor, v: torch.Tensor, rope: Rope, cache: KVCache,
                  slots: torch.Tensor, cfg: ModelConfig) -> None:
-    """The keys k [T, n_head_kv, D] as projected, normed and turned, and the values into the cache at
-    ``slots``: one launch where the norm + RoPE kernel applies (``FUSED_ROPE``), else torch's."""
+    write_kv(k, v, w.k_norm, rope, cache.k, cache.v, slots, cfg.rms_eps)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, rope: Rope, cache_k: torch.Tensor,
+             cache_v: torch.Tensor, slots: torch.Tensor, eps: float) -> None:
+    """The keys k [T, kv heads, D] as projected, normed (``k_norm``) and turned, and the values v into the
+    caches [kv heads, L, D] at ``slots`` [T]: one launch where the norm + RoPE kernel applies
+    (``FUSED_ROPE``), else torch's norm, rotation and two index copies."""
     cos, sin = rope
     if v.stride(-1) == 1 and _rope_kernel_applies(k, cos, sin):
         def kernel() -> torch.Tensor:
             from engine.kernels.rope_norm import norm_rope_to_cache_triton
 
-            return norm_rope_to_cache_triton(k, v, w.k_norm, cos, sin, cfg.rms_eps, cache.k, cache.v, slots)
+            return norm_rope_to_cache_triton(k, v, k_norm, cos, sin, eps, cache_k, cache_v, slots)
 
         if fused.attempt(NORM_ROPE, FUSED_ROPE, kernel) is not None:
             return
-    k = norm_rope(k, w.k_norm, cos, sin, cfg.rms_eps)
-    cache.k.index_copy_(1, slots, k.transpose(0, 1).to(cache.k.dtype))
-    cache.v.index_copy_(1, slots, v.transpose(0, 1).to(cache.v.dtype))
+    k = norm_rope(k, k_norm, cos, sin, eps)
+    cache_k.index_copy_(1, slots, k.transpose(0, 1).to(cache_k.dtype))
+    cache_v.index_copy_(1, slots, v.transpose(0, 1).to(cache_v.dtype))

@@ -59,6 +59,16 @@ def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for rows [T, N]: one launch where the fused gate applies (the shared expert's SwiGLU
+    kernel), else torch's two."""
+    if gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1 and _fused_gate(gate, up):
+        out = fused.attempt(GATE, FUSED_GATE, lambda: _gate_kernels().swiglu_triton(gate, up))
+        if out is not None:
+            return out
+    return F.silu(gate) * up
+
+
 def _gate_kernels():
     from engine.kernels import moe_gate
 

@@ -175,13 +175,26 @@ def test_fixed_shape_draft_step_proposes_the_eager_block(overrides, tokens):
         DraftStep(draft, cache, embed, output, tokens=5, graph=False)
 
 
-def test_fixed_shape_context_extension_counts_only_the_kept_rows():
+@pytest.mark.parametrize("variant", ["torch", "fused", "causal"])
+def test_fixed_shape_context_extension_counts_only_the_kept_rows(monkeypatch, variant):
     """``DraftStep.write_block`` writes every row of the verify block's context buffers at slots from
-    the cache length (before the acceptance is known) and ``count`` counts the kept ones in: the cache's rows, positions and proposals then
-    equal an eager ``DraftCache.extend`` of the kept rows alone, block after block."""
+    the cache length (before the acceptance is known) and ``count`` counts the kept ones in: the cache's rows,
+    positions and proposals then equal an eager ``DraftCache.extend`` of the kept rows alone, block after block.
+    A full-attention draft writes through ``write_context`` (merged k/v products; ``fused``: the norm + RoPE +
+    cache write launch under the Triton interpreter), a causal one through ``project_context`` and copies."""
     from engine.dflash.draft_step import DraftStep
 
-    draft, tokens = _draft(), 4
+    tol, writes = TOL, []
+    if variant == "fused":
+        pytest.importorskip("triton")
+        from engine.kernels import rope_norm
+        from engine.model import attention
+
+        monkeypatch.setattr(attention, "FUSED_ROPE", True)
+        tol = dict(atol=1e-5, rtol=1e-4)
+        kernel = rope_norm.norm_rope_to_cache_triton
+        monkeypatch.setattr(rope_norm, "norm_rope_to_cache_triton", lambda *a: writes.append(1) or kernel(*a))
+    draft, tokens = _draft(head_dim=16, rope_dim=8, causal=variant == "causal"), 4
     gen = torch.Generator().manual_seed(11)
     embed, output = torch.randn(50, 32, generator=gen), torch.randn(50, 32, generator=gen)
     context = {i: torch.zeros(tokens, 32) for i in (1, 3)}
@@ -192,7 +205,9 @@ def test_fixed_shape_context_extension_counts_only_the_kept_rows():
         for buf in context.values():
             buf.copy_(torch.randn(tokens, 32, generator=gen))
         before = fixed.length
+        launches = len(writes)
         assert step.write_block(start) and fixed.length == before  # written, nothing counted yet
+        assert len(writes) - launches == (draft.cfg.n_layers if variant == "fused" else 0)  # one launch a layer
         with pytest.raises(ValueError, match="keep must be 1..4"):
             step.count(tokens + 1)
         step.count(keep)
@@ -203,7 +218,7 @@ def test_fixed_shape_context_extension_counts_only_the_kept_rows():
         assert fixed.length == n
         assert torch.equal(fixed.positions[:n], eager.positions[:n])
         for a, b in zip(fixed.k + fixed.v, eager.k + eager.v):
-            torch.testing.assert_close(a[:, :n], b[:, :n], **TOL)
+            torch.testing.assert_close(a[:, :n], b[:, :n], **tol)
         assert torch.equal(step.step(torch.tensor(7), start),
                            DraftStep(draft, eager, embed, output, tokens=tokens, graph=False).step(torch.tensor(7), start))
     assert not step.extend(start, 1) and fixed.length == 10  # 4 more rows would pass the 13 slots
@@ -218,14 +233,16 @@ def test_fixed_shape_context_extension_counts_only_the_kept_rows():
 def test_block_in_cache_equals_the_masked_block(monkeypatch, fused, tokens):
     """``forward_in_cache`` (the block's keys written past the context, one mask over the cache)
     gives ``block_hidden``'s hidden states, with the torch kernels and with the engine's fused
-    ones (add + norm, norm + RoPE, split-key attention) under the Triton interpreter; the cache's
-    context rows are left as they were."""
+    ones (add + norm, norm + RoPE with the cache writes, split-key attention, SwiGLU) under the Triton
+    interpreter; the cache's context rows are left as they were."""
     if fused:
         pytest.importorskip("triton")
         from engine.model import attention, norm
 
+        from engine.model import moe
+
         for module, name in ((attention, "FUSED_DECODE_ATTENTION"), (attention, "FUSED_ROPE"),
-                             (norm, "FUSED_ADD_NORM")):
+                             (norm, "FUSED_ADD_NORM"), (moe, "FUSED_GATE")):
             monkeypatch.setattr(module, name, True)
     dev = "cuda" if fused and torch.cuda.is_available() else "cpu"  # the interpreter runs CPU tensors
     draft = _draft(head_dim=16, n_head=4, n_head_kv=2, block_size=8, rope_dim=8).to(dev)
@@ -272,6 +289,7 @@ def test_merged_weights_are_made_once_per_version_of_the_draft():
     first = FusedDraftWeights.of(draft)
     assert FusedDraftWeights.of(draft) is first
     torch.testing.assert_close(first.qkv[0], torch.cat([draft.layers[0].q, draft.layers[0].k, draft.layers[0].v]))
+    torch.testing.assert_close(first.kv[1], torch.cat([draft.layers[1].k, draft.layers[1].v]))
     with torch.no_grad():
         draft.layers[1].up.mul_(2)
     again = FusedDraftWeights.of(draft)

@@ -1,10 +1,16 @@
 """Router, the reference expert executor and the shared expert against a dense computation."""
 
+import os
+
+import pytest
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.moe import TorchExpertExecutor, expert_ffn, moe_forward, route
-from engine.model.weights import ExpertWeights, MoEWeights, SharedExpertWeights
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
+
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.model.moe import TorchExpertExecutor, expert_ffn, moe_forward, route  # noqa: E402
+from engine.model.weights import ExpertWeights, MoEWeights, SharedExpertWeights  # noqa: E402
 
 E, H, F, K = 6, 16, 8, 2
 
@@ -56,7 +62,7 @@ def test_moe_matches_dense_computation_and_reports_routing():
 
 def test_only_routed_experts_are_computed():
     w = _weights(2)
-    x = torch.randn(3, H)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))  # seeded: its 6 picks leave an expert unused
     ids, weights = route(w.router, x, K)
     unused = sorted(set(range(E)) - set(ids.flatten().tolist()))
     assert unused
@@ -64,3 +70,30 @@ def test_only_routed_experts_are_computed():
         w.experts.gate[e] = float("nan")
     out = TorchExpertExecutor([w.experts])(0, x, ids, weights)
     assert torch.isfinite(out).all()
+
+
+def test_swiglu_takes_the_kernel_where_the_fused_gate_applies(monkeypatch):
+    """``swiglu``: torch's silu(gate) * up off CUDA; with the fused gate forced (the Triton interpreter on the CPU)
+    the one-launch kernel on halves of one product's rows (odd width, rows strided by the product), the same
+    values; rows it cannot take (a strided last dimension, more than ``GATE_MAX_TOKENS``) go to torch."""
+    from engine.model import moe
+
+    gen = torch.Generator().manual_seed(4)
+    gate, up = torch.randn(5, 2 * 37, generator=gen).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    if not torch.cuda.is_available():
+        torch.testing.assert_close(moe.swiglu(gate, up), want, rtol=0, atol=0)
+    pytest.importorskip("triton")
+    monkeypatch.setattr(moe, "FUSED_GATE", True)
+    calls = []
+    kernels = moe._gate_kernels()
+    kernel = kernels.swiglu_triton
+    monkeypatch.setattr(kernels, "swiglu_triton", lambda g, u: calls.append(1) or kernel(g, u))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.testing.assert_close(moe.swiglu(gate.to(dev), up.to(dev)).cpu(), want, rtol=1e-6, atol=1e-6)
+    assert calls == [1]
+    wide = torch.randn(5, 37, 2, generator=gen)[..., 0]  # last dimension strided
+    torch.testing.assert_close(moe.swiglu(wide, wide), torch.nn.functional.silu(wide) * wide)
+    many = torch.randn(moe.GATE_MAX_TOKENS + 1, 8, generator=gen)
+    torch.testing.assert_close(moe.swiglu(many, many), torch.nn.functional.silu(many) * many)
+    assert calls == [1]
