@@ -70,13 +70,20 @@ class SpecLoop:
         if not self.draft.in_cache:
             raise ValueError("the device loop needs a draft that attends in its cache (non-causal, full attention)")
         dev = model.device
+        d, v = self.draft, self.verify
         with torch.inference_mode():
-            self.token = torch.zeros((), dtype=torch.long, device=dev)  # the next block's opening token
-            self.pos = torch.zeros((), dtype=torch.long, device=dev)  # its position
-            self.kv_len = torch.zeros((), dtype=torch.long, device=dev)  # the KV caches' length
-            self.draft_len = torch.zeros((), dtype=torch.long, device=dev)  # the draft cache's length
-            self.keep = torch.ones((), dtype=torch.long, device=dev)
+            # The counters are views of one buffer (the advance moves all three in one launch), and the draft's
+            # and the verify step's own inputs are views of them, so that no launch copies one into the other:
+            # the draft reads its start and cache length, the verify its cache length, and the drafted ids are
+            # written straight into the verify block, whose first id is the opening token.
+            self._counters = torch.zeros(3, dtype=torch.long, device=dev)
+            self.pos, self.kv_len, self.draft_len = self._counters.unbind(0)  # block start, KV length, draft cache
+            d.start = d._context_start = self.pos  # the block's start is where the next extension's rows go
+            d.length, v.cache_len = self.draft_len, self.kv_len
+            d.drafted = v.ids[1:]
+            self.token = v.ids[0]  # the next block's opening token
             self.report = torch.zeros(tokens + 1, dtype=torch.long, device=dev)  # [keep, choice...]
+            self.keep = self.report[0]
             self._slots = torch.zeros(lag + 2, tokens + 1, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._events: list[Any] = [None] * self._slots.shape[0]
         self._launched = 0
@@ -147,7 +154,7 @@ class SpecLoop:
     def store(self) -> torch.Tensor:
         """After the last launched step: the counters into the state's and the draft cache's lengths (one sync);
         returns the next opening token (a device scalar)."""
-        pos, kv_len, draft_len = (int(x) for x in torch.stack([self.pos, self.kv_len, self.draft_len]).tolist())
+        pos, kv_len, draft_len = self._counters.tolist()
         kv0, seq0 = self._start
         for c in self.state.kv.values():
             c.length = kv_len
@@ -159,39 +166,29 @@ class SpecLoop:
     def _draft(self) -> None:
         d, v = self.draft, self.verify
         d._block[:1].copy_(self.token.view(1))
-        d.start.copy_(self.pos)
-        d.length.copy_(self.draft_len)
-        d._run()
-        v.ids[:1].copy_(self.token.view(1))
-        v.ids[1:].copy_(d.drafted)
+        d._run()  # its ids into the verify block's
         torch.add(v._offsets, self.pos, out=v.positions)
-        v.cache_len.copy_(self.kv_len)
 
     def _verify(self) -> None:
         self.verify._run()
-        choice = self.verify.logits.argmax(-1)  # [T]: the target's token after each prefix
+        choice = self.report[1:]
+        torch.argmax(self.verify.logits, -1, out=choice)  # [T]: the target's token after each prefix
         agree = (self.draft.drafted == choice[:-1]).long().cumprod(0).sum()
         torch.add(agree, 1, out=self.keep)
-        self.report[:1].copy_(self.keep.view(1))
-        self.report[1:].copy_(choice)
 
     def _advance(self) -> None:
-        d = self.draft
-        d._context_start.copy_(self.pos)
-        d._run_extend()  # the block's rows at the draft cache's length; the kept ones are counted below
+        self.draft._run_extend()  # the block's rows at the draft cache's length; the kept ones are counted below
         self.verify.restore_at(self.keep)
-        self.token.copy_(self.report[1:].gather(0, (self.keep - 1).view(1)).view(()))
-        self.pos.add_(self.keep)
-        self.kv_len.add_(self.keep)
-        self.draft_len.add_(self.keep)
+        torch.gather(self.report[1:], 0, (self.keep - 1).view(1), out=self.token.view(1))
+        self._counters.add_(self.keep)
 
     @torch.inference_mode()
     def _capture(self) -> tuple[tuple[torch.cuda.CUDAGraph, ...], list[int] | None]:
         """The three launches captured (one memory pool), with the state, the draft cache and the counters put
         back as they were: the warm-up runs write rows from the counters' start and move the counters."""
         state, cache, rows = self.state, self.cache, (room_steps(self.lag) + 1) * self.tokens
-        saved = [(t, t.clone()) for t in (*state.conv.values(), *state.recurrent.values(), self.token, self.pos,
-                                          self.kv_len, self.draft_len, self.keep, self.report)]
+        saved = [(t, t.clone()) for t in (*state.conv.values(), *state.recurrent.values(), self.verify.ids,
+                                          self._counters, self.report)]
         saved += [(t[:, :rows], t[:, :rows].clone()) for c in state.kv.values() for t in (c.k, c.v)]
         saved += [(t[:, :rows], t[:, :rows].clone()) for t in (*cache.k, *cache.v)]
         saved.append((cache.positions[:rows], cache.positions[:rows].clone()))

@@ -96,7 +96,7 @@ class DraftStep:
         visible = (self._slots < self.length + self.tokens).expand(self.tokens, -1)  # the context and the block
         hidden = self.draft.forward_in_cache(F.embedding(self._block, self.embed), self.start + offsets, self.cache,
                                              slots, visible, self._fused)
-        self.drafted.copy_(linear(hidden[1:], self.output).argmax(-1))
+        torch.argmax(linear(hidden[1:], self.output), -1, out=self.drafted)
 
     def _run_masked(self) -> None:
         n = self.tokens

@@ -23,10 +23,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gat
     return xf.to(out_dtype or x.dtype)
 
 
+# None: ``rms_norm`` takes its Triton kernel on CUDA tensors; True: off CUDA too (with TRITON_INTERPRET=1:
+# tests, the launch counts of ``bench/dflash_launches.py``); False: never.
+FUSED_NORM: bool | None = None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gate: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``rms_norm_reference``'s result; one Triton launch where it applies."""
-    if (fused.TRITON and x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1
+    on_device = x.is_cuda if FUSED_NORM is None else FUSED_NORM
+    if (fused.TRITON and on_device and x.dim() in (2, 3) and x.stride(-1) == 1
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and (gate is None or gate.stride(-1) == 1)):
         from engine.kernels.rms_norm import MAX_DIM, rms_norm_triton
