@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 4: the verify block's Gated DeltaNet states written after every token and copied at the kept one, against
+# Issue 4: the device loop's step in fewer launches (274 -> 211 counted on the CPU, bench/dflash_launches.py): the
+# verify block's Gated DeltaNet states written after every token and copied at the kept one, against
 # the replay of the kept tokens (`DecodeGraph(restore=...)`): the CUDA tests (the delta rule's per-token states at
 # the shipped and 35B shapes, the captured rollbacks and the device loop's restore per way), the verify step and its
 # restore alone per way (`bench/restore.py`: what writing the states costs, what copying them saves), the step bench
@@ -17,6 +18,14 @@ timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cach
   "tests/engine/model/test_decode_graph.py::test_cuda_graph_rollbacks_replay_their_captured_restore" \
   "tests/engine/dflash/test_gpu.py::test_graph_verify_matches_plain_on_cuda" > "$OUT/tests.log" 2>&1 \
   || echo "tests rc=$?"
+tests_summary $t0
+mv "$OUT/tests.log" "$OUT/tests_gpu.log"
+t0=$(date +%s)
+# the draft's fused launches (the cache write with the keys' norm + RoPE, SwiGLU) on CUDA: unmarked tests that take
+# the GPU where there is one
+timeout ${DTESTS_S:-90} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
+  tests/engine/dflash/test_draft.py -k "in_cache or extension" "tests/engine/model/test_moe.py::test_swiglu_takes_the_kernel_where_the_fused_gate_applies" \
+  > "$OUT/tests.log" 2>&1 || echo "draft tests rc=$?"
 tests_summary $t0
 timeout ${RESTORE_S:-60} python3 bench/restore.py --target models/luce-target.gguf --spec-lens 4,8,16 \
   --json "$OUT/restore.json" 2>&1 | grep -v Warn | tee "$OUT/restore.log" || echo "restore bench rc=$?"

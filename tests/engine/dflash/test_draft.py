@@ -181,7 +181,8 @@ def test_fixed_shape_context_extension_counts_only_the_kept_rows(monkeypatch, va
     the cache length (before the acceptance is known) and ``count`` counts the kept ones in: the cache's rows,
     positions and proposals then equal an eager ``DraftCache.extend`` of the kept rows alone, block after block.
     A full-attention draft writes through ``write_context`` (merged k/v products; ``fused``: the norm + RoPE +
-    cache write launch under the Triton interpreter), a causal one through ``project_context`` and copies."""
+    cache write launch, on CUDA where there is one, else under the Triton interpreter), a causal one through
+    ``project_context`` and copies."""
     from engine.dflash.draft_step import DraftStep
 
     tol, writes = TOL, []
@@ -194,16 +195,17 @@ def test_fixed_shape_context_extension_counts_only_the_kept_rows(monkeypatch, va
         tol = dict(atol=1e-5, rtol=1e-4)
         kernel = rope_norm.norm_rope_to_cache_triton
         monkeypatch.setattr(rope_norm, "norm_rope_to_cache_triton", lambda *a: writes.append(1) or kernel(*a))
-    draft, tokens = _draft(head_dim=16, rope_dim=8, causal=variant == "causal"), 4
+    dev = "cuda" if variant == "fused" and torch.cuda.is_available() else "cpu"  # the interpreter runs CPU tensors
+    draft, tokens = _draft(head_dim=16, rope_dim=8, causal=variant == "causal").to(dev), 4
     gen = torch.Generator().manual_seed(11)
-    embed, output = torch.randn(50, 32, generator=gen), torch.randn(50, 32, generator=gen)
-    context = {i: torch.zeros(tokens, 32) for i in (1, 3)}
+    embed, output = torch.randn(50, 32, generator=gen).to(dev), torch.randn(50, 32, generator=gen).to(dev)
+    context = {i: torch.zeros(tokens, 32, device=dev) for i in (1, 3)}
     fixed, eager = DraftCache.empty(draft, 13), DraftCache.empty(draft, 13)
     step = DraftStep(draft, fixed, embed, output, tokens=tokens, graph=False, context=context)
     start = 0
     for keep in (4, 1, 3, 2):  # 10 rows kept; each block writes all 4
         for buf in context.values():
-            buf.copy_(torch.randn(tokens, 32, generator=gen))
+            buf.copy_(torch.randn(tokens, 32, generator=gen).to(dev))
         before = fixed.length
         launches = len(writes)
         assert step.write_block(start) and fixed.length == before  # written, nothing counted yet
@@ -212,15 +214,16 @@ def test_fixed_shape_context_extension_counts_only_the_kept_rows(monkeypatch, va
             step.count(tokens + 1)
         step.count(keep)
         features = torch.cat([context[1], context[3]], dim=-1)[:keep]
-        eager.extend(draft, features, torch.arange(start, start + keep))
+        eager.extend(draft, features, torch.arange(start, start + keep, device=dev))
         start += keep
         n = eager.length
         assert fixed.length == n
         assert torch.equal(fixed.positions[:n], eager.positions[:n])
         for a, b in zip(fixed.k + fixed.v, eager.k + eager.v):
             torch.testing.assert_close(a[:, :n], b[:, :n], **tol)
-        assert torch.equal(step.step(torch.tensor(7), start),
-                           DraftStep(draft, eager, embed, output, tokens=tokens, graph=False).step(torch.tensor(7), start))
+        seven = torch.tensor(7, device=dev)
+        assert torch.equal(step.step(seven, start),
+                           DraftStep(draft, eager, embed, output, tokens=tokens, graph=False).step(seven, start))
     assert not step.extend(start, 1) and fixed.length == 10  # 4 more rows would pass the 13 slots
     plain = DraftStep(draft, fixed, embed, output, tokens=tokens, graph=False)
     assert not plain.extend(0, 1)  # no context buffers: the caller extends eagerly
