@@ -8,9 +8,10 @@ proxy for its device time that can be counted anywhere. Here the device loop's t
 ``verify``, ``advance``: the draft cache's extension and the state restore) run once each on the CPU with
 the engine's fused kernels forced where CUDA would take them (Triton's interpreter runs them), and every
 operation that would be a device launch is counted: each Triton kernel launch, and each torch operation
-outside them (views, reshapes and other metadata-only operations excluded). A count on the CPU is not a
-CUDA graph's node count (cuBLAS may take two launches for one product, and torch's operations on CUDA
-sometimes more); it compares ways of running one step, not devices.
+outside them (views, reshapes and other metadata-only operations, no-op conversions and copies of a tensor
+onto itself excluded). A count on the CPU is not a CUDA graph's node count (cuBLAS may take two launches
+for one product, and torch's operations on CUDA sometimes more); it compares ways of running one step, not
+devices.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class Launches(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         out = func(*args, **(kwargs or {}))
-        aliased = name == "to" and args and out is args[0]  # a conversion to what the tensor already is
+        # a conversion to what the tensor already is, a copy of a tensor onto itself: no launch
+        aliased = (name == "to" and args and out is args[0]) or (name == "copy_" and len(args) > 1
+                                                                and args[0] is args[1])
         if not self._inside and name not in METADATA and not aliased:
             self.torch[name] += 1
         return out

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4: the device loop's step in fewer launches (274 -> 211 counted on the CPU, bench/dflash_launches.py): the
+# Issue 4: the device loop's step in fewer launches (268 -> 205 counted on the CPU, bench/dflash_launches.py): the
 # verify block's Gated DeltaNet states written after every token and copied at the kept one, against
 # the replay of the kept tokens (`DecodeGraph(restore=...)`): the CUDA tests (the delta rule's per-token states at
 # the shipped and 35B shapes, the captured rollbacks and the device loop's restore per way), the verify step and its
