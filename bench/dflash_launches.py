@@ -112,8 +112,8 @@ def count_parts(model, draft, spec_len: int, prompt: int = 48) -> dict[str, Laun
     from engine.sampling import SamplingParams
 
     ids = list(range(100, 100 + prompt))
-    run = _Generation(model, draft, ids, 4 * spec_len, SpecOptions(spec_len=spec_len, fallback_threshold=0.0,
-                                                                    verify_path="static"), SamplingParams(), set(), None)
+    opts = SpecOptions(spec_len=spec_len, fallback_threshold=0.0, verify_path="static")
+    run = _Generation(model, draft, ids, 4 * spec_len, opts, SamplingParams(), set(), None)
     loop = run.loop
     if loop is None:
         raise SystemExit("the device loop does not apply to this draft (it must attend in its cache)")

@@ -16,9 +16,9 @@ graphs where the configuration allows, the same functions run eagerly otherwise)
 
 The host launches step ``k + lag`` before it waits for step ``k``'s report (copied to pinned memory with
 an event; ``lag`` 1 by default), so the device runs the steps back to back while the host streams, checks
-stops and judges the fallback. When it stops launching, the steps still in flight finish; their tokens are committed (a
-fallback) or dropped (the generation ended), and ``store`` writes the counters back into the state and
-the draft cache. Committed tokens are the target's own greedy choices: the output is plain greedy
+stops and judges the fallback. When it stops launching, the steps still in flight finish; their tokens are
+committed (a fallback) or dropped (the generation ended), and ``store`` writes the counters back into the
+state and the draft cache. Committed tokens are the target's own greedy choices: the output is plain greedy
 decoding's, as in the host loop.
 """
 

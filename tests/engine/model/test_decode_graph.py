@@ -607,8 +607,8 @@ def test_a_captured_step_adds_one_runs_host_counts_at_each_replay(gguf_path, mon
 
 def test_a_record_with_per_token_states_needs_a_rule_that_writes_them(engine_model):
     """``gdn_forward`` with a record holding per-token states and a delta rule that cannot write them (fla's, the
-    chunked form) refuses with one error, before the states move, rather than leaving the buffer stale; a buffer of the wrong shape is
-    refused where the record is made."""
+    chunked form) refuses with one error, before the states move, rather than leaving the buffer stale; a buffer
+    of the wrong shape is refused where the record is made."""
     from engine.model.gated_deltanet import GDNRecord, delta_rule_chunked, gdn_forward
 
     model = engine_model
