@@ -26,9 +26,11 @@ import torch
 
 from common import commit, machine
 
+from engine.dflash.compat import check_spec_len
 from engine.dflash.device_loop import MAX_LAG
 from engine.dflash.draft import DFlashDraft
 from engine.dflash.speculative import SpecOptions, _Generation
+from engine.errors import ConfigError
 from engine.model.qwen35moe import Qwen35MoE
 from engine.sampling import SamplingParams
 
@@ -84,6 +86,11 @@ def main() -> None:
 
     eng = Engine.from_gguf(args.target, device=args.device, dtype="float32")
     draft = load_draft(eng, args.draft)
+    for spec_len in spec_lens:
+        try:
+            check_spec_len(spec_len, draft.cfg)
+        except ConfigError as exc:
+            raise SystemExit(f"--spec-lens: {exc}") from None
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "commit": commit(), "target": str(args.target), "draft": args.draft, "device": str(eng.device),
               "rows": []}

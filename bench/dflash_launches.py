@@ -142,11 +142,20 @@ def main() -> None:
     from engine.engine import Engine
 
     force_fused()
+    from engine.dflash.compat import check_spec_len
+    from engine.errors import ConfigError
+
     eng = Engine.from_gguf(args.target, device="cpu", dtype="float32")
     draft = load_draft(eng, args.draft)
+    try:
+        spec_lens = [int(x) for x in args.spec_lens.split(",") if x]
+        for spec_len in spec_lens:
+            check_spec_len(spec_len, draft.cfg)
+    except (ValueError, ConfigError) as exc:
+        raise SystemExit(f"--spec-lens: {exc}") from None
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "commit": commit(), "target": str(args.target), "draft": args.draft, "rows": []}
-    for spec_len in (int(x) for x in args.spec_lens.split(",") if x):
+    for spec_len in spec_lens:
         for part, c in count_parts(eng.model, draft, spec_len).items():
             row = {"spec_len": spec_len, "part": part, "launches": c.total, "triton": dict(c.triton),
                    "torch": dict(c.torch)}

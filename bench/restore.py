@@ -25,7 +25,7 @@ import torch
 
 from common import commit, machine
 
-from engine.model.decode_graph import RESTORES, DecodeGraph, capture_graph
+from engine.model.decode_graph import MAX_TOKENS, RESTORES, DecodeGraph, capture_graph
 from engine.model.qwen35moe import Qwen35MoE
 
 
@@ -95,6 +95,8 @@ def main() -> None:
         spec_lens = [int(x) for x in args.spec_lens.split(",") if x]
     except ValueError:
         raise SystemExit(f"--spec-lens takes comma-separated integers, got {args.spec_lens!r}") from None
+    if not spec_lens or not all(1 <= t <= MAX_TOKENS for t in spec_lens):
+        raise SystemExit(f"--spec-lens takes blocks of 1..{MAX_TOKENS} tokens, got {args.spec_lens!r}")
     if args.replays < 1 or args.repeats < 1:
         raise SystemExit("--replays and --repeats must be at least 1")
 

@@ -46,9 +46,6 @@ def room_steps(lag: int = LAG) -> int:
     return lag + 2
 
 
-ROOM_STEPS = room_steps()
-
-
 class SpecLoop:
     """Greedy DFlash steps of ``tokens`` with their counters on the device, over ``state`` and ``cache``.
 

@@ -269,8 +269,8 @@ class DFlashDraft(nn.Module):
 @dataclass(frozen=True)
 class FusedDraftWeights:
     """Each draft layer's q, k, v and gate, up matrices concatenated (one product each), for
-    ``DFlashDraft.forward_in_cache``, and its k, v (a context row's, ``write_context``): copies of the
-    draft's weights."""
+    ``DFlashDraft.forward_in_cache``, and its k, v (a context row's, ``write_context``: the rows of the q, k, v
+    copy past q's, a view): copies of the draft's weights."""
 
     qkv: list[torch.Tensor]
     gate_up: list[torch.Tensor]
@@ -286,9 +286,9 @@ class FusedDraftWeights:
         if cached is not None and cached[0] == key:
             return cached[1]
         with torch.no_grad():
-            fused = cls([torch.cat([l.q, l.k, l.v]).detach() for l in draft.layers],
-                        [torch.cat([l.gate, l.up]).detach() for l in draft.layers],
-                        [torch.cat([l.k, l.v]).detach() for l in draft.layers])
+            qkv = [torch.cat([l.q, l.k, l.v]).detach() for l in draft.layers]
+            fused = cls(qkv, [torch.cat([l.gate, l.up]).detach() for l in draft.layers],
+                        [t[draft.cfg.n_head * draft.cfg.head_dim:] for t in qkv])
         object.__setattr__(draft, "_fused_weights", (key, fused))  # a plain attribute, not a module buffer
         return fused
 

@@ -243,13 +243,8 @@ def attention_static(w: AttentionWeights, x: torch.Tensor, positions: torch.Tens
     """
     rope = rope if rope is not None else rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)
     q, k, v, gate = _project(w, x, positions, cfg, rope, norm_k=False)
-    _write_cache(w, k, v, rope, cache, slots, cfg)
-    return linear(static_attention(q, cache.k, cache.v, visible, slots, kernels, gate=gate), w.o)
-
-
-def _write_cache(w: AttentionWeights, k: torch.Tensor, v: torch.Tensor, rope: Rope, cache: KVCache,
-                 slots: torch.Tensor, cfg: ModelConfig) -> None:
     write_kv(k, v, w.k_norm, rope, cache.k, cache.v, slots, cfg.rms_eps)
+    return linear(static_attention(q, cache.k, cache.v, visible, slots, kernels, gate=gate), w.o)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, rope: Rope, cache_k: torch.Tensor,

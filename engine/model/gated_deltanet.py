@@ -400,7 +400,7 @@ def gdn_forward(w: GDNWeights, x: torch.Tensor, conv_state: torch.Tensor, recurr
             record.window[:, :tail].copy_(conv_state)
             record.window[:, tail:].copy_(qkv.transpose(0, 1))
         q, k, v, g, beta = gdn_prologue_reference(qkv, conv_state, w.conv, b, alpha, w.a, w.dt_bias, cfg, pad)
-        if record is not None:
+        if record is not None and record.states is None:  # a replay's inputs (per-token states need none)
             for buf, t in zip((record.q, record.k, record.v, record.g, record.beta), (q, k, v, g, beta)):
                 buf.copy_(t)
     T = x.shape[0]

@@ -4,7 +4,7 @@ advance their own counters, and the state they leave behind."""
 import pytest
 import torch
 
-from engine.dflash.device_loop import ROOM_STEPS, SpecLoop
+from engine.dflash.device_loop import SpecLoop, room_steps
 from engine.dflash.draft import DraftCache
 from engine.errors import ConfigError
 from engine.model.decode_graph import DecodeGraph
@@ -42,7 +42,7 @@ def test_restore_at_a_device_keep_is_the_host_restore(target, prompt, tokens, re
 
 def run_loop(target, draft, prompt, steps, spec_len, restore="auto"):
     """``steps`` device-loop steps after a prefill, every report read; the loop, the state and the reports."""
-    total = len(prompt) + steps * spec_len + ROOM_STEPS * spec_len
+    total = len(prompt) + steps * spec_len + room_steps() * spec_len
     state = target.new_state(total)
     cache = DraftCache.empty(draft, total)
     layer_ids = tuple(draft.cfg.target_layer_ids)
@@ -95,9 +95,9 @@ def test_load_refuses_a_state_without_room(target, random_draft, prompt):
 def test_the_room_and_the_slots_follow_the_lag(target, random_draft, prompt):
     """A loop of lag 3 keeps 5 report slots and asks for 5 blocks of room past the tokens wanted: a state sized for
     the default lag's room is refused; a lag past ``MAX_LAG`` is refused where the loop is built."""
-    from engine.dflash.device_loop import MAX_LAG, room_steps
+    from engine.dflash.device_loop import MAX_LAG
 
-    total = len(prompt) + 8 + ROOM_STEPS * 4
+    total = len(prompt) + 8 + room_steps() * 4
     state, cache = target.new_state(total), DraftCache.empty(random_draft, total + 64)
     layers = tuple(random_draft.cfg.target_layer_ids)
     with torch.inference_mode():
