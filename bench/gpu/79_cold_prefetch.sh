@@ -5,7 +5,8 @@
 # the CPU share's; the pool's job with its experts warmed first and not (`bench/host_share_pool.py --warm`, 15
 # threads: the most a warm-up can give on this host); then decode at half cold per share (SHARES), count fetched
 # (FETCH) and count warmed (WARM),
-# the rows to /tmp/cold_prefetch.json for 80. No llama-bench build here: it would take the threads' cores.
+# the rows to /tmp/cold_prefetch.json for 80. The llama-bench build would take the threads' cores: it starts at
+# the end, when .snap is carried, for 80 on the warm machine.
 source "$(dirname "$0")/env.sh"
 start_q35
 t0=$(date +%s)
@@ -27,3 +28,4 @@ timeout ${BENCH_S:-330} python3 bench/cold_cpu_share.py --model /tmp/q35.gguf --
   | grep -v Warn > "$OUT/cold_prefetch.log" || echo "decode rc=$?"
 grep -E "share" "$OUT/cold_prefetch.log" || true
 cp "$OUT/cold_prefetch.json" /tmp/cold_prefetch.json || true
+[ ! -f .snap/llama-src.tar.xz ] || bash "$(dirname "$0")/17_llamacpp_build.sh"
