@@ -3,7 +3,8 @@
 # (`69_share_side_by_side.sh`) at 79's fastest row: its share and its counts fetched and warmed ahead
 # (SHARE, FETCH and WARM override).
 source "$(dirname "$0")/env.sh"
-[ -x /tmp/llbuild/cmake/bin/llama-bench ] || bash "$(dirname "$0")/17_llamacpp_build.sh"
+# the build, unless 79 started it (or it is done)
+[ -x /tmp/llbuild/cmake/bin/llama-bench ] || [ -f /tmp/llbuild.out ] || bash "$(dirname "$0")/17_llamacpp_build.sh"
 start_q35
 [ -z "$maker" ] || wait $maker
 read -r best_share best_fetch best_warm < <(python3 -c "
