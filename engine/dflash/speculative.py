@@ -336,9 +336,10 @@ class _Generation:
         self.stats.prefill_s = t1 - t0
         while not done and len(self.new) < self.max_new:
             left = self.max_new - len(self.new)
-            # the fixed-shape step verifies a whole block even near the end (the commit stops at
-            # max_new); eager verification runs only the tokens still wanted
-            n = self.opts.spec_len if self.verify_step is not None and left >= 2 else min(self.opts.spec_len, left)
+            # the fixed-shape step verifies a whole block even for the last token (the commit stops at max_new):
+            # a one-token step there would capture its graph inside the decode loop; eager verification runs only
+            # the tokens still wanted, and a last single one is a plain step
+            n = self.opts.spec_len if self.verify_step is not None else min(self.opts.spec_len, left)
             t = time.perf_counter()
             if self.plain_left is None or self.plain_left > 0 or n < 2:
                 token, done = self._plain_step(token)
@@ -433,8 +434,8 @@ class _Generation:
         done = stopping = False
         t = time.perf_counter()
         while True:
-            # each step commits a token at least; a last single token is a plain step's, as in the host loop
-            if not stopping and self.max_new - len(self.new) - len(in_flight) >= 2:
+            # each step commits a token at least; the last token too comes from a step (the commit stops at max_new)
+            if not stopping and self.max_new - len(self.new) - len(in_flight) >= 1:
                 in_flight.append(loop.launch(self.clock))
                 if len(in_flight) <= self.opts.lag:
                     continue  # the device gets ``lag`` steps ahead before the host waits
