@@ -2,7 +2,7 @@
 # 79 and 80 in one call on a fresh machine, for a session with little device time: the llama-bench build (carry
 # .snap) and the 35B file at once, the prefetch's CUDA tests beside them (the device's work; the build has the
 # cores), then, with the cores free, decode at half cold per count fetched and warmed (SHARES, FETCH, WARM: four
-# rows by default) and the side by side at the fastest row (`69_share_side_by_side.sh`, PROMPTS, DEPTHS).
+# rows by default) and the side by side at the fastest row (`80_prefetch_side_by_side.sh`, PROMPTS, DEPTHS).
 source "$(dirname "$0")/env.sh"
 bash "$(dirname "$0")/17_llamacpp_build.sh" > "$OUT/build_start.log" 2>&1
 start_q35
@@ -18,10 +18,6 @@ timeout ${BENCH_S:-130} python3 bench/cold_cpu_share.py --model /tmp/q35.gguf --
   | grep -v Warn > "$OUT/cold_prefetch.log" || echo "decode rc=$?"
 grep -E "share" "$OUT/cold_prefetch.log" || true
 cp "$OUT/cold_prefetch.json" /tmp/cold_prefetch.json || true
-read -r best_share best_fetch best_warm < <(python3 -c "
-import json; r=max(json.load(open('/tmp/cold_prefetch.json'))['rows'], key=lambda x: x['decode_tok_s']['median'])
-print(r['share'], r['cold_prefetch'], r['cold_warm'])" 2>/dev/null || echo "0.6 0 0")
-export LUCE_TUNE_COLD_PREFETCH=$best_fetch LUCE_TUNE_COLD_WARM=$best_warm
-echo "ahead a layer: $LUCE_TUNE_COLD_PREFETCH fetched, $LUCE_TUNE_COLD_WARM warmed"
-SHARE=$best_share PROMPTS=${PROMPTS:-512} DEPTHS=${DEPTHS:-0} WAIT_S=10 VS_S=${VS_S:-200} \
-  bash "$(dirname "$0")/69_share_side_by_side.sh"
+# 80 at once: the build is there and the file written, so it reads the rows and runs the side by side
+# (FETCH and WARM here are the sweep's lists, not the counts 80 takes)
+env -u FETCH -u WARM WAIT_S=10 VS_S=${VS_S:-200} bash "$(dirname "$0")/80_prefetch_side_by_side.sh"
