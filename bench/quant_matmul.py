@@ -234,7 +234,7 @@ def sweep(args, rng) -> None:
     from dataclasses import replace
 
     from engine.kernels.quant.reference import SPLIT_QTYPES, split_layout_on
-    from engine.kernels.quant.tuned import TABLE, load_table, write_table
+    from engine.kernels.quant.tuned import TABLE, chip_of, load_table, write_table
 
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev)
@@ -346,7 +346,7 @@ def sweep(args, rng) -> None:
             torch.cuda.empty_cache()
             # written after every shape (atomically), so that a sweep cut short keeps what it measured
             meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-                    "warmup": args.warmup, "repeats": args.repeats}
+                    "chip": chip_of(dev), "warmup": args.warmup, "repeats": args.repeats}
             if args.json is not None:
                 args.json.write_text(json.dumps({"device": name, **meta, "entries": entries}, indent=1))
             if args.write_tuned is not None:

@@ -2,10 +2,12 @@
 
 ``bench/quant_matmul.py --sweep --write-tuned engine/kernels/quant/tuned.json`` times candidate
 GEMV and routed-expert tiles at a model's shapes and writes the fastest per (kind, quant type,
-N, K), with the GPU's name, the date and the timings it saw. The kernels use an entry only on
-a GPU of that name (``config_for``); any other device, shape or a missing or unreadable file
-keeps the default tiles, so a table never changes results, only speed (tiles change the
-summation order within float32 accumulation, as any two tile choices do).
+N, K), with the GPU's name, its chip (compute capability and multiprocessor count), the date and
+the timings it saw. The kernels use an entry on a GPU of that name, else on a GPU of the same chip
+(an H100 SXM reads an H200's table: one die, 132 multiprocessors, other memory) (``config_for``);
+any other device, shape or a missing or unreadable file keeps the default tiles, so a table never
+changes results, only speed (tiles change the summation order within float32 accumulation, as any
+two tile choices do).
 """
 
 from __future__ import annotations
@@ -32,18 +34,30 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+@lru_cache(maxsize=None)
+def chip_of(device: torch.device) -> str | None:
+    """A CUDA device's chip as tables name it, ``"sm_90/132"`` (compute capability and multiprocessor count);
+    None for other devices."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return f"sm_{props.major}{props.minor}/{props.multi_processor_count}"
+
+
 @lru_cache(maxsize=4)
 def load_table(path: Path) -> dict[tuple[str, str, str, int, int], dict[str, int]]:
-    """(device name, kind, quant type name, N, K) -> tile fields; empty when there is no file.
+    """(device name, kind, quant type name, N, K) -> tile fields, and the same entries under the table's chip
+    (``chip_of``) in place of the name where the table records it; empty when there is no file.
 
     A file that does not parse is reported once and ignored (the default tiles stay)."""
     if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
-        return {(data["device"], e["kind"], e["qtype"], int(e["n"]), int(e["k"])):
+        names = [data["device"]] + ([str(data["chip"])] if data.get("chip") else [])
+        return {(name, e["kind"], e["qtype"], int(e["n"]), int(e["k"])):
                 {k: int(e[k]) for k in (*TILE_KEYS, *(k for k in ROW_KEYS if k in e))}
-                for e in data["entries"]}
+                for e in data["entries"] for name in names}
     except (ValueError, KeyError, TypeError) as exc:
         warnings.warn(f"{path}: not a tile table ({exc!r}); the quantized kernels keep their default tiles",
                       stacklevel=2)
@@ -51,11 +65,14 @@ def load_table(path: Path) -> dict[tuple[str, str, str, int, int], dict[str, int
 
 
 def config_for(kind: str, qtype_name: str, n: int, k: int, device: torch.device, default: Any) -> Any:
-    """The measured tiles for this shape on this GPU, else ``default`` (a ``QuantKernelConfig``)."""
+    """The measured tiles for this shape on this GPU, else on a GPU of its chip, else ``default`` (a
+    ``QuantKernelConfig``)."""
     table = load_table(TABLE)
     if not table:
         return default
     entry = table.get((_device_name(device), kind, qtype_name, n, k))
+    if entry is None and chip_of(device) is not None:
+        entry = table.get((chip_of(device), kind, qtype_name, n, k))
     if entry is None:
         return default
     names = {f.name for f in fields(default)}
@@ -64,7 +81,8 @@ def config_for(kind: str, qtype_name: str, n: int, k: int, device: torch.device,
 
 def write_table(path: Path, device_name: str, entries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Write a table atomically (temporary file, then rename); ``entries`` carry kind, qtype, n, k,
-    the tile fields and whatever measurements the caller keeps with them."""
+    the tile fields and whatever measurements the caller keeps with them; ``meta`` may name the GPU's chip
+    (``"chip": chip_of(device)``), whose other GPUs then read the table too."""
     for e in entries:
         missing = [k for k in ("kind", "qtype", "n", "k", *TILE_KEYS) if k not in e]
         if missing or e["kind"] not in KINDS:

@@ -49,6 +49,33 @@ def test_entries_apply_on_their_device_and_shape_only(table):
     assert tuned.config_for("gemv", "Q4_0", 40, 256, CPU, default) is default  # measured elsewhere
 
 
+def test_a_gpu_of_the_tables_chip_reads_it_another_chip_does_not(table, monkeypatch):
+    """An H100 SXM reads the H200's tiles (one die, 132 multiprocessors); a GPU of another chip keeps the defaults,
+    and a table that names no chip applies to its own GPU's name only."""
+    default = triton_quant.QuantKernelConfig()
+    gpu = torch.device("cuda", 0)
+    names = {"sm_90/132": "NVIDIA H100 80GB HBM3", "sm_90/114": "NVIDIA H100 PCIe"}
+    chip = {"now": "sm_90/132"}
+    monkeypatch.setattr(tuned, "chip_of", lambda device: chip["now"])
+    monkeypatch.setattr(tuned, "_device_name", lambda device: names[chip["now"]])
+    tuned.write_table(table, "NVIDIA H200", [entry()], {"chip": "sm_90/132"})
+    got = tuned.config_for("gemv", "Q4_0", 40, 256, gpu, default)
+    assert (got.gemv_block_n, got.gemv_split_k) == (4, 2)
+    assert tuned.config_for("gemv", "Q4_0", 40, 512, gpu, default) is default  # not a measured shape
+    chip["now"] = "sm_90/114"
+    assert tuned.config_for("gemv", "Q4_0", 40, 256, gpu, default) is default
+    chip["now"] = "sm_90/132"
+    tuned.write_table(table, "NVIDIA H200", [entry()], {})  # no chip named: its own name only
+    assert tuned.config_for("gemv", "Q4_0", 40, 256, gpu, default) is default
+
+
+def test_the_shipped_table_names_its_chip():
+    import json
+
+    data = json.loads(tuned.TABLE.read_text())
+    assert data["device"] == "NVIDIA H200" and data["chip"] == "sm_90/132"
+
+
 def test_row_kernel_settings_come_from_the_table_when_an_entry_has_them(table):
     """An entry may name the row kernels (``gemv_rows_warps``, ``gemv_rows_unroll``); entries
     written before them keep the block kernels (``gemv_rows_warps`` 0)."""
