@@ -234,16 +234,16 @@ def sweep(args, rng) -> None:
     from dataclasses import replace
 
     from engine.kernels.quant.reference import SPLIT_QTYPES, split_layout_on
-    from engine.kernels.quant.tuned import TABLE, chip_of, load_table, write_table
+    from engine.kernels.quant.tuned import TABLE, chip_of, load_table, read_tables, write_table
 
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev)
     before = dict(load_table(TABLE))  # the table as it stands: each shape's current tiles are a candidate
     entries = []
-    if args.sweep_shapes and args.write_tuned is not None and args.write_tuned.exists():  # keep the shapes not swept
-        kept = json.loads(args.write_tuned.read_text())
-        if kept.get("device") == name:
-            entries = [e for e in kept["entries"] if e.get("shape") not in args.sweep_shapes]
+    if args.sweep_shapes and args.write_tuned is not None:  # keep this GPU's shapes not swept
+        for kept in read_tables(args.write_tuned):
+            if kept["device"] == name:
+                entries = [e for e in kept["entries"] if e.get("shape") not in args.sweep_shapes]
     print(f"{'qtype':>5} {'shape':>16} {'kind':>7} {'MB':>7} {'default us':>10} {'best us':>8} {'GB/s':>6} "
           f"{'speedup':>7}  tiles")
     for qtype in args.qtypes:

@@ -3,7 +3,7 @@
 ``bench/quant_matmul.py --sweep --write-tuned engine/kernels/quant/tuned.json`` times candidate
 GEMV and routed-expert tiles at a model's shapes and writes the fastest per (kind, quant type,
 N, K), with the GPU's name, its chip (compute capability and multiprocessor count), the date and
-the timings it saw. The kernels use an entry on a GPU of that name, else on a GPU of the same chip
+the timings it saw, into that GPU's table of the file (the other GPUs' tables stay). The kernels use an entry on a GPU of that name, else on a GPU of the same chip
 (an H100 SXM reads an H200's table: one die, 132 multiprocessors, other memory) (``config_for``);
 any other device, shape or a missing or unreadable file keeps the default tiles, so a table never
 changes results, only speed (tiles change the summation order within float32 accumulation, as any
@@ -44,20 +44,37 @@ def chip_of(device: torch.device) -> str | None:
     return f"sm_{props.major}{props.minor}/{props.multi_processor_count}"
 
 
+def read_tables(path: Path) -> list[dict[str, Any]]:
+    """The tables of a tile file, one per GPU name (``{"tables": [...]}``; a file of one table at its top level, as
+    they were first written, reads as that table); empty when there is no file. Raises ValueError, KeyError or
+    TypeError where the file is not such a thing."""
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    tables = data["tables"] if isinstance(data, dict) and "tables" in data else [data]
+    for t in tables:
+        if not isinstance(t, dict) or not isinstance(t["device"], str) or not isinstance(t["entries"], list):
+            raise TypeError(f"a tile table is an object with a device name and a list of entries, got {t!r:.80}")
+    return tables
+
+
 @lru_cache(maxsize=4)
 def load_table(path: Path) -> dict[tuple[str, str, str, int, int], dict[str, int]]:
-    """(device name, kind, quant type name, N, K) -> tile fields, and the same entries under the table's chip
-    (``chip_of``) in place of the name where the table records it; empty when there is no file.
+    """(device name, kind, quant type name, N, K) -> tile fields, for every table of the file, and the same
+    entries under each table's chip (``chip_of``) in place of its name where it records one (the first table of a
+    chip where several do); empty when there is no file.
 
     A file that does not parse is reported once and ignored (the default tiles stay)."""
-    if not path.exists():
-        return {}
     try:
-        data = json.loads(path.read_text())
-        names = [data["device"]] + ([str(data["chip"])] if data.get("chip") else [])
-        return {(name, e["kind"], e["qtype"], int(e["n"]), int(e["k"])):
-                {k: int(e[k]) for k in (*TILE_KEYS, *(k for k in ROW_KEYS if k in e))}
-                for e in data["entries"] for name in names}
+        out: dict[tuple[str, str, str, int, int], dict[str, int]] = {}
+        for table in read_tables(path):
+            for e in table["entries"]:
+                shape = (e["kind"], e["qtype"], int(e["n"]), int(e["k"]))
+                tiles = {k: int(e[k]) for k in (*TILE_KEYS, *(k for k in ROW_KEYS if k in e))}
+                out[(table["device"], *shape)] = tiles
+                if table.get("chip"):
+                    out.setdefault((str(table["chip"]), *shape), tiles)
+        return out
     except (ValueError, KeyError, TypeError) as exc:
         warnings.warn(f"{path}: not a tile table ({exc!r}); the quantized kernels keep their default tiles",
                       stacklevel=2)
@@ -80,14 +97,20 @@ def config_for(kind: str, qtype_name: str, n: int, k: int, device: torch.device,
 
 
 def write_table(path: Path, device_name: str, entries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """Write a table atomically (temporary file, then rename); ``entries`` carry kind, qtype, n, k,
-    the tile fields and whatever measurements the caller keeps with them; ``meta`` may name the GPU's chip
-    (``"chip": chip_of(device)``), whose other GPUs then read the table too."""
+    """Write ``device_name``'s table atomically (temporary file, then rename), keeping the other GPUs' tables of the
+    file; ``entries`` carry kind, qtype, n, k, the tile fields and whatever measurements the caller keeps with them;
+    ``meta`` may name the GPU's chip (``"chip": chip_of(device)``), whose other GPUs then read the table too. A file
+    there that is not a tile table is left alone: ValueError names it."""
     for e in entries:
         missing = [k for k in ("kind", "qtype", "n", "k", *TILE_KEYS) if k not in e]
         if missing or e["kind"] not in KINDS:
             raise ValueError(f"tile entry {e} lacks {missing} or has an unknown kind")
+    try:
+        others = [t for t in read_tables(path) if t["device"] != device_name]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a tile table ({exc!r}); not overwritten: move it away first") from None
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"device": device_name, **meta, "entries": entries}, indent=1) + "\n")
+    table = {"device": device_name, **meta, "entries": entries}
+    tmp.write_text(json.dumps({"tables": [*others, table]}, indent=1) + "\n")
     tmp.replace(path)
     load_table.cache_clear()
