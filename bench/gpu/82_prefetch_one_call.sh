@@ -6,10 +6,7 @@
 source "$(dirname "$0")/env.sh"
 bash "$(dirname "$0")/17_llamacpp_build.sh" > "$OUT/build_start.log" 2>&1
 start_q35
-t0=$(date +%s)
-timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
-  tests/engine/test_hybrid_cpu_share.py -k "fetches or prefetch or predict" > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
-tests_summary $t0
+prefetch_tests 150
 [ -z "$maker" ] || wait $maker
 for _ in $(seq ${WAIT_S:-330}); do [ -x /tmp/llbuild/cmake/bin/llama-bench ] && break; sleep 1; done
 echo "llama-bench there after $SECONDS s"

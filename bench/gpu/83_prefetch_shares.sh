@@ -9,10 +9,7 @@
 # llama-bench build started at the end (carry .snap) for 80 on the warm machine.
 source "$(dirname "$0")/env.sh"
 start_q35
-t0=$(date +%s)
-timeout ${TESTS_S:-120} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
-  tests/engine/test_hybrid_cpu_share.py -k "fetches or prefetch or predict" > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
-tests_summary $t0
+prefetch_tests 120
 [ -z "$maker" ] || wait $maker
 echo "35B file there after $SECONDS s"
 timeout ${BENCH_S:-300} python3 bench/cold_cpu_share.py --model /tmp/q35.gguf --shares ${SHARES:-0.45,0.6,0.8,1.0} \

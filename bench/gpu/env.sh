@@ -78,3 +78,11 @@ prefill_graph_tests() {
     || echo "tests rc=$?"
   tests_summary $t0
 }
+# The cold prefetch's CUDA tests (the captured step with fetches against the all-on-device model, the split serving
+# fetched rows, the side stream's router) in a TESTS_S box ($1: its default); log $OUT/tests.log.
+prefetch_tests() {
+  local t0; t0=$(date +%s)
+  timeout ${TESTS_S:-$1} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
+    tests/engine/test_hybrid_cpu_share.py -k "fetches or prefetch or predict" > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
+  tests_summary $t0
+}
