@@ -237,7 +237,7 @@ def sweep(args, rng) -> None:
     from engine.kernels.quant.tuned import TABLE, chip_of, load_table, read_tables, write_table
 
     dev = torch.device(args.device)
-    name = torch.cuda.get_device_name(dev)
+    name, chip = torch.cuda.get_device_name(dev), chip_of(dev)
     before = dict(load_table(TABLE))  # the table as it stands: each shape's current tiles are a candidate
     entries = []
     if args.sweep_shapes and args.write_tuned is not None:  # keep this GPU's shapes not swept
@@ -303,9 +303,10 @@ def sweep(args, rng) -> None:
                 return ms
 
             def current(kind_, n_, k_):
-                """The tiles the table gave this launch when the sweep began (the defaults where it had none)."""
-                return {f: getattr(QuantKernelConfig(), f) for f in FIELDS} | before.get(
-                    (name, kind_, qtype.name, n_, k_), {})
+                """The tiles the table gave this launch when the sweep began, by the GPU's name or else its chip
+                (the defaults where it had none)."""
+                return {f: getattr(QuantKernelConfig(), f) for f in FIELDS} | (
+                    before.get((name, kind_, qtype.name, n_, k_)) or before.get((chip, kind_, qtype.name, n_, k_), {}))
 
             def fastest(time_of, kind_, n_, k_):
                 """Among the defaults and the table's current tiles: the block grid at 4 warps (K tiles up
@@ -346,7 +347,7 @@ def sweep(args, rng) -> None:
             torch.cuda.empty_cache()
             # written after every shape (atomically), so that a sweep cut short keeps what it measured
             meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-                    "chip": chip_of(dev), "warmup": args.warmup, "repeats": args.repeats}
+                    "chip": chip, "warmup": args.warmup, "repeats": args.repeats}
             if args.json is not None:
                 args.json.write_text(json.dumps({"device": name, **meta, "entries": entries}, indent=1))
             if args.write_tuned is not None:

@@ -3,11 +3,11 @@
 ``bench/quant_matmul.py --sweep --write-tuned engine/kernels/quant/tuned.json`` times candidate
 GEMV and routed-expert tiles at a model's shapes and writes the fastest per (kind, quant type,
 N, K), with the GPU's name, its chip (compute capability and multiprocessor count), the date and
-the timings it saw, into that GPU's table of the file (the other GPUs' tables stay). The kernels use an entry on a GPU of that name, else on a GPU of the same chip
-(an H100 SXM reads an H200's table: one die, 132 multiprocessors, other memory) (``config_for``);
-any other device, shape or a missing or unreadable file keeps the default tiles, so a table never
-changes results, only speed (tiles change the summation order within float32 accumulation, as any
-two tile choices do).
+the timings it saw, as that GPU's table of the file (the other GPUs' tables stay). The kernels
+use an entry on a GPU of that name, else on a GPU of the same chip (an H100 SXM reads an H200's
+table: one die, 132 multiprocessors, other memory) (``config_for``); any other device, shape or a
+missing or unreadable file keeps the default tiles, so a table never changes results, only speed
+(tiles change the summation order within float32 accumulation, as any two tile choices do).
 """
 
 from __future__ import annotations
