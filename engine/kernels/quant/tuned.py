@@ -91,9 +91,30 @@ def config_for(kind: str, qtype_name: str, n: int, k: int, device: torch.device,
     if entry is None and chip_of(device) is not None:
         entry = table.get((chip_of(device), kind, qtype_name, n, k))
     if entry is None:
+        if device.type == "cuda":
+            _warn_untuned(_device_name(device), chip_of(device), TABLE)
         return default
     names = {f.name for f in fields(default)}
     return type(default)(**{**{f: getattr(default, f) for f in names}, **entry})
+
+
+@lru_cache(maxsize=None)
+def _warn_untuned(name: str, chip: str | None, path: Path) -> None:
+    """Once per GPU: say so where the file has no table for it by name or chip (the default tiles decode the 35B
+    shapes at about half the speed of measured ones: docs/benchmarks.md, 2026-12-05 eleventh round)."""
+    tables = {t["device"] for t in _tables_or_none(path)} | {str(t["chip"]) for t in _tables_or_none(path)
+                                                            if t.get("chip")}
+    if name not in tables and chip not in tables:
+        warnings.warn(f"{path.name} has no decode tiles measured on {name} ({chip}): the quantized kernels use their "
+                      f"default tiles; `python bench/quant_matmul.py --sweep --write-tuned {path}` measures this "
+                      "GPU's", stacklevel=3)
+
+
+def _tables_or_none(path: Path) -> list[dict[str, Any]]:
+    try:
+        return read_tables(path)
+    except (ValueError, KeyError, TypeError):
+        return []
 
 
 def write_table(path: Path, device_name: str, entries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -114,3 +135,4 @@ def write_table(path: Path, device_name: str, entries: list[dict[str, Any]], met
     tmp.write_text(json.dumps({"tables": [*others, table]}, indent=1) + "\n")
     tmp.replace(path)
     load_table.cache_clear()
+    _warn_untuned.cache_clear()
