@@ -314,23 +314,6 @@ def timeline(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, 
     print(f"  torch's kernels inside the step: {len(foreign)}")
     for name, before, dur in foreign[:rows]:
         print(f"    {dur:6.1f} us  {name}  (after {before})")
-    streams = stream_summary(last)
-    if len(streams) > 1:  # a second stream's kernels overlap the first's: what each stream ran, and for how long
-        print("  per stream (the step's first kernel's stream first): kernels, busy us, kernels by time")
-        for sid, (n, busy, top) in streams.items():
-            print(f"    stream {sid}: {n:4d} {busy:8.1f}  " + ", ".join(f"{k} {us:.1f}" for k, us in top[:6]))
-
-
-def stream_summary(kernels: list[dict]) -> dict[object, tuple[int, float, list[tuple[str, float]]]]:
-    """Per stream (a trace event's ``tid``) of ``kernels`` in device order: the kernel count, the summed
-    duration, and the summed duration per kernel name (48 characters), longest first; the first kernel's stream
-    first."""
-    out: dict[object, tuple[int, float, dict[str, float]]] = {}
-    for k in kernels:
-        n, busy, names = out.get(k.get("tid"), (0, 0.0, {}))
-        names[k["name"][:48]] = names.get(k["name"][:48], 0.0) + k["dur"]
-        out[k.get("tid")] = (n + 1, busy + k["dur"], names)
-    return {sid: (n, busy, sorted(names.items(), key=lambda kv: -kv[1])) for sid, (n, busy, names) in out.items()}
 
 
 def timed(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int) -> str:

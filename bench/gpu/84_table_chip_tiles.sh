@@ -12,7 +12,9 @@ TESTS_S=1 RESTORE_S=1 STEP_S=1 HOST_S=1 DTESTS_S=${DTESTS_S:-90} DFLASH_S=${DFLA
 [ -z "$maker" ] || wait $maker
 echo "35B file there after $SECONDS s"
 cp engine/kernels/quant/tuned.json /tmp/tuned_chip.json
-python3 -c "import json; d=json.load(open('/tmp/tuned_chip.json')); d.pop('chip', None); json.dump(d, open('/tmp/tuned_name.json', 'w'))"
+python3 -c "import json; d=json.load(open('/tmp/tuned_chip.json'))
+for t in d.get('tables', [d]): t.pop('chip', None)
+json.dump(d, open('/tmp/tuned_name.json', 'w'))"
 for i in $(seq ${PAIRS:-2}); do
   for t in chip name; do
     cp /tmp/tuned_$t.json engine/kernels/quant/tuned.json

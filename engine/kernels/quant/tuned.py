@@ -102,19 +102,11 @@ def config_for(kind: str, qtype_name: str, n: int, k: int, device: torch.device,
 def _warn_untuned(name: str, chip: str | None, path: Path) -> None:
     """Once per GPU: say so where the file has no table for it by name or chip (the default tiles decode the 35B
     shapes at about half the speed of measured ones: docs/benchmarks.md, 2026-12-05 eleventh round)."""
-    tables = {t["device"] for t in _tables_or_none(path)} | {str(t["chip"]) for t in _tables_or_none(path)
-                                                            if t.get("chip")}
-    if name not in tables and chip not in tables:
+    measured = {key[0] for key in load_table(path)}  # the tables' GPU names and chips
+    if name not in measured and chip not in measured:
         warnings.warn(f"{path.name} has no decode tiles measured on {name} ({chip}): the quantized kernels use their "
                       f"default tiles; `python bench/quant_matmul.py --sweep --write-tuned {path}` measures this "
                       "GPU's", stacklevel=3)
-
-
-def _tables_or_none(path: Path) -> list[dict[str, Any]]:
-    try:
-        return read_tables(path)
-    except (ValueError, KeyError, TypeError):
-        return []
 
 
 def write_table(path: Path, device_name: str, entries: list[dict[str, Any]], meta: dict[str, Any]) -> None:
