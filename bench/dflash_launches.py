@@ -1,4 +1,4 @@
-"""The launches each part of a DFlash device-loop step makes, counted on the CPU.
+"""The launches each part of a DFlash device-loop step makes, and a plain one-token step, counted on the CPU.
 
     python bench/dflash_launches.py --target T.gguf --draft D.gguf [--spec-lens 4,16] [--json out.json]
 
@@ -130,6 +130,21 @@ def count_parts(model, draft, spec_len: int, prompt: int = 48) -> dict[str, Laun
     return counts
 
 
+@torch.inference_mode()
+def count_plain(model, prompt: int = 48) -> Launches:
+    """A plain one-token decode step (``DecodeGraph`` with one token, as plain decoding runs it) after a prefill
+    of ``prompt`` tokens, counted once after one uncounted run: what a verify block's count compares with."""
+    from engine.model.decode_graph import DecodeGraph
+
+    state = model.new_state(prompt + 8)
+    model.forward(torch.arange(100, 100 + prompt), state, logits="last")
+    step = DecodeGraph(model, state, tokens=1, graph=False)
+    step.step(torch.tensor([5]))
+    with Launches() as launches:
+        step.step(torch.tensor([6]))
+    return launches
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, type=Path)
@@ -155,14 +170,17 @@ def main() -> None:
         raise SystemExit(f"--spec-lens: {exc}") from None
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "commit": commit(), "target": str(args.target), "draft": args.draft, "rows": []}
+    parts = [(0, "plain", count_plain(eng.model))]
     for spec_len in spec_lens:
-        for part, c in count_parts(eng.model, draft, spec_len).items():
-            row = {"spec_len": spec_len, "part": part, "launches": c.total, "triton": dict(c.triton),
-                   "torch": dict(c.torch)}
-            result["rows"].append(row)
-            top = (c.torch + c.triton).most_common(args.top)
-            print(f"spec_len {spec_len:>2} {part:>7}: {c.total:>4} launches ({sum(c.triton.values())} Triton); "
-                  + ", ".join(f"{k} {v}" for k, v in top), flush=True)
+        parts += [(spec_len, part, c) for part, c in count_parts(eng.model, draft, spec_len).items()]
+    for spec_len, part, c in parts:  # spec_len 0: the plain one-token step
+        row = {"spec_len": spec_len, "part": part, "launches": c.total, "triton": dict(c.triton),
+               "torch": dict(c.torch)}
+        result["rows"].append(row)
+        top = (c.torch + c.triton).most_common(args.top)
+        label = "plain step" if part == "plain" else f"spec_len {spec_len:>2} {part:>7}"
+        print(f"{label:>18}: {c.total:>4} launches ({sum(c.triton.values())} Triton); "
+              + ", ".join(f"{k} {v}" for k, v in top), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

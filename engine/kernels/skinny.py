@@ -8,6 +8,12 @@ one cuBLAS kernel at 29 us a call, for matrices of 256 columns that take a few m
 outputs over the whole of K (compiled in: a model has few), products and sums in float32
 (``input_precision="ieee"``: no TF32), so the result is that of a float32 matmul up to the order of
 its sums. The torch definition is ``F.linear``.
+
+Blocks of fewer than ``FEW_M`` rows (a verify block at spec_len 4, a draft block of 4) take the kernel's
+other form, without ``tl.dot``, whose operands start at 16 rows: each program broadcasts every row of the
+block against a tile of weight rows and sums over K in registers (``DOT=False``). ``engine.model.linear``
+decides from how many rows on it sends blocks here (``skinny_min_rows``); cuBLAS takes blocks of 2-7 float32
+rows as a split-K GEMM plus its reduction, two launches where a one-row call takes one GEMV.
 """
 
 from __future__ import annotations
@@ -19,16 +25,15 @@ import triton.language as tl
 from engine.kernels.fused import check_device
 
 MAX_M = 32  # rows; longer calls go to cuBLAS, whose large-tile kernels suit them
-# the fewest rows ``engine.model.linear`` sends here: on the H200, blocks of 4-5 rows ran faster through
-# cuBLAS (a draft block of 4: 161 us against 216), blocks of 8-17 through this kernel (a verify block of
-# 17: 543 us against 1,158; docs/benchmarks.md, 2026-12-02)
-MIN_M = 8
+FEW_M = 8  # blocks of fewer rows take the kernel's form without tl.dot
 MAX_K = 16384
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    # DOT: tl.dot over row tiles of 16 or more; else every row of x (BLOCK_M >= M, one row tile) broadcast
+    # against the weight tile, [M, 1, K] x [1, N, K] summed over K in registers
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -39,7 +44,10 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, K: tl.cons
                     other=0.0)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
                     other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        if DOT:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -62,6 +70,16 @@ def tiles(m: int, n: int) -> tuple[int, int, int]:
     return block_m, block_n, 64
 
 
+def few_tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the kernel for fewer than ``FEW_M`` rows: every row in one tile, output
+    tiles of 16 (32 for wide outputs such as an LM head), and K chunks that keep the broadcast product of
+    a chunk (BLOCK_M x BLOCK_N x BLOCK_K values) at 4,096 or fewer: 32 registers a thread at 4 warps."""
+    block_m = triton.next_power_of_2(max(m, 1))
+    block_n = 32 if n >= 2048 else 16
+    block_k = max(16, min(triton.next_power_of_2(max(k, 1)), 4096 // (block_m * block_n)))
+    return block_m, block_n, block_k
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` for float32 x [..., K] of 1 to ``MAX_M`` rows and w [N, K] (``applies``):
     a new contiguous float32 [..., N]."""
@@ -74,7 +92,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, K)
     M = flat.shape[0]
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    bm, bn, bk = tiles(M, N)
+    dot = M >= FEW_M
+    bm, bn, bk = tiles(M, N) if dot else few_tiles(M, N, K)
     _skinny_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
-        flat, w, out, M, N, flat.stride(0), w.stride(0), K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        flat, w, out, M, N, flat.stride(0), w.stride(0), K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT=dot,
+        num_warps=4)
     return out.view(*x.shape[:-1], N)

@@ -1,7 +1,9 @@
 """Projections whose weight is either a dense tensor or a quantized matrix kept as GGUF blocks.
 
-Dense float32 projections of 8 to 32 rows on CUDA (DFlash verify and draft blocks) take the one-launch
-kernel of ``engine.kernels.skinny``; everything else ``F.linear``.
+Dense float32 projections of ``skinny_min_rows()`` (8 by default) to 32 rows on CUDA (DFlash verify and draft
+blocks) take the one-launch kernels of ``engine.kernels.skinny``; everything else ``F.linear``.
+``LUCE_TUNE_SKINNY_MIN_ROWS`` (1-32) moves the lower bound: 2 sends blocks of 2-7 rows (a verify block at
+spec_len 4) to the kernel without ``tl.dot`` as well, 1 a decode step's single row too.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ConfigError
 from engine.kernels import fused
 from engine.kernels.quant import QuantMatrix
 
@@ -21,15 +24,42 @@ Weight = Union[torch.Tensor, QuantMatrix]
 # TRITON_INTERPRET=1); False: never (``LUCE_TUNE_SKINNY=0``, for measuring what it changes).
 FUSED_SKINNY: bool | None = False if os.environ.get("LUCE_TUNE_SKINNY", "1") == "0" else None
 SKINNY = "few-row float32 projection"
+SKINNY_MIN_ROWS_ENV = "LUCE_TUNE_SKINNY_MIN_ROWS"
+MAX_ROWS = 32  # engine.kernels.skinny.MAX_M, without importing Triton here
+# on the H200, blocks of 4-5 rows ran faster through cuBLAS than through the tl.dot kernel (a draft block of 4:
+# 161 us against 216), blocks of 8-17 through it (a verify block of 17: 543 us against 1,158; docs/benchmarks.md,
+# 2026-12-02); the kernel for fewer than 8 rows has not been timed against cuBLAS yet
+DEFAULT_MIN_ROWS = 8
+
+
+def skinny_min_rows() -> int:
+    """The fewest rows ``linear`` sends to the few-row kernels: ``LUCE_TUNE_SKINNY_MIN_ROWS``, else
+    ``DEFAULT_MIN_ROWS``."""
+    text = os.environ.get(SKINNY_MIN_ROWS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MIN_ROWS
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = 0
+    if not 1 <= rows <= MAX_ROWS:
+        raise ConfigError(f"{SKINNY_MIN_ROWS_ENV} must be a whole number of rows from 1 to {MAX_ROWS}, got {text!r}")
+    return rows
+
+
+_MIN_ROWS: int | None = None  # read once, at the first float32 call that could take the kernel
 
 
 def _skinny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     on = (x.is_cuda and fused.allowed(SKINNY)) if FUSED_SKINNY is None else FUSED_SKINNY
     if not on or x.dtype != torch.float32:  # bf16 models never take it: no import, no checks
         return None
+    global _MIN_ROWS
+    if _MIN_ROWS is None:
+        _MIN_ROWS = skinny_min_rows()
     from engine.kernels import skinny
 
-    if not skinny.applies(x, w, min_rows=skinny.MIN_M):
+    if not skinny.applies(x, w, min_rows=_MIN_ROWS):
         return None
     return fused.attempt(SKINNY, FUSED_SKINNY, lambda: skinny.skinny_linear(x, w))
 

@@ -42,3 +42,7 @@ def test_the_step_parts_are_counted(bench_script, tmp_path):
     assert set(counts) == {"draft", "verify", "advance"}
     assert all(c.total > 0 for c in counts.values())
     assert counts["verify"].total > counts["draft"].total  # the target's layers against the draft's one
+    plain = dflash_launches.count_plain(model, prompt=8)
+    # the same static step over one token: the target's launches without the verify block's argmax and acceptance
+    assert 0 < plain.total < counts["verify"].total
+    assert set(plain.triton) <= set(counts["verify"].triton)

@@ -351,3 +351,15 @@ def test_host_share_launches_compile_with_system_scope_accesses(name, module, ty
         assert "fence.sc.sys" in out and "st.release.sys" in out
     else:
         assert "ld.acquire.sys" in out
+
+
+@pytest.mark.parametrize("rows,block_n,block_k", [(8, 32, 16), (4, 16, 64), (1, 16, 256)])
+def test_few_rows_linear_kernel_compiles_without_spills(rows, block_n, block_k, tmp_path):
+    """The float32 projection for fewer than 8 rows (a verify block at spec_len 4) at the shipped target's K:
+    its weight tile read in 16-byte vectors, its broadcast product kept in registers."""
+    types = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32"}
+    consts = {"K": 256, "BLOCK_M": rows, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT": False}
+    sass = _sass("_skinny_kernel", types, consts, 4, tmp_path, module="engine.kernels.skinny")
+    ops = re.findall(r"\b(LDG\.E\.\w+|LDG\.E|LDL|STL)\b", sass)
+    assert "LDL" not in ops and "STL" not in ops, sorted(set(ops))
+    assert ops.count("LDG.E.128") >= 1, sorted(set(ops))

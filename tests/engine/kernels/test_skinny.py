@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is decorated
 
 skinny = pytest.importorskip("engine.kernels.skinny")
+from engine.errors import ConfigError  # noqa: E402
 from engine.model import linear as linear_mod  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,9 +32,10 @@ def max_rel(out, x, w):
     return ((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 32])
-@pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (33, 64), (130, 65), (257, 200)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 16, 17, 32])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (33, 64), (130, 65), (257, 200), (2049, 300)])
 def test_matches_float64_reference(m, n, k):
+    """Both kernels: fewer than FEW_M rows take the one without tl.dot, the others the tl.dot one."""
     x, w = case(m, n, k, seed=m * 1000 + n + k)
     out = skinny.skinny_linear(x, w)
     assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
@@ -48,6 +50,37 @@ def test_leading_dims_and_strided_rows():
     out = skinny.skinny_linear(x3, w)
     assert out.shape == (2, 5, 19)
     assert max_rel(out.reshape(10, 19), x3.reshape(10, 37), w) < 1e-5
+
+
+def test_few_rows_tiles_cover_the_rows_and_bound_the_product():
+    for m in range(1, skinny.FEW_M):
+        for n in (1, 8, 256, 2047, 2048, 4096):
+            for k in (1, 7, 64, 256, 5000):
+                bm, bn, bk = skinny.few_tiles(m, n, k)
+                assert bm >= m and bm & (bm - 1) == 0 and bn in (16, 32) and bk >= 16 and bk & (bk - 1) == 0
+                assert bm * bn * bk <= 4096 or bk == 16
+    assert skinny.few_tiles(5, 4096, 256) == (8, 32, 16)
+    assert skinny.few_tiles(1, 768, 256) == (1, 16, 256)
+
+
+def test_the_form_without_dot_is_taken_below_few_m(monkeypatch):
+    """Fewer than FEW_M rows launch the kernel's form without tl.dot (one row tile), FEW_M and more the tl.dot
+    form."""
+    launched = []
+    kernel = skinny._skinny_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs["DOT"], grid[1]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(skinny, "_skinny_kernel", Spy())
+    x, w = case(skinny.FEW_M, 24, 40, seed=11)
+    skinny.skinny_linear(x[:skinny.FEW_M - 1], w)
+    skinny.skinny_linear(x, w)
+    assert launched == [(False, 1), (True, 1)]
 
 
 def test_refuses_what_it_does_not_take():
@@ -78,19 +111,52 @@ def test_linear_dispatch(monkeypatch):
     assert calls == [1]
     assert (on - off).abs().max().item() <= 1e-5 * off.abs().max().item()
     monkeypatch.setattr(linear_mod, "FUSED_SKINNY", True)
-    linear_mod.linear(x[:skinny.MIN_M - 1], w)  # fewer rows (the decode step's one, DFlash blocks of 4): F.linear
+    monkeypatch.delenv(linear_mod.SKINNY_MIN_ROWS_ENV, raising=False)
+    monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
+    fewest = linear_mod.DEFAULT_MIN_ROWS
+    linear_mod.linear(x[:fewest - 1], w)  # fewer rows (the decode step's one, DFlash blocks of 4): F.linear
     assert calls == [1]
-    linear_mod.linear(x[:skinny.MIN_M], w)
+    linear_mod.linear(x[:fewest], w)
     assert calls == [1, 1]
+
+
+def test_linear_min_rows_setting(monkeypatch):
+    """``LUCE_TUNE_SKINNY_MIN_ROWS`` moves the fewest rows ``linear`` sends to the kernels (read once), and a
+    value outside 1-32 is one clear error."""
+    x, w = case(9, 40, 96, seed=7)
+    calls = []
+    real = skinny.skinny_linear
+    monkeypatch.setattr(skinny, "skinny_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(linear_mod, "FUSED_SKINNY", True)
+    monkeypatch.setenv(linear_mod.SKINNY_MIN_ROWS_ENV, "2")
+    monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
+    out = linear_mod.linear(x[:5], w)
+    assert max_rel(out, x[:5], w) < 1e-5
+    linear_mod.linear(x[:1], w)
+    assert calls == [5]
+    monkeypatch.setenv(linear_mod.SKINNY_MIN_ROWS_ENV, "1")
+    linear_mod.linear(x[:1], w)
+    assert calls == [5]  # read once: the first value holds
+    monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
+    linear_mod.linear(x[:1], w)
+    assert calls == [5, 1]
+    for bad in ("0", "33", "eight", "2.5"):
+        monkeypatch.setenv(linear_mod.SKINNY_MIN_ROWS_ENV, bad)
+        monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
+        with pytest.raises(ConfigError, match=f"LUCE_TUNE_SKINNY_MIN_ROWS must be a whole number of rows from 1 "
+                                              f"to 32, got '{bad}'"):
+            linear_mod.linear(x[:5], w)
+    monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [5, 17])
+@pytest.mark.parametrize("m", [1, 2, 5, 17])
 @pytest.mark.parametrize("n,k", [(4096, 256), (1024, 256), (256, 768), (32, 256), (8, 256)])
 def test_cuda_shapes_in_a_graph(m, n, k):
-    """The shipped target's and draft's projections (LM head, qkv, fc, router, alpha/beta) for a verify
-    block of 4 and 16 tokens: eager and replayed in a CUDA graph on new rows."""
+    """The shipped target's and draft's projections (LM head, qkv, fc, router, alpha/beta) for one row and
+    verify blocks of 1, 4 and 16 tokens (the first three through the kernel without tl.dot): eager and
+    replayed in a CUDA graph on new rows."""
     x, w = case(m, n, k, seed=m + n + k)
     assert max_rel(skinny.skinny_linear(x, w), x, w) < 1e-5
     static = x.clone()
