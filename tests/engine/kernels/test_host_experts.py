@@ -215,6 +215,14 @@ def reference8(x, ids, w, mine, gate, up, down):
     return out
 
 
+def code_step_of_h(x, e, gate, up, down):
+    """The most one 8-bit code of expert ``e``'s h (for token row ``x``) moves any output: the largest code step
+    of its 32-blocks times the largest down weight."""
+    xq = quantize8(x)
+    h = (F.silu(gate[e] @ xq) * (up[e] @ xq)).float()
+    return (h.reshape(-1, 32).abs().amax(dim=1) / 127).max().item() * down[e].abs().max().item()
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
 @pytest.mark.parametrize("layout", ["ggml", "split"])
 @pytest.mark.parametrize("hidden,ffn", [(96, 64), (512, 512)])
@@ -222,7 +230,12 @@ def reference8(x, ids, w, mine, gate, up, down):
 def test_int8_threads_sum_as_the_quantized_reference(qtype, layout, hidden, ffn, cflags):
     """Whole jobs in 8-bit mode (3 threads; 512 x 512 takes the VNNI loop where built): within float32 rounding of
     the reference that rounds x and h to 8 bits, and several times closer to it than to the float32 reference
-    (the rounding to 8 bits is there, and is all that differs)."""
+    (the rounding to 8 bits is there, and is all that differs).
+
+    The threads compute h in float32 and the reference in float64, so an h value within float32 rounding of a
+    rounding boundary takes the neighbouring 8-bit code on one side: about one value in a thousand, seen on
+    AVX2-only hosts in the plain loop's sums. Each such value moves an output by at most one code step of its
+    h block times its down weight and routing weight (``flip``); up to two of them are allowed."""
     experts, k = 5, 3
     layers = [layer(qtype, layout, experts, hidden, ffn, seed=20 + 10 * i) for i in range(2)]
     share = HostShare([m for m, _ in layers], hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=3,
@@ -240,7 +253,9 @@ def test_int8_threads_sum_as_the_quantized_reference(qtype, layout, hidden, ffn,
             want = reference(x, ids, w, mine, *layers[li][1])
             scale = want.abs().max().item()
             err8, err = (out.double() - want8).abs().max().item(), (out.double() - want).abs().max().item()
-            assert err8 <= 2e-4 * scale and err8 * 4 < err, (job, err8, err, scale)
+            flip = max(float(w[t, j]) * code_step_of_h(x[t], int(ids[t, j]), *layers[li][1])
+                       for t in range(T) for j in range(k))
+            assert err8 <= 2e-4 * scale + 2 * flip and err8 * 4 < err, (job, err8, err, scale, flip)
     finally:
         share.close()
 
