@@ -467,10 +467,19 @@ def _bf16_teacher_forced(model, T, step_kwargs, n=32):
 @pytest.mark.skipif(not SHIPPED.is_file(), reason="models/luce-target.gguf not present")
 def test_static_step_matches_eager_bf16_on_the_shipped_target():
     """bf16 on the CPU: the static step (torch kernels) against eager forwards on the trained
-    target, 16 teacher-forced tokens in blocks of 4 (measured 0.008 over 32 tokens)."""
+    target, 16 teacher-forced tokens in blocks of 4: within the bf16 bound (measured 0.008 over 32
+    tokens on an AVX-512 host) plus how far eager bf16 itself is from float32 on this CPU (0.14 on an
+    AVX2-only host, whose bf16 kernels round more; the two bf16 paths were 0.13 apart there), and the
+    static step no further from float32 than eager bf16 is."""
     model = load(SHIPPED, "cpu", torch.bfloat16)
+    fp32 = load(SHIPPED, "cpu", torch.float32)
+    ids = tokens(model.cfg.vocab, 7 + 16, seed=9)
+    ref, _ = _teacher_forced_logits(fp32, ids, 4)
+    eager, _ = _teacher_forced_logits(model, ids, 4)
+    far = max(rel_err(a, b) for a, b in zip(eager, ref))
     _, worst = _bf16_teacher_forced(model, 4, {"kernels": "torch", "graph": False}, n=16)
-    assert worst <= BF16_LOGITS_TOL
+    assert worst <= BF16_LOGITS_TOL + far
+    _no_further_from_float32(fp32, model, ids, 4, {"kernels": "torch", "graph": False})
 
 
 def _teacher_forced_logits(model, ids, T, step_kwargs=None):
