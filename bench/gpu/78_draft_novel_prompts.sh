@@ -36,11 +36,4 @@ timeout ${DRAFT_S:-480} python3 -m tuner.cli train-draft --target models/luce-ta
 echo "draft run $(( $(date +%s) - t0 )) s"
 tail -c 2000 /tmp/draft/train.log | tr '\r' '\n' | grep -v "^$" | tail -6 || true
 cp /tmp/draft/luce-draft.gguf /tmp/draft/luce-draft.acceptance.json /tmp/draft/train.log "$OUT"/ 2>/dev/null || true
-for d in /tmp/draft/luce-draft.gguf bench/drafts/luce-draft-8192x960.gguf; do
-  [ -f "$d" ] || continue
-  name=$(basename "$d" .gguf)
-  timeout ${ROWS_S:-90} python3 bench/draft_rows.py --draft "$d" --corpus /tmp/corpus/held_out.txt --split train \
-    --ngram-corpus /tmp/corpus/train.txt --rows 12 --prompt 512 --new 96 --json "$OUT/first_slot_$name.json" \
-    > "$OUT/first_slot_$name.log" 2>&1 || echo "draft_rows $name rc=$?"
-  grep -A7 "^teacher-forced acceptance over" "$OUT/first_slot_$name.log" | sed "s/^/$name: /" || true
-done
+ROWS_S=${ROWS_S:-90} first_slot_rows /tmp/draft/luce-draft.gguf bench/drafts/luce-draft-8192x960.gguf

@@ -12,13 +12,7 @@ source "$(dirname "$0")/env.sh"
 [ -f /tmp/corpus/held_out.txt ] || python3 -c "from engine.train.corpus import build_corpus; build_corpus('/tmp/corpus', n_retrieval=0)" \
   > "$OUT/corpus.log" 2>&1
 DRAFT=${DRAFT:-bench/drafts/luce-draft-8192x960.gguf}
-t0=$(date +%s)
-timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
-  tests/engine/kernels/test_gdn_decode.py tests/engine/dflash/test_device_loop.py \
-  "tests/engine/model/test_decode_graph.py::test_cuda_graph_rollbacks_replay_their_captured_restore" \
-  "tests/engine/dflash/test_gpu.py::test_graph_verify_matches_plain_on_cuda" > "$OUT/tests.log" 2>&1 \
-  || echo "tests rc=$?"
-tests_summary $t0
+dflash_tests
 mv "$OUT/tests.log" "$OUT/tests_gpu.log"
 t0=$(date +%s)
 # the draft's fused launches (the cache write with the keys' norm + RoPE, SwiGLU) on CUDA: unmarked tests that take

@@ -17,13 +17,7 @@ setsid nohup python3 -m tuner.cli train-draft --target models/luce-target.gguf -
   --distill-prompt 512 --distill-new 448 --distill-batch 1024 --eval-prompt-tokens 512 --steps ${DRAFT_STEPS:-8192} \
   --time-budget ${DRAFT_MINUTES:-5}m --device cuda > /tmp/draft/train.log 2>&1 &
 echo "draft training started"
-t0=$(date +%s)
-timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
-  tests/engine/kernels/test_gdn_decode.py tests/engine/dflash/test_device_loop.py \
-  "tests/engine/model/test_decode_graph.py::test_cuda_graph_rollbacks_replay_their_captured_restore" \
-  "tests/engine/dflash/test_gpu.py::test_graph_verify_matches_plain_on_cuda" > "$OUT/tests.log" 2>&1 \
-  || echo "tests rc=$?"
-tests_summary $t0
+dflash_tests
 tail -c 1500 /tmp/draft/train.log | tr '\r' '\n' | grep -v "^$" | tail -4 || true
 [ -z "$maker" ] || echo "35B file: $(ls -la /tmp/q35*.gguf 2>/dev/null)"
 tail -2 /tmp/llbuild/build.log 2>/dev/null || true

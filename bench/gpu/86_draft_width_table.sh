@@ -14,11 +14,4 @@ timeout ${DFLASH_S:-240} python3 bench/dflash.py --target models/luce-target.ggu
   --rollbacks capture --restores auto --cold-device gpu --long-form ${LONG:-2} --code ${CODE:-2} \
   --new-tokens 400 --fallbacks 0 --json "$OUT/dflash_table.json" 2>&1 | grep -v Warn | tee "$OUT/dflash_table.log" \
   | tail -16 || echo "table rc=$?"
-for d in /tmp/draft/luce-draft.gguf bench/drafts/luce-draft-8192x960.gguf; do
-  [ -f "$d" ] || continue
-  name=$(basename "$d" .gguf)
-  timeout ${ROWS_S:-60} python3 bench/draft_rows.py --draft "$d" --corpus /tmp/corpus/held_out.txt --split train \
-    --ngram-corpus /tmp/corpus/train.txt --rows 12 --prompt 512 --new 96 --json "$OUT/first_slot_$name.json" \
-    > "$OUT/first_slot_$name.log" 2>&1 || echo "draft_rows $name rc=$?"
-  grep -A7 "^teacher-forced acceptance over" "$OUT/first_slot_$name.log" | sed "s/^/$name: /" || true
-done
+first_slot_rows /tmp/draft/luce-draft.gguf bench/drafts/luce-draft-8192x960.gguf

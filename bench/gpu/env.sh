@@ -86,3 +86,27 @@ prefetch_tests() {
     tests/engine/test_hybrid_cpu_share.py -k "fetches or prefetch or predict" > "$OUT/tests.log" 2>&1 || echo "tests rc=$?"
   tests_summary $t0
 }
+# The DFlash CUDA tests (the delta rule's per-token states, the device loop, the captured rollbacks, graph verify's
+# greedy identity) in a TESTS_S box; log $OUT/tests.log.
+dflash_tests() {
+  local t0; t0=$(date +%s)
+  timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
+    tests/engine/kernels/test_gdn_decode.py tests/engine/dflash/test_device_loop.py \
+    "tests/engine/model/test_decode_graph.py::test_cuda_graph_rollbacks_replay_their_captured_restore" \
+    "tests/engine/dflash/test_gpu.py::test_graph_verify_matches_plain_on_cuda" > "$OUT/tests.log" 2>&1 \
+    || echo "tests rc=$?"
+  tests_summary $t0
+}
+# The first drafted slot's hit rates on 12 held-out rows (bench/draft_rows.py) for each draft named that exists,
+# ROWS_S each; logs and JSON $OUT/first_slot_<name>.*.
+first_slot_rows() {
+  local d name
+  for d in "$@"; do
+    [ -f "$d" ] || continue
+    name=$(basename "$d" .gguf)
+    timeout ${ROWS_S:-60} python3 bench/draft_rows.py --draft "$d" --corpus /tmp/corpus/held_out.txt --split train \
+      --ngram-corpus /tmp/corpus/train.txt --rows 12 --prompt 512 --new 96 --json "$OUT/first_slot_$name.json" \
+      > "$OUT/first_slot_$name.log" 2>&1 || echo "draft_rows $name rc=$?"
+    grep -A7 "^teacher-forced acceptance over" "$OUT/first_slot_$name.log" | sed "s/^/$name: /" || true
+  done
+}
