@@ -28,7 +28,9 @@ SKINNY_MIN_ROWS_ENV = "LUCE_TUNE_SKINNY_MIN_ROWS"
 MAX_ROWS = 32  # engine.kernels.skinny.MAX_M, without importing Triton here
 # on the H200, blocks of 4-5 rows ran faster through cuBLAS than through the tl.dot kernel (a draft block of 4:
 # 161 us against 216), blocks of 8-17 through it (a verify block of 17: 543 us against 1,158; docs/benchmarks.md,
-# 2026-12-02); the kernel for fewer than 8 rows has not been timed against cuBLAS yet
+# 2026-12-02). The form without tl.dot for fewer rows lost to cuBLAS too on the H100: a DFlash step at spec_len 4
+# took 763 us with blocks from 2 rows sent to it against 699 us (draft 219 against 171 us, verify 458 against 453;
+# docs/benchmarks.md, thirteenth round)
 DEFAULT_MIN_ROWS = 8
 
 

@@ -821,8 +821,10 @@ def test_row_kernel_gemv_matches_the_reference(qtype, N):
 
 
 def test_row_kernel_codes_cover_every_byte():
-    """Every Q4_0 byte (both nibbles) and every Q8_0 code, each in a block of its own scale 1:
-    the row kernel's dot with one-hot x gives the code itself."""
+    """Every Q4_0 byte (both nibbles) and every Q8_0 code, in blocks of scale 1: the row kernel's dot with
+    one-hot x gives the code itself. Each weight row holds every code, its blocks rotated by the row's index,
+    so every block of codes passes through the first and the last block position: x one-hot in those two
+    blocks reads every code, in each place of a block, in both."""
     from engine.kernels.quant.reference import split_rows
 
     for qtype, per_block in ((Q.Q4_0, 16), (Q.Q8_0, 32)):
@@ -832,13 +834,16 @@ def test_row_kernel_codes_cover_every_byte():
         blocks = np.zeros((n_blocks, size), dtype=np.uint8)
         blocks[:, :2] = np.frombuffer(np.float16(1).tobytes(), dtype=np.uint8)
         blocks[:, 2:] = codes.reshape(n_blocks, per_block)
+        rows = np.stack([np.roll(blocks, r, axis=0).reshape(-1) for r in range(n_blocks)])
         k = 32 * n_blocks
-        qm = QuantMatrix(split_rows(torch.from_numpy(blocks.reshape(1, -1)), qtype), qtype, 1, k, "split")
-        want = qm.dequantize()[0]
-        for j in range(k):
+        qm = QuantMatrix(split_rows(torch.from_numpy(rows), qtype), qtype, n_blocks, k, "split")
+        want = qm.dequantize()
+        assert sorted(set(want[0].tolist())) == sorted(set(want.flatten().tolist()))  # each row has every value
+        for j in [*range(32), *range(k - 32, k)]:
             x = torch.zeros(1, k)
             x[0, j] = 1.0
-            assert tq.qmatmul(x, qm, ROWS[0]).item() == want[j].item(), (qtype.name, j)
+            got = tq.qmatmul(x, qm, ROWS[0])[0]
+            assert torch.equal(got, want[:, j]), (qtype.name, j, got, want[:, j])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)

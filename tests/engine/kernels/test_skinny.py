@@ -20,11 +20,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def case(m, n, k, seed, strided=False):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k * (2 if strided else 1), generator=g)
-    if strided:  # rows of a wider tensor, as a split projection hands them on
-        x = x[:, 1:k + 1]
+    x = torch.randn(m, k * (2 if strided else 1), generator=g).to(DEVICE)
+    if strided:  # rows of a wider tensor, as a split projection hands them on (sliced on the device: a copy
+        x = x[:, 1:k + 1]  # to CUDA would make them contiguous)
     w = torch.randn(n, k, generator=g) / k ** 0.5
-    return x.to(DEVICE), w.to(DEVICE)
+    return x, w.to(DEVICE)
 
 
 def max_rel(out, x, w):
