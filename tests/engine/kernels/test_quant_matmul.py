@@ -647,10 +647,10 @@ def _staged_case(qtype, layout, T, E, k, hidden, ffn, seed, device="cpu"):
     return stack, tuple(extra), both, shared, x, codes, ref_ids, w
 
 
-@pytest.mark.parametrize("qtype,layout", [(Q.Q4_0, "split"), (Q.Q8_0, "ggml"), (Q.Q4_K, "ggml")],
-                         ids=["Q4_0-split", "Q8_0", "Q4_K"])
-@pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "routed"])
-def test_stage_stack_is_read_for_its_ids(qtype, layout, with_shared):
+@pytest.mark.parametrize("qtype,layout,with_shared", [
+    (Q.Q4_0, "split", True), (Q.Q4_0, "split", False), (Q.Q8_0, "ggml", True), (Q.Q4_K, "ggml", True)],
+    ids=["shared-Q4_0-split", "routed-Q4_0-split", "shared-Q8_0", "shared-Q4_K"])  # routed alone: one type is
+def test_stage_stack_is_read_for_its_ids(qtype, layout, with_shared):  # enough (the stage read is the same code)
     """Ids ``-2 - j`` read expert ``j`` of the stage stacks: the same output as one stack holding both sets,
     through both down launches (per token and per pair) and the block and row gate/up launches; a float32
     output on request; a stage of another layout is refused."""
