@@ -647,10 +647,11 @@ def _staged_case(qtype, layout, T, E, k, hidden, ffn, seed, device="cpu"):
     return stack, tuple(extra), both, shared, x, codes, ref_ids, w
 
 
+# every type with a shared expert; without one only Q4_0 (the stage's read is the same code either way)
 @pytest.mark.parametrize("qtype,layout,with_shared", [
     (Q.Q4_0, "split", True), (Q.Q4_0, "split", False), (Q.Q8_0, "ggml", True), (Q.Q4_K, "ggml", True)],
-    ids=["shared-Q4_0-split", "routed-Q4_0-split", "shared-Q8_0", "shared-Q4_K"])  # routed alone: one type is
-def test_stage_stack_is_read_for_its_ids(qtype, layout, with_shared):  # enough (the stage read is the same code)
+    ids=["shared-Q4_0-split", "routed-Q4_0-split", "shared-Q8_0", "shared-Q4_K"])
+def test_stage_stack_is_read_for_its_ids(qtype, layout, with_shared):
     """Ids ``-2 - j`` read expert ``j`` of the stage stacks: the same output as one stack holding both sets,
     through both down launches (per token and per pair) and the block and row gate/up launches; a float32
     output on request; a stage of another layout is refused."""
@@ -838,7 +839,6 @@ def test_row_kernel_codes_cover_every_byte():
         k = 32 * n_blocks
         qm = QuantMatrix(split_rows(torch.from_numpy(rows), qtype), qtype, n_blocks, k, "split")
         want = qm.dequantize()
-        assert sorted(set(want[0].tolist())) == sorted(set(want.flatten().tolist()))  # each row has every value
         for j in [*range(32), *range(k - 32, k)]:
             x = torch.zeros(1, k)
             x[0, j] = 1.0
