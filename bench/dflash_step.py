@@ -148,6 +148,26 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=1))
         if args.trace:
             trace(eng, draft, ids, args.trace, opts, args.trace_dir / f"dflash_trace_spec{spec_len}_{how}_lag{lag}.txt")
+            if plain.graph is not None:
+                trace_plain(plain.graph, args.trace, args.trace_dir / "plain_trace.txt")
+
+
+def trace_plain(graph: torch.cuda.CUDAGraph, replays: int, out: Path) -> None:
+    """The plain one-token step's kernels, ``replays`` replays under the profiler: the base that a
+    verify step's kernels are compared with."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    text = (f"plain one-token step: {replays} replays\n\n"
+            + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"trace of the plain step in {out}", flush=True)
 
 
 def trace(eng: Engine, draft, ids: list[int], new_tokens: int, opts: SpecOptions, out: Path) -> None:

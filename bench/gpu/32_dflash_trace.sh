@@ -9,7 +9,7 @@ timeout ${STEP_S:-200} python3 bench/dflash_step.py --target models/luce-target.
   --corpus /tmp/corpus/held_out.txt --spec-lens ${SPECS:-4,16} --trace ${TRACE:-64} --trace-dir "$OUT" \
   --json "$OUT/dflash_step.json" 2>&1 | grep -v Warn | tee "$OUT/dflash_step.log" || echo "step bench rc=$?"
 echo "step bench $(( $(date +%s) - t0 )) s"
-for f in "$OUT"/dflash_trace_spec*.txt; do head -1 "$f"; grep -E "cudaGraphLaunch|Self CPU time total|Self CUDA time total" "$f" | head -6 || true; done
+for f in "$OUT"/dflash_trace_spec*.txt "$OUT"/plain_trace.txt; do head -1 "$f"; grep -E "cudaGraphLaunch|Self CPU time total|Self CUDA time total" "$f" | head -6 || true; done
 t1=$(date +%s)
 timeout ${TESTS_S:-200} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
   tests/engine/dflash/test_draft.py tests/engine/dflash/test_gpu.py \
