@@ -150,6 +150,41 @@ def main() -> None:
             trace(eng, draft, ids, args.trace, opts, args.trace_dir / f"dflash_trace_spec{spec_len}_{how}_lag{lag}.txt")
             if plain.graph is not None:
                 trace_plain(plain.graph, args.trace, args.trace_dir / "plain_trace.txt")
+    print_kernel_comparison()
+
+
+KERNELS: dict[str, dict[str, tuple[float, float]]] = {}  # trace name -> kernel -> (launches, us) a step
+
+
+def kernels_per_step(prof, steps: int) -> dict[str, tuple[float, float]]:
+    """Device kernels of a profile: name -> (launches a step, device us a step)."""
+    from torch.autograd import DeviceType
+
+    table: dict[str, list[float]] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) == DeviceType.CUDA:
+            row = table.setdefault(e.name, [0.0, 0.0])
+            row[0] += 1
+            row[1] += e.time_range.end - e.time_range.start
+    return {k: (n / steps, us / steps) for k, (n, us) in table.items()}
+
+
+def print_kernel_comparison() -> None:
+    """The traced steps' kernels side by side, most device time a DFlash step first."""
+    if "plain" not in KERNELS:
+        return
+    plain = KERNELS["plain"]
+    for name, spec in KERNELS.items():
+        if name == "plain":
+            continue
+        print(f"\nkernels a step, {name} against the plain step (launches, us):", flush=True)
+        total = [0.0, 0.0, 0.0, 0.0]
+        for k in sorted(set(spec) | set(plain), key=lambda k: -max(spec.get(k, (0, 0))[1], plain.get(k, (0, 0))[1])):
+            (n, us), (pn, pus) = spec.get(k, (0.0, 0.0)), plain.get(k, (0.0, 0.0))
+            total = [total[0] + n, total[1] + us, total[2] + pn, total[3] + pus]
+            if max(us, pus) >= 1.0:
+                print(f"  {n:6.1f} {us:8.1f}   {pn:6.1f} {pus:8.1f}   {k[:110]}", flush=True)
+        print(f"  {total[0]:6.1f} {total[1]:8.1f}   {total[2]:6.1f} {total[3]:8.1f}   (all kernels)", flush=True)
 
 
 def trace_plain(graph: torch.cuda.CUDAGraph, replays: int, out: Path) -> None:
@@ -163,6 +198,7 @@ def trace_plain(graph: torch.cuda.CUDAGraph, replays: int, out: Path) -> None:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
+    KERNELS["plain"] = kernels_per_step(prof, replays)
     text = (f"plain one-token step: {replays} replays\n\n"
             + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -196,6 +232,7 @@ def trace(eng: Engine, draft, ids: list[int], new_tokens: int, opts: SpecOptions
         print(f"trace of spec_len {opts.spec_len}: no verify step ran", flush=True)
         return
     steps = max(stats.verify_steps, 1)
+    KERNELS[f"spec_len {opts.spec_len} ({out.stem})"] = kernels_per_step(prof, steps)
     events = prof.key_averages()
     text = (f"spec_len {opts.spec_len}: {stats.verify_steps} verify steps, {stats.new_tokens} tokens, "
             f"{1e3 * stats.decode_s / steps:.3f} ms per step under the profiler\n\n"
