@@ -18,6 +18,8 @@ rows as a split-K GEMM plus its reduction, two launches where a one-row call tak
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +51,47 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, K: tl.cons
         else:
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _rows_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, M: tl.constexpr, K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A few rows (M < FEW_M, compiled in): each program reads a [BLOCK_N, BLOCK_K] tile of weight rows once per
+    # K chunk and dots every row of x against it, one row at a time; many narrow programs over N, as a GEMV has
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        kk = k0 + rk
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
+                    other=0.0)
+        for m in tl.static_range(M):
+            x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0)
+            part = tl.sum(w * x[None, :], axis=1)
+            acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def rows_tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of ``_rows_kernel``: ``LUCE_TUNE_ROWS_TILE`` ("4,256,2") when set."""
+    text = os.environ.get("LUCE_TUNE_ROWS_TILE", "").strip()
+    if text:
+        bn, bk, nw = (int(v) for v in text.split(","))
+        return bn, bk, nw
+    return 4, 256, 2
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int) -> torch.Tensor:
+    """``x @ w.T`` for float32 x [M, K] of a few rows (contiguous last dimension) through ``_rows_kernel``
+    with the given tiles: a new contiguous float32 [M, N]."""
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    _rows_kernel[(triton.cdiv(N, block_n),)](x, w, out, N, x.stride(0), w.stride(0), M=M, K=K,
+                                             BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n,
+                                             BLOCK_K=min(block_k, triton.next_power_of_2(K)), num_warps=num_warps)
+    return out
 
 
 def applies(x: torch.Tensor, w: torch.Tensor, min_rows: int = 1) -> bool:
@@ -92,6 +135,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, K)
     M = flat.shape[0]
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    if M < FEW_M:
+        return rows_linear(flat, w, *rows_tiles(M, N, K)).view(*x.shape[:-1], N)
     dot = M >= FEW_M
     bm, bn, bk = tiles(M, N) if dot else few_tiles(M, N, K)
     _skinny_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
