@@ -9,11 +9,13 @@ outputs over the whole of K (compiled in: a model has few), products and sums in
 (``input_precision="ieee"``: no TF32), so the result is that of a float32 matmul up to the order of
 its sums. The torch definition is ``F.linear``.
 
-Blocks of fewer than ``FEW_M`` rows (a verify block at spec_len 4, a draft block of 4) take the kernel's
-other form, without ``tl.dot``, whose operands start at 16 rows: each program broadcasts every row of the
-block against a tile of weight rows and sums over K in registers (``DOT=False``). ``engine.model.linear``
-decides from how many rows on it sends blocks here (``skinny_min_rows``); cuBLAS takes blocks of 2-7 float32
-rows as a split-K GEMM plus its reduction, two launches where a one-row call takes one GEMV.
+Blocks of fewer than ``FEW_M`` rows (a verify block at spec_len 4, a draft block of 4) take ``_rows_kernel``
+instead: many narrow programs over the outputs, as a GEMV has (two weight rows a program by default), each
+reading its weight tile once per K chunk and dotting every row of the block against it. cuBLAS takes blocks of
+2-7 float32 rows as a split-K GEMM plus its reduction, two launches of 4-6 us where a one-row call takes one
+GEMV of about 2.3 us; this kernel takes 1.5-3 us for them (``bench/few_rows.py``; an H100, docs/benchmarks.md,
+fourteenth round). ``engine.model.linear`` decides from how many rows on it sends blocks here
+(``skinny_min_rows``).
 """
 
 from __future__ import annotations
@@ -24,18 +26,22 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.errors import ConfigError
 from engine.kernels.fused import check_device
 
 MAX_M = 32  # rows; longer calls go to cuBLAS, whose large-tile kernels suit them
-FEW_M = 8  # blocks of fewer rows take the kernel's form without tl.dot
+FEW_M = 8  # blocks of fewer rows take ``_rows_kernel``
+ROWS_TILE_ENV = "LUCE_TUNE_ROWS_TILE"
+# (outputs a program, K chunk, warps) of ``_rows_kernel``: the fastest on average over the shipped target's and
+# draft's shapes at 4 and 5 rows on an H100 (0.79 one-row GEMVs; at most 1.2, the 4096-output LM head)
+ROWS_TILE = (2, 256, 1)
 MAX_K = 16384
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    # DOT: tl.dot over row tiles of 16 or more; else every row of x (BLOCK_M >= M, one row tile) broadcast
-    # against the weight tile, [M, 1, K] x [1, N, K] summed over K in registers
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # tl.dot over row tiles of 16 or more
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -46,10 +52,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, K: tl.cons
                     other=0.0)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
                     other=0.0)
-        if DOT:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -73,18 +76,26 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, M: tl.constexpr
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def rows_tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) of ``_rows_kernel``: ``LUCE_TUNE_ROWS_TILE`` ("4,256,2") when set."""
-    text = os.environ.get("LUCE_TUNE_ROWS_TILE", "").strip()
-    if text:
+def rows_tiles() -> tuple[int, int, int]:
+    """(outputs a program, K chunk, warps) of ``_rows_kernel``: ``LUCE_TUNE_ROWS_TILE`` ("2,256,1") when set,
+    else ``ROWS_TILE``."""
+    text = os.environ.get(ROWS_TILE_ENV, "").strip()
+    if not text:
+        return ROWS_TILE
+    try:
         bn, bk, nw = (int(v) for v in text.split(","))
-        return bn, bk, nw
-    return 4, 256, 2
+    except ValueError:
+        bn = bk = nw = 0
+    if not all(v >= 1 and v & (v - 1) == 0 for v in (bn, bk, nw)) or bk < 16 or nw > 8:
+        raise ConfigError(f"{ROWS_TILE_ENV} takes three powers of two, 'outputs,K chunk,warps' with a K chunk of "
+                         f"16 or more and at most 8 warps (the default is '2,256,1'), got {text!r}")
+    return bn, bk, nw
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int) -> torch.Tensor:
-    """``x @ w.T`` for float32 x [M, K] of a few rows (contiguous last dimension) through ``_rows_kernel``
-    with the given tiles: a new contiguous float32 [M, N]."""
+    """``x @ w.T`` for float32 x [M, K] of fewer than ``FEW_M`` rows (contiguous last dimension) and w [N, K]
+    (contiguous rows) through ``_rows_kernel`` with the given tile (``rows_tiles``): a new contiguous
+    float32 [M, N]."""
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
@@ -113,16 +124,6 @@ def tiles(m: int, n: int) -> tuple[int, int, int]:
     return block_m, block_n, 64
 
 
-def few_tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of the kernel for fewer than ``FEW_M`` rows: every row in one tile, output
-    tiles of 16 (32 for wide outputs such as an LM head), and K chunks that keep the broadcast product of
-    a chunk (BLOCK_M x BLOCK_N x BLOCK_K values) at 4,096 or fewer: 32 registers a thread at 4 warps."""
-    block_m = triton.next_power_of_2(max(m, 1))
-    block_n = 32 if n >= 2048 else 16
-    block_k = max(16, min(triton.next_power_of_2(max(k, 1)), 4096 // (block_m * block_n)))
-    return block_m, block_n, block_k
-
-
 def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` for float32 x [..., K] of 1 to ``MAX_M`` rows and w [N, K] (``applies``):
     a new contiguous float32 [..., N]."""
@@ -134,12 +135,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     K, N = w.shape[1], w.shape[0]
     flat = x.reshape(-1, K)
     M = flat.shape[0]
-    out = torch.empty(M, N, dtype=torch.float32, device=x.device)
     if M < FEW_M:
-        return rows_linear(flat, w, *rows_tiles(M, N, K)).view(*x.shape[:-1], N)
-    dot = M >= FEW_M
-    bm, bn, bk = tiles(M, N) if dot else few_tiles(M, N, K)
+        return rows_linear(flat, w, *rows_tiles()).view(*x.shape[:-1], N)
+    out = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    bm, bn, bk = tiles(M, N)
     _skinny_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
-        flat, w, out, M, N, flat.stride(0), w.stride(0), K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT=dot,
-        num_warps=4)
+        flat, w, out, M, N, flat.stride(0), w.stride(0), K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return out.view(*x.shape[:-1], N)

@@ -1,9 +1,9 @@
 """Projections whose weight is either a dense tensor or a quantized matrix kept as GGUF blocks.
 
-Dense float32 projections of ``skinny_min_rows()`` (8 by default) to 32 rows on CUDA (DFlash verify and draft
+Dense float32 projections of ``skinny_min_rows()`` (2 by default) to 32 rows on CUDA (DFlash verify and draft
 blocks) take the one-launch kernels of ``engine.kernels.skinny``; everything else ``F.linear``.
-``LUCE_TUNE_SKINNY_MIN_ROWS`` (1-32) moves the lower bound: 2 sends blocks of 2-7 rows (a verify block at
-spec_len 4) to the kernel without ``tl.dot`` as well, 1 a decode step's single row too.
+``LUCE_TUNE_SKINNY_MIN_ROWS`` (1-32) moves the lower bound: 8 leaves blocks of 2-7 rows to cuBLAS, 1 sends a
+decode step's single row to the kernel too.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ FUSED_SKINNY: bool | None = False if os.environ.get("LUCE_TUNE_SKINNY", "1") == 
 SKINNY = "few-row float32 projection"
 SKINNY_MIN_ROWS_ENV = "LUCE_TUNE_SKINNY_MIN_ROWS"
 MAX_ROWS = 32  # engine.kernels.skinny.MAX_M, without importing Triton here
-# on the H200, blocks of 4-5 rows ran faster through cuBLAS than through the tl.dot kernel (a draft block of 4:
-# 161 us against 216), blocks of 8-17 through it (a verify block of 17: 543 us against 1,158; docs/benchmarks.md,
-# 2026-12-02). The form without tl.dot for fewer rows lost to cuBLAS too on the H100: a DFlash step at spec_len 4
-# took 763 us with blocks from 2 rows sent to it against 699 us (draft 219 against 171 us, verify 458 against 453;
-# docs/benchmarks.md, thirteenth round)
-DEFAULT_MIN_ROWS = 8
+# blocks of 2-7 rows (a verify block at spec_len 4, a draft block of 4) take the kernel's few-row form
+# (``skinny.rows_linear``): on an H100 a DFlash step at spec_len 4 took 523 us against 698 us through cuBLAS
+# (docs/benchmarks.md, fourteenth round). A decode step's single row stays with cuBLAS's GEMV unless told
+# (1): not measured in a whole step.
+DEFAULT_MIN_ROWS = 2
 
 
 def skinny_min_rows() -> int:
@@ -57,9 +56,11 @@ def _skinny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if not on or x.dtype != torch.float32:  # bf16 models never take it: no import, no checks
         return None
     global _MIN_ROWS
+    from engine.kernels import skinny
+
     if _MIN_ROWS is None:
         _MIN_ROWS = skinny_min_rows()
-    from engine.kernels import skinny
+        skinny.rows_tiles()  # a bad LUCE_TUNE_ROWS_TILE is one clear error here, not a kernel switched off
 
     if not skinny.applies(x, w, min_rows=_MIN_ROWS):
         return None

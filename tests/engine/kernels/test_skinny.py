@@ -35,7 +35,7 @@ def max_rel(out, x, w):
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 16, 17, 32])
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (33, 64), (130, 65), (257, 200), (2049, 300)])
 def test_matches_float64_reference(m, n, k):
-    """Both kernels: fewer than FEW_M rows take the one without tl.dot, the others the tl.dot one."""
+    """Both kernels: fewer than FEW_M rows take the few-row kernel (its default tile), the others the tl.dot one."""
     x, w = case(m, n, k, seed=m * 1000 + n + k)
     out = skinny.skinny_linear(x, w)
     assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
@@ -52,35 +52,62 @@ def test_leading_dims_and_strided_rows():
     assert max_rel(out.reshape(10, 19), x3.reshape(10, 37), w) < 1e-5
 
 
-def test_few_rows_tiles_cover_the_rows_and_bound_the_product():
-    for m in range(1, skinny.FEW_M):
-        for n in (1, 8, 256, 2047, 2048, 4096):
-            for k in (1, 7, 64, 256, 5000):
-                bm, bn, bk = skinny.few_tiles(m, n, k)
-                assert bm >= m and bm & (bm - 1) == 0 and bn in (16, 32) and bk >= 16 and bk & (bk - 1) == 0
-                assert bm * bn * bk <= 4096 or bk == 16
-    assert skinny.few_tiles(5, 4096, 256) == (8, 32, 16)
-    assert skinny.few_tiles(1, 768, 256) == (1, 16, 256)
+@pytest.mark.parametrize("tile", [(1, 16, 1), (2, 256, 1), (4, 32, 2), (16, 64, 4)])
+@pytest.mark.parametrize("m,n,k", [(1, 7, 5), (2, 33, 300), (5, 130, 64), (7, 9, 513)])
+def test_rows_kernel_matches_float64_at_every_tile(m, n, k, tile):
+    """The few-row kernel at other tiles than the default: outputs not a multiple of the programs' width, K
+    not a multiple of the chunk (several chunks, a partial last one), every row count below FEW_M's bound."""
+    x, w = case(m, n, k, seed=m * 97 + n * 7 + k + tile[0])
+    out = skinny.rows_linear(x, w, *tile)
+    assert out.shape == (m, n) and out.is_contiguous()
+    assert max_rel(out, x, w) < 1e-5
 
 
-def test_the_form_without_dot_is_taken_below_few_m(monkeypatch):
-    """Fewer than FEW_M rows launch the kernel's form without tl.dot (one row tile), FEW_M and more the tl.dot
-    form."""
+def test_rows_tile_setting(monkeypatch):
+    monkeypatch.delenv(skinny.ROWS_TILE_ENV, raising=False)
+    assert skinny.rows_tiles() == skinny.ROWS_TILE == (2, 256, 1)
+    monkeypatch.setenv(skinny.ROWS_TILE_ENV, "8, 64, 4")
+    assert skinny.rows_tiles() == (8, 64, 4)
+    for bad in ("3,256,1", "2,8,1", "2,256,16", "2,256", "two"):
+        monkeypatch.setenv(skinny.ROWS_TILE_ENV, bad)
+        with pytest.raises(ConfigError, match=f"LUCE_TUNE_ROWS_TILE takes three powers of two.*got '{bad}'"):
+            skinny.rows_tiles()
+    # through ``linear``: one clear error at the first call, not the kernel switched off for good
+    monkeypatch.setattr(linear_mod, "FUSED_SKINNY", None)
+    monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
+    monkeypatch.setattr(skinny, "applies", lambda *a, **k: True)
+    monkeypatch.setattr(linear_mod.fused, "allowed", lambda name: True)
+    x, w = case(4, 8, 16, seed=9)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with pytest.raises(ConfigError, match="LUCE_TUNE_ROWS_TILE"):
+        linear_mod.linear(x, w)
+    monkeypatch.undo()
+    linear_mod._MIN_ROWS = None
+
+
+def test_the_few_rows_kernel_is_taken_below_few_m(monkeypatch):
+    """Fewer than FEW_M rows launch the few-row kernel with the row count compiled in, one program per
+    ROWS_TILE[0] outputs; FEW_M and more the tl.dot kernel."""
     launched = []
-    kernel = skinny._skinny_kernel
+    rows, dot = skinny._rows_kernel, skinny._skinny_kernel
 
     class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launched.append((kwargs["DOT"], grid[1]))
-                return kernel[grid](*args, **kwargs)
+                launched.append((self.name, grid, kwargs.get("M")))
+                return self.kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(skinny, "_skinny_kernel", Spy())
+    monkeypatch.delenv(skinny.ROWS_TILE_ENV, raising=False)
+    monkeypatch.setattr(skinny, "_rows_kernel", Spy("rows", rows))
+    monkeypatch.setattr(skinny, "_skinny_kernel", Spy("dot", dot))
     x, w = case(skinny.FEW_M, 24, 40, seed=11)
-    skinny.skinny_linear(x[:skinny.FEW_M - 1], w)
+    assert max_rel(skinny.skinny_linear(x[:skinny.FEW_M - 1], w), x[:skinny.FEW_M - 1], w) < 1e-5
     skinny.skinny_linear(x, w)
-    assert launched == [(False, 1), (True, 1)]
+    assert launched == [("rows", (24 // skinny.ROWS_TILE[0],), skinny.FEW_M - 1), ("dot", (2, 1), None)]
 
 
 def test_refuses_what_it_does_not_take():
@@ -114,7 +141,7 @@ def test_linear_dispatch(monkeypatch):
     monkeypatch.delenv(linear_mod.SKINNY_MIN_ROWS_ENV, raising=False)
     monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
     fewest = linear_mod.DEFAULT_MIN_ROWS
-    linear_mod.linear(x[:fewest - 1], w)  # fewer rows (the decode step's one, DFlash blocks of 4): F.linear
+    linear_mod.linear(x[:fewest - 1], w)  # fewer rows (the decode step's one): F.linear
     assert calls == [1]
     linear_mod.linear(x[:fewest], w)
     assert calls == [1, 1]
@@ -155,7 +182,7 @@ def test_linear_min_rows_setting(monkeypatch):
 @pytest.mark.parametrize("n,k", [(4096, 256), (1024, 256), (256, 768), (32, 256), (8, 256)])
 def test_cuda_shapes_in_a_graph(m, n, k):
     """The shipped target's and draft's projections (LM head, qkv, fc, router, alpha/beta) for one row and
-    verify blocks of 1, 4 and 16 tokens (the first three through the kernel without tl.dot): eager and
+    verify blocks of 1, 4 and 16 tokens (the first three through the few-row kernel): eager and
     replayed in a CUDA graph on new rows."""
     x, w = case(m, n, k, seed=m + n + k)
     assert max_rel(skinny.skinny_linear(x, w), x, w) < 1e-5
