@@ -353,13 +353,15 @@ def test_host_share_launches_compile_with_system_scope_accesses(name, module, ty
         assert "ld.acquire.sys" in out
 
 
-@pytest.mark.parametrize("rows,block_n,block_k", [(8, 32, 16), (4, 16, 64), (1, 16, 256)])
-def test_few_rows_linear_kernel_compiles_without_spills(rows, block_n, block_k, tmp_path):
-    """The float32 projection for fewer than 8 rows (a verify block at spec_len 4) at the shipped target's K:
-    its weight tile read in 16-byte vectors, its broadcast product kept in registers."""
+@pytest.mark.parametrize("rows,k,tile", [(5, 256, (2, 256, 1)), (4, 768, (2, 256, 1)), (7, 256, (16, 64, 4))])
+def test_few_rows_linear_kernel_compiles_without_spills(rows, k, tile, tmp_path):
+    """The float32 projection for fewer than 8 rows (a verify block at spec_len 4, a draft block of 4) at the
+    shipped target's and draft's K, at the default tile and a wide one: its weight tile read in 16-byte
+    vectors, its products kept in registers."""
+    block_n, block_k, warps = tile
     types = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32"}
-    consts = {"K": 256, "BLOCK_M": rows, "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT": False}
-    sass = _sass("_skinny_kernel", types, consts, 4, tmp_path, module="engine.kernels.skinny")
+    consts = {"M": rows, "K": k, "BLOCK_M": 8, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    sass = _sass("_rows_kernel", types, consts, warps, tmp_path, module="engine.kernels.skinny")
     ops = re.findall(r"\b(LDG\.E\.\w+|LDG\.E|LDL|STL)\b", sass)
     assert "LDL" not in ops and "STL" not in ops, sorted(set(ops))
     assert ops.count("LDG.E.128") >= 1, sorted(set(ops))
