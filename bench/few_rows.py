@@ -85,8 +85,8 @@ def main() -> None:
     best_tiles: dict[tuple[int, int, int], list[float]] = {t: [] for t in tiles_timed}
     for M in (int(r) for r in args.rows.split(",") if r):
         print(f"\n{M} rows: us a call (best rows_linear tile: block_n, block_k, warps)", flush=True)
-        print(f"{'N':>5} {'K':>4} {'gemv 1 row':>10} {'cublas':>7} {'cublasLt':>8} {'tl.dot':>7} {'rows best':>9}  tile",
-              flush=True)
+        print(f"{'N':>5} {'K':>4} {'gemv 1 row':>10} {'cublas':>7} {'cublasLt':>8} {'tl.dot':>7} "
+              f"{'rows best':>9}  tile", flush=True)
         for N, K in SHAPES:
             g = torch.Generator(device=dev).manual_seed(N * 7 + K + M)
             x = torch.randn(M, K, device=dev, generator=g)
