@@ -59,8 +59,9 @@ def _skinny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     from engine.kernels import skinny
 
     if _MIN_ROWS is None:
-        _MIN_ROWS = skinny_min_rows()
-        skinny.rows_tiles()  # a bad LUCE_TUNE_ROWS_TILE is one clear error here, not a kernel switched off
+        rows = skinny_min_rows()
+        skinny.rows_tiles()  # a bad LUCE_TUNE_ROWS_TILE is one clear error here, at every call, not a kernel off
+        _MIN_ROWS = rows
 
     if not skinny.applies(x, w, min_rows=_MIN_ROWS):
         return None
