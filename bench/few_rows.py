@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import commit, machine
+from common import commit, graph_time_ms, machine
 
 from engine.kernels import skinny
 
@@ -35,28 +35,8 @@ ROWS_TILES = list(itertools.product((2, 4, 8, 16), (256,), (1, 2, 4)))  # block_
 
 
 def graph_us(fn, calls: int, replays: int) -> float:
-    """Median device time per call of a graph of ``calls`` calls of ``fn``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(1e3 * a.elapsed_time(b) / calls)
-    return statistics.median(times)
+    """Median device time per call, in us, of a graph of ``calls`` calls of ``fn``."""
+    return 1e3 * graph_time_ms(fn, warmup=3, repeats=replays, calls=calls)["ms"]
 
 
 def blas(name: str, x: torch.Tensor, w: torch.Tensor):
