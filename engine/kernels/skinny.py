@@ -92,6 +92,9 @@ def rows_tiles() -> tuple[int, int, int]:
     return bn, bk, nw
 
 
+_tile_in_use: tuple[int, int, int] | None = None  # ``rows_tiles()``, read at the first few-row call
+
+
 def rows_linear(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int) -> torch.Tensor:
     """``x @ w.T`` for float32 x [M, K] of fewer than ``FEW_M`` rows (contiguous last dimension) and w [N, K]
     (contiguous rows) through ``_rows_kernel`` with the given tile (``rows_tiles``): a new contiguous
@@ -127,6 +130,7 @@ def tiles(m: int, n: int) -> tuple[int, int, int]:
 def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` for float32 x [..., K] of 1 to ``MAX_M`` rows and w [N, K] (``applies``):
     a new contiguous float32 [..., N]."""
+    global _tile_in_use
     check_device(x, "skinny_linear")
     if not applies(x, w):
         raise ValueError(f"skinny_linear takes 1-{MAX_M} float32 rows against a float32 [N, K] weight with "
@@ -136,7 +140,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, K)
     M = flat.shape[0]
     if M < FEW_M:
-        return rows_linear(flat, w, *rows_tiles()).view(*x.shape[:-1], N)
+        if _tile_in_use is None:
+            _tile_in_use = rows_tiles()
+        return rows_linear(flat, w, *_tile_in_use).view(*x.shape[:-1], N)
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
     bm, bn, bk = tiles(M, N)
     _skinny_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](

@@ -103,6 +103,7 @@ def test_the_few_rows_kernel_is_taken_below_few_m(monkeypatch):
             return launch
 
     monkeypatch.delenv(skinny.ROWS_TILE_ENV, raising=False)
+    monkeypatch.setattr(skinny, "_tile_in_use", None)  # read again from the (unset) setting
     monkeypatch.setattr(skinny, "_rows_kernel", Spy("rows", rows))
     monkeypatch.setattr(skinny, "_skinny_kernel", Spy("dot", dot))
     x, w = case(skinny.FEW_M, 24, 40, seed=11)
