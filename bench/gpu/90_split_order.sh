@@ -2,7 +2,7 @@
 # Issue 9, on a fresh machine in one call (carry .snap): the llama-bench build and the 35B file together; the
 # split's CUDA tests; then half-cold decode (whole layers) per CPU share with the threads' cold pairs taken in
 # pair order (LUCE_TUNE_SPLIT_ORDER=weight, the default) and by expert id (expert: the same experts to the same
-# side from token to token, so the threads may re-read blocks still in the host's cache), SHARES each, once the
+# side from token to token, so the threads may re-read blocks still in the host's cache), SHARES_<order>, once the
 # build has left the cores; then `69_share_side_by_side.sh` at the fastest order and share (ORDER, SHARE override).
 source "$(dirname "$0")/env.sh"
 bash "$(dirname "$0")/17_llamacpp_build.sh"
@@ -15,9 +15,12 @@ tests_summary $t0
 echo "35B file there after $SECONDS s"
 for _ in $(seq ${WAIT_S:-420}); do [ -x /tmp/llbuild/cmake/bin/llama-bench ] && break; sleep 1; done
 echo "llama-bench there after $SECONDS s"
+SHARES_weight=${SHARES_weight:-0.6,0.7}  # the pair order's fastest so far: 0.6-0.65 (twelfth and thirteenth rounds)
+SHARES_expert=${SHARES_expert:-0.5,0.6,0.7,0.8,0.9}
 for order in ${ORDERS:-weight expert}; do
-  LUCE_TUNE_SPLIT_ORDER=$order timeout ${SWEEP_S:-90} python3 bench/cold_cpu_share.py --model /tmp/q35.gguf \
-    --shares ${SHARES:-0.6,0.7,0.8,0.9} --placement-units layer --new-tokens 64 --repeats 3 \
+  shares=SHARES_$order
+  LUCE_TUNE_SPLIT_ORDER=$order timeout ${SWEEP_S:-100} python3 bench/cold_cpu_share.py --model /tmp/q35.gguf \
+    --shares ${!shares} --placement-units layer --new-tokens 64 --repeats 3 \
     --json "$OUT/split_$order.json" 2>&1 | grep -v Warn | tee "$OUT/split_$order.log" | grep "^share" \
     || echo "$order sweep rc=$?"
 done
