@@ -323,6 +323,12 @@ def test_word_gate_up_waits_before_the_down_launch_may_start(wait_first, tmp_pat
     assert (wait < launch) == wait_first
 
 
+SPLIT_TYPES = {"ids_ptr": "*i64", "slot_ptr": "*i64", "codes_ptr": "*i32", "stage_codes_ptr": "*i32",
+               "stage_ptr": "*i32", "hits_ptr": "*i64", "pending_ptr": "*i32", "mb_i": "*i32", "mb_f": "*fp32",
+               "seq_ptr": "*i32", "x_ptr": "*bf16", "w_ptr": "*fp32", "share": "fp32", "pf_ptr": "*i32",
+               "pf_hits_ptr": "*i64", "warm_ptr": "*i32"}
+
+
 @pytest.mark.parametrize("name, module, types, consts", [
     ("_collect_into_kernel", "engine.kernels.host_share_triton",
      {"reply_i": "*i32", "reply_f": "*fp32", "seq_ptr": "*i32", "pending_ptr": "*i32", "acc_ptr": "*fp32",
@@ -332,15 +338,11 @@ def test_word_gate_up_waits_before_the_down_launch_may_start(wait_first, tmp_pat
      {"reply_i": "*i32", "reply_f": "*fp32", "seq_ptr": "*i32", "out_ptr": "*fp32"},
      {"SPINS": 1 << 24, "REPLY_HEADER": 16, "BLOCK": 1024}),
     ("_split_kernel", "engine.kernels.hybrid_split",
-     {"ids_ptr": "*i64", "slot_ptr": "*i64", "codes_ptr": "*i32", "stage_codes_ptr": "*i32", "stage_ptr": "*i32",
-      "hits_ptr": "*i64", "pending_ptr": "*i32", "mb_i": "*i32", "mb_f": "*fp32", "seq_ptr": "*i32", "x_ptr": "*bf16",
-      "w_ptr": "*fp32", "share": "fp32", "pf_ptr": "*i32", "pf_hits_ptr": "*i64", "warm_ptr": "*i32"},
+     SPLIT_TYPES,
      {"P": 8, "K": 8, "MAX_PAIRS": 128, "HEADER": 32, "BLOCK_P": 16, "BLOCK": 1024, "PUBLISH": True, "APART": True,
       "M": 2, "MW": 2, "BY_ID": False}),
     ("_split_kernel", "engine.kernels.hybrid_split",
-     {"ids_ptr": "*i64", "slot_ptr": "*i64", "codes_ptr": "*i32", "stage_codes_ptr": "*i32", "stage_ptr": "*i32",
-      "hits_ptr": "*i64", "pending_ptr": "*i32", "mb_i": "*i32", "mb_f": "*fp32", "seq_ptr": "*i32", "x_ptr": "*bf16",
-      "w_ptr": "*fp32", "share": "fp32", "pf_ptr": "*i32", "pf_hits_ptr": "*i64", "warm_ptr": "*i32"},
+     SPLIT_TYPES,
      {"P": 40, "K": 8, "MAX_PAIRS": 128, "HEADER": 32, "BLOCK_P": 64, "BLOCK": 1024, "PUBLISH": True, "APART": True,
       "M": 0, "MW": 0, "BY_ID": True}),
     ("_select_kernel", "engine.kernels.hybrid_split",
