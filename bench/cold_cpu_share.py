@@ -48,7 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import commit, machine, spread  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.kernels.host_experts import CFLAGS_ENV  # noqa: E402
-from engine.kernels.hybrid_split import split_order  # noqa: E402
 
 
 def main() -> None:
@@ -136,7 +135,6 @@ def main() -> None:
         same = warm.ids == first
         row = {"placement_unit": unit, "feed": args.feed, "share": share, "activations": act if share else None, "threads": pool.threads if share else 0,
                "cold_prefetch": eng.hybrid.cold_prefetch, "cold_warm": eng.hybrid.cold_warm,
-               "split_order": split_order(),
                "prefetched": sent, "prefetch_served_pairs": served,
                "cold_pairs": cold_pairs,
                "cflags": build if share else None,

@@ -288,12 +288,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 eng.set_cold_prefetch(eng.hybrid.cold_prefetch if args.cold_prefetch is None else args.cold_prefetch,
                                       warm=args.cold_warm)
             share = eng.hybrid.cpu_share if eng.hybrid is not None else 0.0
-            from engine.kernels.hybrid_split import split_order
             ours_info["ncmoe"] = info | placement.summary() | {"placement_unit": args.placement_unit,
                                                                "cold_cpu_share": share,
                                                                "cold_prefetch": eng.hybrid.cold_prefetch,
-                                                               "cold_warm": eng.hybrid.cold_warm,
-                                                               "split_order": split_order()}
+                                                               "cold_warm": eng.hybrid.cold_warm}
         for test in tests_for(args, ncmoe):
             ours = time_ours(eng, test, args.repeats, gen)
             rows[test.name]["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}

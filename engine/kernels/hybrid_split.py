@@ -9,14 +9,10 @@ computes from one id tensor:
   in the same launch: the mailbox's ids, weights and token rows, then its sequence number (system-scope
   release), as ``host_share_triton``'s publish does.
 
-Of a call's ``c`` cold pairs the threads take ``floor(c * share + 1/2)``, the bus the others, so each layer's
-two sides get their share of this call's pairs rather than of the experts' routed mass on average. Which
-ones (``LUCE_TUNE_SPLIT_ORDER``): ``weight`` (the default) gives the threads the last in pair order (the
-router orders each token's pairs by weight); ``expert`` gives them the cold experts of the highest ids (ties:
-the later pair), so that a token routed to the experts of the token before hands each of them to the same
-side again and the threads re-read the blocks they read a step ago, which the host's cache may still hold.
-Every cold expert is the same bytes either way; only where they are read from can differ. Calls of over 64
-pairs (not decode-sized) keep the pair order. With none for the threads nothing is published and ``pending`` says so:
+Of a call's ``c`` cold pairs the threads take the last ``floor(c * share + 1/2)`` in pair order (the router
+orders each token's pairs by weight; which ones does not change the cost: every cold expert is the same
+bytes), the bus the others, so each layer's two sides get their share of this call's pairs rather than of
+the experts' routed mass on average. With none for the threads nothing is published and ``pending`` says so:
 ``host_share_triton.collect_into`` then waits for nothing. The layer's hot pairs are added to its hit counter.
 
 Cold experts fetched ahead (``select_prefetch``): before a layer's router has run, its routing is predicted
@@ -30,14 +26,12 @@ layer's prefetch counter gains the pairs served by fetched or warmed experts.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.errors import ConfigError
 from engine.kernels.fused import check_device
 from engine.kernels.host_experts import HEADER, WARM_IDS, WARM_LAYER, WARM_MAX, WARM_N, WARM_SEQ
 from engine.kernels.host_share_triton import _fence_sys, _store_release_sys
@@ -46,30 +40,6 @@ if TYPE_CHECKING:
     from engine.kernels.host_experts import HostShare
 
 BLOCK = 1024  # token-row floats a loop step of the mailbox's copy
-SPLIT_ORDER_ENV = "LUCE_TUNE_SPLIT_ORDER"  # weight or expert: which cold pairs the CPU threads take
-SPLIT_ORDERS = ("weight", "expert")
-BY_ID_MAX_PAIRS = 64  # the expert order compares every pair with every other: decode-sized calls only
-
-
-def split_order() -> str:
-    """``LUCE_TUNE_SPLIT_ORDER`` (``weight`` when unset): which of a call's cold pairs the threads take."""
-    text = os.environ.get(SPLIT_ORDER_ENV, "").strip() or "weight"
-    if text not in SPLIT_ORDERS:
-        raise ConfigError(f"{SPLIT_ORDER_ENV} must be one of {', '.join(SPLIT_ORDERS)}, got {text!r}")
-    return text
-
-
-@triton.jit
-def _threads_take(e, rest, n_rest, c, p, BY_ID: tl.constexpr):
-    """Of the cold pairs ``rest`` (int32, 1 for each of the ``c`` pairs to share), the ``n_rest`` the threads
-    take: those of the highest expert ids ``e`` (ties: the later pair ``p``) with ``BY_ID``, else the last in
-    pair order. Returns the threads' mask and the bus's."""
-    if BY_ID:
-        below = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (p[None, :] < p[:, None]))
-        rank = tl.sum(((rest[None, :] != 0) & below).to(tl.int32), axis=1)  # the shared pairs ordered before
-    else:
-        rank = tl.cumsum(rest, axis=0) - rest  # the shared pairs before this one
-    return (rest != 0) & (rank >= c - n_rest), (rest != 0) & (rank < c - n_rest)
 
 
 @triton.jit
@@ -77,7 +47,7 @@ def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_codes_ptr, stage_ptr, hits
                   seq_ptr, x_ptr, w_ptr, pf_ptr, pf_hits_ptr, pf_row, warm_ptr, layer, T, N, share, P: tl.constexpr,
                   K: tl.constexpr, MAX_PAIRS: tl.constexpr, HEADER: tl.constexpr, BLOCK_P: tl.constexpr,
                   BLOCK: tl.constexpr, PUBLISH: tl.constexpr, APART: tl.constexpr, M: tl.constexpr,
-                  MW: tl.constexpr, BY_ID: tl.constexpr):
+                  MW: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     e = tl.load(ids_ptr + p, mask=pm, other=-1)
@@ -100,8 +70,9 @@ def _split_kernel(ids_ptr, slot_ptr, codes_ptr, stage_codes_ptr, stage_ptr, hits
         n_rest = tl.floor(c.to(tl.float32) * share + 0.5).to(tl.int32)
     else:
         n_rest = c * 0
-    take, bus = _threads_take(e, rest, n_rest, c, p, BY_ID)
-    cpu = warmed | take
+    rank = tl.cumsum(rest, axis=0) - rest  # the other cold pairs before this one
+    cpu = warmed | ((rest != 0) & (rank >= c - n_rest))
+    bus = (rest != 0) & (rank < c - n_rest)
     n_cpu = tl.sum(cpu.to(tl.int32), axis=0)
     if M + MW > 0:  # pairs served by what was fetched or warmed ahead
         tl.atomic_add(pf_hits_ptr, tl.sum(ahead.to(tl.int64), axis=0) + tl.sum(warmed.to(tl.int64), axis=0))
@@ -145,7 +116,7 @@ def split_pairs(ids: torch.Tensor, slot_of: torch.Tensor, hits: torch.Tensor, co
     [T, k] (the slot; ``-2 - p`` for a cold pair the bus carries, copied by ``stage_ids[p]`` = its expert;
     -1 for the threads' pairs and unrouted ones) and ``stage_ids`` [T k] (-1 where nothing is copied);
     ``hits`` (a one-element int64 tensor) gains the hot pairs. With ``share`` (CUDA), ``fraction`` of the
-    cold pairs go to its threads (which ones: ``split_order``), published with ``x`` [T, H] and ``w`` [T, k] for ``layer``. With
+    cold pairs go to its threads, published with ``x`` [T, H] and ``w`` [T, k] for ``layer``. With
     ``stage_codes`` [T, k] the ids come apart: ``codes`` the slots (-1 elsewhere), ``stage_codes`` the stage's
     ``-2 - p`` (-1 elsewhere), for expert launches of their own. ``fetched`` [M] (int32, -1: none) names cold
     experts already copied to stage rows ``fetched_row + j``: their pairs read those rows (``-2 - row``, no
@@ -170,7 +141,6 @@ def split_pairs(ids: torch.Tensor, slot_of: torch.Tensor, hits: torch.Tensor, co
     if (M or MW) and (fetched_hits is None or fetched_hits.dtype != torch.int64 or fetched_hits.numel() != 1):
         raise ValueError("experts fetched or warmed ahead need an int64 counter of the pairs they serve")
     publish = share is not None and fraction > 0
-    order = split_order()  # a bad value is one clear error at every call, with or without threads
     if publish:
         if not share.fits(T, k) or x is None or w is None:
             raise ValueError(f"{T} tokens of {k} pairs do not fit the mailbox, or x or w is missing")
@@ -186,8 +156,7 @@ def split_pairs(ids: torch.Tensor, slot_of: torch.Tensor, hits: torch.Tensor, co
                         warmed if MW else ids, layer, T, n,
                         float(fraction), P=P, K=k, MAX_PAIRS=max_pairs, HEADER=HEADER,
                         BLOCK_P=triton.next_power_of_2(max(P, 16)), BLOCK=BLOCK, PUBLISH=publish,
-                        APART=stage_codes is not None, M=M, MW=MW,
-                        BY_ID=publish and order == "expert" and P <= BY_ID_MAX_PAIRS, num_warps=4)
+                        APART=stage_codes is not None, M=M, MW=MW, num_warps=4)
 
 
 @triton.jit

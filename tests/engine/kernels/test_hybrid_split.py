@@ -12,10 +12,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 from engine.kernels.gather import gather_stacks  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from engine.kernels.hybrid_split import _threads_take, select_prefetch, split_pairs  # noqa: E402
+from engine.kernels.hybrid_split import select_prefetch, split_pairs  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,80 +147,6 @@ def test_select_prefetch_takes_the_first_cold_predictions_in_order(M):
     assert warmed.cpu().tolist() == [7, 2, 11] and int(sent) == 2 + M + 7
 
 
-@triton.jit
-def _take_kernel(e_ptr, rest_ptr, out_ptr, share, P: tl.constexpr, BLOCK_P: tl.constexpr, BY_ID: tl.constexpr):
-    p = tl.arange(0, BLOCK_P)
-    m = p < P
-    e = tl.load(e_ptr + p, mask=m, other=-1)
-    rest = tl.load(rest_ptr + p, mask=m, other=0)
-    c = tl.sum(rest, axis=0)
-    n_rest = tl.floor(c.to(tl.float32) * share + 0.5).to(tl.int32)
-    take, bus = _threads_take(e, rest, n_rest, c, p, BY_ID)
-    tl.store(out_ptr + p, take.to(tl.int32) - bus.to(tl.int32), mask=m)  # 1 threads, -1 bus, 0 neither
-
-
-def threads_take(e: torch.Tensor, rest: torch.Tensor, share: float, by_id: bool) -> list[int]:
-    out = torch.empty(e.numel(), dtype=torch.int32, device=DEVICE)
-    _take_kernel[(1,)](e.to(DEVICE, torch.int32), rest.to(DEVICE, torch.int32), out, share, P=e.numel(),
-                       BLOCK_P=triton.next_power_of_2(max(e.numel(), 16)), BY_ID=by_id)
-    return out.tolist()
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_threads_take_their_share_by_pair_order_or_by_expert_id(seed):
-    """Of the shared pairs the threads take ``floor(c * share + 1/2)``: by pair order the last ones, by expert
-    id those of the highest ids (ties: the later pair); every other shared pair is the bus's, and pairs not
-    shared are neither's. Odd sizes, repeated experts (several tokens), -1 for unrouted pairs."""
-    g = torch.Generator().manual_seed(seed)
-    P = [5, 8, 13, 24, 40, 61][seed]
-    e = torch.randint(0, 12, (P,), generator=g)
-    rest = (torch.rand(P, generator=g) < 0.7).int()
-    e[~rest.bool() & (torch.rand(P, generator=g) < 0.5)] = -1
-    share = [0.3, 0.5, 0.6, 0.75, 1.0, 0.45][seed]
-    c = int(rest.sum())
-    n = int(torch.floor(torch.tensor(c * share + 0.5)))
-    shared = [i for i in range(P) if rest[i]]
-    by_pair = set(shared[c - n:])
-    by_id = set(sorted(shared, key=lambda i: (int(e[i]), i))[c - n:])
-    for flag, want in ((False, by_pair), (True, by_id)):
-        got = threads_take(e, rest, share, flag)
-        assert [i for i in range(P) if got[i] == 1] == sorted(want)
-        assert [i for i in range(P) if got[i] == -1] == sorted(set(shared) - want)
-        assert all(got[i] == 0 for i in range(P) if not rest[i])
-
-
-def test_threads_take_the_same_experts_whatever_their_order_by_id():
-    """The point of the expert order: a token routed to the same cold experts in another order hands the
-    threads the same experts."""
-    e = torch.tensor([7, 2, 11, 4, 9, 3])
-    rest = torch.ones(6, dtype=torch.int32)
-    picked = []
-    for perm in (torch.arange(6), torch.tensor([5, 3, 0, 1, 4, 2]), torch.tensor([2, 4, 0, 3, 5, 1])):
-        got = threads_take(e[perm], rest, 0.5, True)
-        picked.append(sorted(int(e[perm][i]) for i in range(6) if got[i] == 1))
-    assert picked == [[7, 9, 11]] * 3
-
-
-def test_split_order_setting_is_checked(monkeypatch):
-    """``LUCE_TUNE_SPLIT_ORDER``: weight by default, expert when asked, one clear error for anything else,
-    raised by the split itself before any launch."""
-    from engine.errors import ConfigError
-    from engine.kernels.hybrid_split import split_order
-
-    monkeypatch.delenv("LUCE_TUNE_SPLIT_ORDER", raising=False)
-    assert split_order() == "weight"
-    monkeypatch.setenv("LUCE_TUNE_SPLIT_ORDER", "expert")
-    assert split_order() == "expert"
-    monkeypatch.setenv("LUCE_TUNE_SPLIT_ORDER", "random")
-    with pytest.raises(ConfigError, match="LUCE_TUNE_SPLIT_ORDER must be one of weight, expert, got 'random'"):
-        split_order()
-    ids, slot_of = case(1, 8, 16, seed=1)
-    with pytest.raises(ConfigError, match="LUCE_TUNE_SPLIT_ORDER"):
-        split_pairs(ids, slot_of, torch.zeros(1, dtype=torch.int64, device=DEVICE),
-                    torch.empty((1, 8), dtype=torch.int32, device=DEVICE), torch.empty(8, dtype=torch.int32,
-                                                                                      device=DEVICE))
-
-
 def test_split_refuses_wrong_outputs():
     ids, slot_of = case(1, 4, 8, seed=0)
     with pytest.raises(ValueError, match="int64 counter"):
@@ -337,39 +260,5 @@ def test_cuda_split_hands_the_threads_the_warmed_pairs_and_the_select_tells_them
         assert codes.view(-1).tolist() == [-1, -3, -1, 1]  # 1 and 5 the threads', 3 the bus's, 2 hot in slot 1
         assert stage.tolist() == [-1, 3, -1, -1] and int(served) == 2 and int(share.pending) == 1
         assert share.mailbox[HEADER:HEADER + k].tolist() == [1, -1, 5, -1]
-    finally:
-        share.close()
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_cuda_split_by_expert_id_hands_the_threads_the_same_experts_in_any_order(monkeypatch):
-    """With the expert order the threads' mailbox names the cold experts of the highest ids whatever the pairs'
-    order, the bus copies the others, and both orders share the same counts."""
-    from engine.kernels.host_experts import HEADER, HostShare
-
-    E, k, H = 16, 8, 64
-    share = HostShare([None] * 2, hidden=H, ffn=32, threads=1, device="cuda")
-    try:
-        slot_of = torch.full((E,), -1, dtype=torch.int64, device="cuda")
-        slot_of[[1, 6]] = torch.arange(2, device="cuda")  # 1 and 6 hot
-        for order in ("weight", "expert"):
-            monkeypatch.setenv("LUCE_TUNE_SPLIT_ORDER", order)
-            for perm in ([12, 3, 1, 9, 6, 0, 14, 5], [5, 14, 0, 6, 9, 1, 3, 12]):
-                ids = torch.tensor([perm], device="cuda")
-                hits = torch.zeros(1, dtype=torch.int64, device="cuda")
-                codes = torch.empty((1, k), dtype=torch.int32, device="cuda")
-                stage = torch.empty(k, dtype=torch.int32, device="cuda")
-                split_pairs(ids, slot_of, hits, codes, stage, share=share, fraction=0.5, layer=0,
-                            x=torch.randn(1, H, device="cuda"), w=torch.rand(1, k, device="cuda"))
-                torch.cuda.synchronize()
-                threads = sorted(v for v in share.mailbox[HEADER:HEADER + k].tolist() if v >= 0)
-                bus = sorted(v for v in stage.tolist() if v >= 0)
-                cold = [e for e in perm if e not in (1, 6)]
-                assert len(threads) == 3 and sorted(threads + bus) == sorted(cold)  # 6 cold: 3 each way
-                if order == "expert":
-                    assert threads == [9, 12, 14]
-                else:
-                    assert threads == sorted(cold[-3:])
     finally:
         share.close()

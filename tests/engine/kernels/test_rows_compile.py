@@ -323,12 +323,6 @@ def test_word_gate_up_waits_before_the_down_launch_may_start(wait_first, tmp_pat
     assert (wait < launch) == wait_first
 
 
-SPLIT_TYPES = {"ids_ptr": "*i64", "slot_ptr": "*i64", "codes_ptr": "*i32", "stage_codes_ptr": "*i32",
-               "stage_ptr": "*i32", "hits_ptr": "*i64", "pending_ptr": "*i32", "mb_i": "*i32", "mb_f": "*fp32",
-               "seq_ptr": "*i32", "x_ptr": "*bf16", "w_ptr": "*fp32", "share": "fp32", "pf_ptr": "*i32",
-               "pf_hits_ptr": "*i64", "warm_ptr": "*i32"}
-
-
 @pytest.mark.parametrize("name, module, types, consts", [
     ("_collect_into_kernel", "engine.kernels.host_share_triton",
      {"reply_i": "*i32", "reply_f": "*fp32", "seq_ptr": "*i32", "pending_ptr": "*i32", "acc_ptr": "*fp32",
@@ -338,19 +332,17 @@ SPLIT_TYPES = {"ids_ptr": "*i64", "slot_ptr": "*i64", "codes_ptr": "*i32", "stag
      {"reply_i": "*i32", "reply_f": "*fp32", "seq_ptr": "*i32", "out_ptr": "*fp32"},
      {"SPINS": 1 << 24, "REPLY_HEADER": 16, "BLOCK": 1024}),
     ("_split_kernel", "engine.kernels.hybrid_split",
-     SPLIT_TYPES,
+     {"ids_ptr": "*i64", "slot_ptr": "*i64", "codes_ptr": "*i32", "stage_codes_ptr": "*i32", "stage_ptr": "*i32",
+      "hits_ptr": "*i64", "pending_ptr": "*i32", "mb_i": "*i32", "mb_f": "*fp32", "seq_ptr": "*i32", "x_ptr": "*bf16",
+      "w_ptr": "*fp32", "share": "fp32", "pf_ptr": "*i32", "pf_hits_ptr": "*i64", "warm_ptr": "*i32"},
      {"P": 8, "K": 8, "MAX_PAIRS": 128, "HEADER": 32, "BLOCK_P": 16, "BLOCK": 1024, "PUBLISH": True, "APART": True,
-      "M": 2, "MW": 2, "BY_ID": False}),
-    ("_split_kernel", "engine.kernels.hybrid_split",
-     SPLIT_TYPES,
-     {"P": 40, "K": 8, "MAX_PAIRS": 128, "HEADER": 32, "BLOCK_P": 64, "BLOCK": 1024, "PUBLISH": True, "APART": True,
-      "M": 0, "MW": 0, "BY_ID": True}),
+      "M": 2, "MW": 2}),
     ("_select_kernel", "engine.kernels.hybrid_split",
      {"pred_ptr": "*i64", "slot_ptr": "*i64", "out_ptr": "*i32", "sent_ptr": "*i64", "warm_ptr": "*i32",
       "mb_i": "*i32", "wseq_ptr": "*i32"},
      {"K": 8, "M": 1, "MW": 2, "PUBLISH": True, "BLOCK_K": 8, "WARM_SEQ": 20, "WARM_LAYER": 21, "WARM_N": 22,
       "WARM_IDS": 24}),
-], ids=["collect_into", "collect", "split_publish", "split_by_id", "select_warm"])
+], ids=["collect_into", "collect", "split_publish", "select_warm"])
 def test_host_share_launches_compile_with_system_scope_accesses(name, module, types, consts, tmp_path):
     """The launches that talk to the CPU threads build for sm_90 (they run only on CUDA): the wait's acquire
     loads and the publications' fence and release store at system scope (a job's, a warm-up's), in the PTX."""
