@@ -15,7 +15,8 @@ reading its weight tile once per K chunk and dotting every row of the block agai
 2-7 float32 rows as a split-K GEMM plus its reduction, two launches of 4-6 us where a one-row call takes one
 GEMV of about 2.3 us; this kernel takes 1.5-3 us for them (``bench/few_rows.py``; an H100, docs/benchmarks.md,
 fourteenth round). ``engine.model.linear`` decides from how many rows on it sends blocks here
-(``skinny_min_rows``).
+(``skinny_min_rows``). ``LUCE_TUNE_FEW_ROWS`` moves the bound between the two kernels (``few_rows``): 18 sends
+the verify blocks of spec_len 8 and 16 (9 and 17 rows) to the few-row kernel too, which has not been timed there.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from engine.kernels.fused import check_device
 MAX_M = 32  # rows; longer calls go to cuBLAS, whose large-tile kernels suit them
 FEW_M = 8  # blocks of fewer rows take ``_rows_kernel``
 ROWS_TILE_ENV = "LUCE_TUNE_ROWS_TILE"
+FEW_ROWS_ENV = "LUCE_TUNE_FEW_ROWS"
 # (outputs a program, K chunk, warps) of ``_rows_kernel``: the fastest on average over the shipped target's and
 # draft's shapes at 4 and 5 rows on an H100 (0.79 one-row GEMVs; at most 1.2, the 4096-output LM head)
 ROWS_TILE = (2, 256, 1)
@@ -59,7 +61,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, K: tl.cons
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, M: tl.constexpr, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # A few rows (M < FEW_M, compiled in): each program reads a [BLOCK_N, BLOCK_K] tile of weight rows once per
+    # A few rows (M < few_rows(), compiled in): each program reads a [BLOCK_N, BLOCK_K] tile of weight rows once per
     # K chunk and dots every row of x against it, one row at a time; many narrow programs over N, as a GEMV has
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -92,11 +94,27 @@ def rows_tiles() -> tuple[int, int, int]:
     return bn, bk, nw
 
 
-_tile_in_use: tuple[int, int, int] | None = None  # ``rows_tiles()``, read at the first few-row call
+def few_rows() -> int:
+    """Blocks of fewer rows than this take ``_rows_kernel``, the others the ``tl.dot`` kernel:
+    ``LUCE_TUNE_FEW_ROWS`` (2 to ``MAX_M + 1``) when set, else ``FEW_M``."""
+    text = os.environ.get(FEW_ROWS_ENV, "").strip()
+    if not text:
+        return FEW_M
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = 0
+    if not 2 <= rows <= MAX_M + 1:
+        raise ConfigError(f"{FEW_ROWS_ENV} must be a whole number from 2 to {MAX_M + 1} (blocks of fewer rows take "
+                          f"the few-row kernel; the default is {FEW_M}), got {text!r}")
+    return rows
+
+
+_in_use: tuple[tuple[int, int, int], int] | None = None  # ``rows_tiles()`` and ``few_rows()``, read at the first call
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int) -> torch.Tensor:
-    """``x @ w.T`` for float32 x [M, K] of fewer than ``FEW_M`` rows (contiguous last dimension) and w [N, K]
+    """``x @ w.T`` for float32 x [M, K] of a few rows (``few_rows``; contiguous last dimension) and w [N, K]
     (contiguous rows) through ``_rows_kernel`` with the given tile (``rows_tiles``): a new contiguous
     float32 [M, N]."""
     M, K = x.shape
@@ -130,7 +148,7 @@ def tiles(m: int, n: int) -> tuple[int, int, int]:
 def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` for float32 x [..., K] of 1 to ``MAX_M`` rows and w [N, K] (``applies``):
     a new contiguous float32 [..., N]."""
-    global _tile_in_use
+    global _in_use
     check_device(x, "skinny_linear")
     if not applies(x, w):
         raise ValueError(f"skinny_linear takes 1-{MAX_M} float32 rows against a float32 [N, K] weight with "
@@ -139,10 +157,11 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     K, N = w.shape[1], w.shape[0]
     flat = x.reshape(-1, K)
     M = flat.shape[0]
-    if M < FEW_M:
-        if _tile_in_use is None:
-            _tile_in_use = rows_tiles()
-        return rows_linear(flat, w, *_tile_in_use).view(*x.shape[:-1], N)
+    if _in_use is None:
+        _in_use = rows_tiles(), few_rows()
+    tile, few = _in_use
+    if M < few:
+        return rows_linear(flat, w, *tile).view(*x.shape[:-1], N)
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
     bm, bn, bk = tiles(M, N)
     _skinny_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](

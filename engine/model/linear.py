@@ -60,7 +60,8 @@ def _skinny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
 
     if _MIN_ROWS is None:
         rows = skinny_min_rows()
-        skinny.rows_tiles()  # a bad LUCE_TUNE_ROWS_TILE is one clear error here, at every call, not a kernel off
+        skinny.rows_tiles()  # a bad LUCE_TUNE_ROWS_TILE or LUCE_TUNE_FEW_ROWS is one clear error here, at every
+        skinny.few_rows()  # call, not a kernel turned off
         _MIN_ROWS = rows
 
     if not skinny.applies(x, w, min_rows=_MIN_ROWS):

@@ -353,14 +353,16 @@ def test_host_share_launches_compile_with_system_scope_accesses(name, module, ty
         assert "ld.acquire.sys" in out
 
 
-@pytest.mark.parametrize("rows,k,tile", [(5, 256, (2, 256, 1)), (4, 768, (2, 256, 1)), (7, 256, (16, 64, 4))])
+@pytest.mark.parametrize("rows,k,tile", [(5, 256, (2, 256, 1)), (4, 768, (2, 256, 1)), (7, 256, (16, 64, 4)),
+                                         (9, 256, (2, 256, 1)), (17, 256, (2, 256, 1)), (17, 768, (4, 256, 1))])
 def test_few_rows_linear_kernel_compiles_without_spills(rows, k, tile, tmp_path):
     """The float32 projection for fewer than 8 rows (a verify block at spec_len 4, a draft block of 4) at the
-    shipped target's and draft's K, at the default tile and a wide one: its weight tile read in 16-byte
-    vectors, its products kept in registers."""
+    shipped target's and draft's K, at the default tile and a wide one, and for the verify blocks of spec_len 8
+    and 16 (9 and 17 rows, ``LUCE_TUNE_FEW_ROWS=18``): its weight tile read in 16-byte vectors, its products kept
+    in registers."""
     block_n, block_k, warps = tile
     types = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32"}
-    consts = {"M": rows, "K": k, "BLOCK_M": 8, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    consts = {"M": rows, "K": k, "BLOCK_M": 1 << (rows - 1).bit_length(), "BLOCK_N": block_n, "BLOCK_K": block_k}
     sass = _sass("_rows_kernel", types, consts, warps, tmp_path, module="engine.kernels.skinny")
     ops = re.findall(r"\b(LDG\.E\.\w+|LDG\.E|LDL|STL)\b", sass)
     assert "LDL" not in ops and "STL" not in ops, sorted(set(ops))

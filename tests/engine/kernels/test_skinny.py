@@ -53,10 +53,11 @@ def test_leading_dims_and_strided_rows():
 
 
 @pytest.mark.parametrize("tile", [(1, 16, 1), (2, 256, 1), (4, 32, 2), (16, 64, 4)])
-@pytest.mark.parametrize("m,n,k", [(1, 7, 5), (2, 33, 300), (5, 130, 64), (7, 9, 513)])
+@pytest.mark.parametrize("m,n,k", [(1, 7, 5), (2, 33, 300), (5, 130, 64), (7, 9, 513), (9, 11, 100), (17, 7, 130)])
 def test_rows_kernel_matches_float64_at_every_tile(m, n, k, tile):
     """The few-row kernel at other tiles than the default: outputs not a multiple of the programs' width, K
-    not a multiple of the chunk (several chunks, a partial last one), every row count below FEW_M's bound."""
+    not a multiple of the chunk (several chunks, a partial last one), row counts below FEW_M and, for
+    LUCE_TUNE_FEW_ROWS, the verify blocks of spec_len 8 and 16."""
     x, w = case(m, n, k, seed=m * 97 + n * 7 + k + tile[0])
     out = skinny.rows_linear(x, w, *tile)
     assert out.shape == (m, n) and out.is_contiguous()
@@ -103,13 +104,46 @@ def test_the_few_rows_kernel_is_taken_below_few_m(monkeypatch):
             return launch
 
     monkeypatch.delenv(skinny.ROWS_TILE_ENV, raising=False)
-    monkeypatch.setattr(skinny, "_tile_in_use", None)  # read again from the (unset) setting
+    monkeypatch.delenv(skinny.FEW_ROWS_ENV, raising=False)
+    monkeypatch.setattr(skinny, "_in_use", None)  # read again from the (unset) settings
     monkeypatch.setattr(skinny, "_rows_kernel", Spy("rows", rows))
     monkeypatch.setattr(skinny, "_skinny_kernel", Spy("dot", dot))
     x, w = case(skinny.FEW_M, 24, 40, seed=11)
     assert max_rel(skinny.skinny_linear(x[:skinny.FEW_M - 1], w), x[:skinny.FEW_M - 1], w) < 1e-5
     skinny.skinny_linear(x, w)
     assert launched == [("rows", (24 // skinny.ROWS_TILE[0],), skinny.FEW_M - 1), ("dot", (2, 1), None)]
+    # LUCE_TUNE_FEW_ROWS=18: blocks of 8 to 17 rows (spec_len 8 and 16) take the few-row kernel too, 18 not
+    launched.clear()
+    monkeypatch.setenv(skinny.FEW_ROWS_ENV, "18")
+    monkeypatch.setattr(skinny, "_in_use", None)
+    x, w = case(18, 24, 40, seed=12)
+    for m in (8, 9, 17, 18):
+        assert max_rel(skinny.skinny_linear(x[:m], w), x[:m], w) < 1e-5
+    assert launched == [("rows", (12,), 8), ("rows", (12,), 9), ("rows", (12,), 17), ("dot", (2, 1), None)]
+    monkeypatch.setattr(skinny, "_in_use", None)
+
+
+def test_few_rows_setting(monkeypatch):
+    """``LUCE_TUNE_FEW_ROWS``: FEW_M when unset, 2 to MAX_M + 1 otherwise, one clear error for anything else,
+    also through ``linear`` before the kernel's attempt."""
+    monkeypatch.delenv(skinny.FEW_ROWS_ENV, raising=False)
+    assert skinny.few_rows() == skinny.FEW_M == 8
+    for good in ("2", "18", str(skinny.MAX_M + 1)):
+        monkeypatch.setenv(skinny.FEW_ROWS_ENV, good)
+        assert skinny.few_rows() == int(good)
+    for bad in ("1", str(skinny.MAX_M + 2), "nine", "8.5"):
+        monkeypatch.setenv(skinny.FEW_ROWS_ENV, bad)
+        with pytest.raises(ConfigError, match=f"LUCE_TUNE_FEW_ROWS must be a whole number from 2 to 33.*got '{bad}'"):
+            skinny.few_rows()
+    attempts = []
+    monkeypatch.setattr(linear_mod.fused, "attempt", lambda *a: attempts.append(a) or None)
+    monkeypatch.setattr(linear_mod, "FUSED_SKINNY", True)
+    monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
+    x, w = case(4, 8, 16, seed=9)
+    with pytest.raises(ConfigError, match="LUCE_TUNE_FEW_ROWS"):
+        linear_mod.linear(x, w)
+    assert attempts == []
+    monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
 
 
 def test_refuses_what_it_does_not_take():
@@ -180,12 +214,18 @@ def test_linear_min_rows_setting(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 2, 5, 17])
+@pytest.mark.parametrize("few", [None, "18"], ids=["default", "few18"])
+@pytest.mark.parametrize("m", [1, 2, 5, 9, 17])
 @pytest.mark.parametrize("n,k", [(4096, 256), (1024, 256), (256, 768), (32, 256), (8, 256)])
-def test_cuda_shapes_in_a_graph(m, n, k):
+def test_cuda_shapes_in_a_graph(m, n, k, few, monkeypatch):
     """The shipped target's and draft's projections (LM head, qkv, fc, router, alpha/beta) for one row and
-    verify blocks of 1, 4 and 16 tokens (the first three through the few-row kernel): eager and
-    replayed in a CUDA graph on new rows."""
+    verify blocks of 1, 4, 8 and 16 tokens (below FEW_M through the few-row kernel, all of them with
+    ``LUCE_TUNE_FEW_ROWS=18``): eager and replayed in a CUDA graph on new rows."""
+    if few is None:
+        monkeypatch.delenv(skinny.FEW_ROWS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(skinny.FEW_ROWS_ENV, few)
+    monkeypatch.setattr(skinny, "_in_use", None)
     x, w = case(m, n, k, seed=m + n + k)
     assert max_rel(skinny.skinny_linear(x, w), x, w) < 1e-5
     static = x.clone()
