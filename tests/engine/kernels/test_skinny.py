@@ -73,15 +73,20 @@ def test_rows_tile_setting(monkeypatch):
         monkeypatch.setenv(skinny.ROWS_TILE_ENV, bad)
         with pytest.raises(ConfigError, match=f"LUCE_TUNE_ROWS_TILE takes three powers of two.*got '{bad}'"):
             skinny.rows_tiles()
-    # through ``linear``: one clear error at the first call, raised before the kernel's attempt (which, on CUDA
-    # without a forced setting, would switch the kernel off and fall back instead of raising)
+    linear_refuses(monkeypatch, "LUCE_TUNE_ROWS_TILE")
+
+
+def linear_refuses(monkeypatch, name):
+    """Through ``linear``, a bad setting ``name`` is one clear error at every call (not read once and then passed
+    over), raised before the kernel's attempt (which, on CUDA without a forced setting, would switch the kernel off
+    and fall back instead of raising)."""
     attempts = []
     monkeypatch.setattr(linear_mod.fused, "attempt", lambda *a: attempts.append(a) or None)
     monkeypatch.setattr(linear_mod, "FUSED_SKINNY", True)
     monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
     x, w = case(4, 8, 16, seed=9)
-    for _ in range(2):  # not read once and then passed over
-        with pytest.raises(ConfigError, match="LUCE_TUNE_ROWS_TILE"):
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=name):
             linear_mod.linear(x, w)
     assert attempts == []
     monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
@@ -135,15 +140,7 @@ def test_few_rows_setting(monkeypatch):
         monkeypatch.setenv(skinny.FEW_ROWS_ENV, bad)
         with pytest.raises(ConfigError, match=f"LUCE_TUNE_FEW_ROWS must be a whole number from 2 to 33.*got '{bad}'"):
             skinny.few_rows()
-    attempts = []
-    monkeypatch.setattr(linear_mod.fused, "attempt", lambda *a: attempts.append(a) or None)
-    monkeypatch.setattr(linear_mod, "FUSED_SKINNY", True)
-    monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
-    x, w = case(4, 8, 16, seed=9)
-    with pytest.raises(ConfigError, match="LUCE_TUNE_FEW_ROWS"):
-        linear_mod.linear(x, w)
-    assert attempts == []
-    monkeypatch.setattr(linear_mod, "_MIN_ROWS", None)
+    linear_refuses(monkeypatch, "LUCE_TUNE_FEW_ROWS")
 
 
 def test_refuses_what_it_does_not_take():
