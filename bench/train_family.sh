@@ -4,7 +4,8 @@
 # target then the drafter within MINUTES, measure and export them, and leave in $OUT:
 #   luce-target.gguf.part-aa, -ab ...   the target, split under the 16 MiB a returned file may take
 #   luce-drafter.gguf, luce-*.report.json, README.md (the model card), train.log
-# Run from the repository root with .whl carried (../shared/device/wheels.sh fills it):
+# PRESET=target trains the target alone. Run from the repository root with .whl carried
+# (../shared/device/wheels.sh fills it):
 #   bash bench/train_family.sh [more luce-tune train options]
 # Then, here:  cat $FILES/luce-target.gguf.part-* > models/luce-target.gguf
 #              cp $FILES/luce-drafter.gguf $FILES/luce-*.report.json models/
@@ -36,10 +37,11 @@ print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
       f"fla {'yes' if importlib.util.find_spec('fla') else 'no'}")
 PY
 
-python3 -m engine.train.cli train --out-dir "$WORK/models" --preset both --minutes "$MINUTES" --seed "$SEED" \
+python3 -m engine.train.cli train --out-dir "$WORK/models" --preset "${PRESET:-both}" --minutes "$MINUTES" --seed "$SEED" \
   --ckpt-dir "$WORK/ckpt" --device "$DEVICE" "$@" 2>&1 | tee -a "$OUT/train.log"
 
-cp "$WORK/models"/luce-*.report.json "$WORK/models/README.md" "$WORK/models/luce-drafter.gguf" "$OUT/"
+cp "$WORK/models"/luce-*.report.json "$WORK/models/README.md" "$OUT/"
+cp "$WORK/models/luce-drafter.gguf" "$OUT/" 2>/dev/null || true
 split -b 15m -a 2 "$WORK/models/luce-target.gguf" "$OUT/luce-target.gguf.part-"
 sha256sum "$WORK/models"/luce-*.gguf | tee -a "$OUT/train.log"
 ls -l "$OUT"

@@ -10,11 +10,12 @@
 # drafts accept less past the context lengths they trained on (docs/benchmarks.md), and issue 4's table
 # continues prompts of 512 (for it: DISTILL_PROMPT=512 DISTILL_NEW=448 EVAL_PROMPT=512, fewer rows).
 # LAYER_IDS (for example 1,4,7) picks the target layers the draft reads instead of --features' spacing.
+# TARGET: the target the draft is trained for (default models/luce-target.gguf).
 source "$(dirname "$0")/env.sh"
 python3 -c "from engine.train.corpus import build_corpus; build_corpus('/tmp/corpus', n_retrieval=0)" > /dev/null
 mkdir -p /tmp/draft
 t0=$(date +%s)
-setsid nohup python3 -m tuner.cli train-draft --target models/luce-target.gguf --corpus /tmp/corpus/train.txt \
+setsid nohup python3 -m tuner.cli train-draft --target ${TARGET:-models/luce-target.gguf} --corpus /tmp/corpus/train.txt \
   --out /tmp/draft/luce-draft.gguf --layers 3 --features 3 ${LAYER_IDS:+--layer-ids $LAYER_IDS} --block-size 16 --batch 16 --anchors 256 --lr 2e-3 \
   --distill ${DISTILL_N:-16384} --distill-prompt ${DISTILL_PROMPT:-64} --distill-new ${DISTILL_NEW:-96} \
   --distill-batch ${DISTILL_BATCH:-1024} --eval-prompt-tokens ${EVAL_PROMPT:-128} \

@@ -55,6 +55,13 @@ def train(
     niah_cases: int = typer.Option(24, "--niah-cases",
                                    help="2K-token needle-in-a-haystack cases run on the exported target (0: none)"),
     max_corpus_mb: Optional[float] = typer.Option(None, "--max-corpus-mb", help="cap on library text used"),
+    extra_sources: Optional[list[Path]] = typer.Option(
+        None, "--extra-sources", help="a folder of more Python sources to train on (repeatable; installed "
+                                      "packages, for example); held-out text stays the library's"),
+    max_extra_mb: Optional[float] = typer.Option(None, "--max-extra-mb", help="cap on the extra sources' text"),
+    tokenizer_from: Optional[Path] = typer.Option(
+        None, "--tokenizer-from", help="take the tokenizer of this GGUF (for example models/luce-target.gguf) "
+                                       "instead of training one"),
     experts_impl: Optional[str] = typer.Option(
         None, "--experts-impl", help="transformers experts implementation: eager, grouped_mm "
                                      "(default: eager on CUDA, transformers' choice elsewhere)"),
@@ -88,7 +95,10 @@ def train(
         for name in settings.members:
             settings.member_config(name)
         corpus = CorpusSettings(seed=seed, n_retrieval=n_retrieval,
-                                max_bytes=None if max_corpus_mb is None else int(max_corpus_mb * 1e6))
+                                max_bytes=None if max_corpus_mb is None else int(max_corpus_mb * 1e6),
+                                extra_dirs=tuple(str(d) for d in extra_sources or ()),
+                                extra_max_bytes=None if max_extra_mb is None else int(max_extra_mb * 1e6),
+                                tokenizer_from=None if tokenizer_from is None else str(tokenizer_from))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if resume and not any((ckpt_dir / m / "last.pt").exists() for m in settings.members):
@@ -98,9 +108,13 @@ def train(
     with ExitStack() as stack:
         data_dir = ckpt_dir / "data" if ckpt_dir is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         with err.status("building the corpus and tokenizer"):
-            data = prepare_data(data_dir, corpus)
+            try:
+                data = prepare_data(data_dir, corpus)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         s = data.stats
-        err.print(f"data: {s['train_tokens']:,} training tokens, {s['heldout_tokens']:,} held-out, "
+        extra = f" ({s['extra_tokens']:,} of them from the extra sources)" if s["extra_tokens"] else ""
+        err.print(f"data: {s['train_tokens']:,} training tokens{extra}, {s['heldout_tokens']:,} held-out, "
                   f"{s['retrieval_train_examples']:,} retrieval examples, vocab {s['vocab']} "
                   f"({time.monotonic() - started:.0f} s)")
         on_step = stack.enter_context(_progress(err))

@@ -4,6 +4,11 @@ Documents are the library's ``.py`` sources plus synthetic retrieval examples (f
 anywhere in a long stretch of real code, asked for at the end: every fact in a training
 example, one in a held-out example). Each split is one plain
 text file with every document followed by ``SEPARATOR``.
+
+More training text may come from other folders of Python sources (``extra_dirs``: installed
+packages, for example). It joins the training split only: the held-out split stays the
+library's held-out files, so held-out figures compare across corpora, and an extra file
+whose text equals any library file's is left out.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class CorpusFiles:
     held_out: Path
     retrieval_train: Path
     retrieval_held_out: Path
+    extra_train: Path | None = None  # training text from ``extra_dirs``, when any were given
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,32 @@ def stdlib_sources(root: Path | None = None) -> Iterator[SourceFile]:
             continue
         if text.strip() and not any(r in text for r in RESERVED):
             yield SourceFile(rel, text)
+
+
+def extra_sources(dirs: Sequence[str | os.PathLike[str]], *, exclude: Iterable[str] = ()) -> Iterator[SourceFile]:
+    """Every UTF-8 ``.py`` file under ``dirs`` whose text is not in ``exclude``, in hash order.
+
+    Paths are named ``<folder name>/<path inside it>``. A text met twice (the same file in
+    two folders, a module vendored twice) is kept once. Raises ``ValueError`` for a folder
+    that does not exist.
+    """
+    seen = {hashlib.sha256(t.encode("utf-8")).digest() for t in exclude}
+    files: list[tuple[str, Path]] = []
+    for d in map(Path, dirs):
+        if not d.is_dir():
+            raise ValueError(f"extra source folder {d} does not exist or is not a folder")
+        files += [(f"{d.name}/{p.relative_to(d).as_posix()}", p) for p in d.rglob("*.py")
+                  if "__pycache__" not in p.relative_to(d).parts]
+    for rel, p in sorted(files, key=lambda f: (_unit("order", f[0]), f[0])):
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        digest = hashlib.sha256(text.encode("utf-8")).digest()
+        if not text.strip() or digest in seen or any(r in text for r in RESERVED):
+            continue
+        seen.add(digest)
+        yield SourceFile(rel, text)
 
 
 def split_sources(sources: Iterable[SourceFile], held_out_fraction: float,
@@ -196,13 +228,17 @@ def iter_documents(path: str | os.PathLike[str], *, chunk_chars: int = 1 << 20) 
 
 def build_corpus(out_dir: str | os.PathLike[str], *, seed: int = 0, held_out_fraction: float = 0.05,
                  n_retrieval: int = 1000, max_bytes: int | None = None,
-                 retrieval_tokens: Sequence[int] = RETRIEVAL_TOKENS) -> CorpusFiles:
-    """Write the four corpus files under ``out_dir``.
+                 retrieval_tokens: Sequence[int] = RETRIEVAL_TOKENS,
+                 extra_dirs: Sequence[str | os.PathLike[str]] = (),
+                 extra_max_bytes: int | None = None) -> CorpusFiles:
+    """Write the four corpus files under ``out_dir`` (five with ``extra_dirs``).
 
     The split of library files depends on their paths only, never on ``seed``, so a model
     trained with any seed is never evaluated on its own training files. ``seed`` drives
     the retrieval examples; ``n_retrieval`` training examples are written and
     ``held_out_fraction`` as many (at least one) held out, over held-out files only.
+    ``extra_dirs`` adds their ``.py`` files (``extra_sources``), up to ``extra_max_bytes``,
+    as ``extra_train.txt``; retrieval examples keep drawing on library files only.
     """
     if not 0 < held_out_fraction < 1:
         raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
@@ -212,6 +248,8 @@ def build_corpus(out_dir: str | os.PathLike[str], *, seed: int = 0, held_out_fra
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     if not retrieval_tokens or min(retrieval_tokens) <= 0:
         raise ValueError(f"retrieval_tokens must be positive lengths, got {tuple(retrieval_tokens)}")
+    if extra_max_bytes is not None and extra_max_bytes <= 0:
+        raise ValueError(f"extra_max_bytes must be positive, got {extra_max_bytes}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, held_out = split_sources(stdlib_sources(), held_out_fraction, max_bytes)
@@ -220,7 +258,14 @@ def build_corpus(out_dir: str | os.PathLike[str], *, seed: int = 0, held_out_fra
                          f"{len(held_out)} held-out files; both must be non-empty")
     files = CorpusFiles(train=out / "train.txt", held_out=out / "held_out.txt",
                         retrieval_train=out / "retrieval_train.txt",
-                        retrieval_held_out=out / "retrieval_held_out.txt")
+                        retrieval_held_out=out / "retrieval_held_out.txt",
+                        extra_train=out / "extra_train.txt" if extra_dirs else None)
+    if files.extra_train is not None:
+        extra = _capped(extra_sources(extra_dirs, exclude=(s.text for s in stdlib_sources())), extra_max_bytes)
+        if not extra:
+            raise ValueError(f"the extra source folders {', '.join(map(str, extra_dirs))} hold no usable "
+                             f".py file (UTF-8, not empty, not a copy of a library file)")
+        write_documents(files.extra_train, (s.text for s in extra))
     write_documents(files.train, (s.text for s in train))
     write_documents(files.held_out, (s.text for s in held_out))
     n_held = max(1, round(n_retrieval * held_out_fraction)) if n_retrieval else 0
@@ -230,6 +275,20 @@ def build_corpus(out_dir: str | os.PathLike[str], *, seed: int = 0, held_out_fra
         write_documents(path, (_example(rng, sources, label == "train", retrieval_tokens).text
                                for _ in range(count)))
     return files
+
+
+def _capped(sources: Iterable[SourceFile], max_bytes: int | None) -> list[SourceFile]:
+    """Sources in order while they fit ``max_bytes`` (files that would pass it are skipped)."""
+    out, used = [], 0
+    for src in sources:
+        size = len(src.text.encode("utf-8"))
+        if max_bytes is not None and used + size > max_bytes:
+            if used >= max_bytes * 0.99:
+                break
+            continue
+        out.append(src)
+        used += size
+    return out
 
 
 def _example(rng: random.Random, sources: Sequence[SourceFile], train: bool,

@@ -2,7 +2,9 @@
 
 The tokenizer is trained once and kept in the data directory, so a resumed run and every
 member of the family read the same token ids; text is encoded through the engine's own
-``Tokenizer`` built from the GGUF metadata that ships in the files.
+``Tokenizer`` built from the GGUF metadata that ships in the files. ``tokenizer_from`` takes
+the tokenizer of an existing GGUF instead (a retrained target then reads the same ids as the
+shipped family).
 """
 
 from __future__ import annotations
@@ -30,11 +32,21 @@ class CorpusSettings:
     # the three shortest fit the 512-token rows of the first training phase, the longest
     # (about 3.7K tokens) the 4096-token rows of the last
     retrieval_tokens: tuple[int, ...] = (128, 256, 384, 1024, 2048, 3000)
+    extra_dirs: tuple[str, ...] = ()  # folders of more Python sources, training split only
+    extra_max_bytes: int | None = None
+    tokenizer_from: str | None = None  # a GGUF whose tokenizer is used instead of training one
 
     def __post_init__(self) -> None:
         if self.vocab_size <= 0 or self.n_retrieval < 0:
             raise ValueError(f"vocab_size {self.vocab_size} must be positive and n_retrieval "
                              f"{self.n_retrieval} non-negative")
+        for d in self.extra_dirs:
+            if not Path(d).is_dir():
+                raise ValueError(f"extra source folder {d} does not exist or is not a folder")
+        if self.extra_max_bytes is not None and self.extra_max_bytes <= 0:
+            raise ValueError(f"extra_max_bytes must be positive, got {self.extra_max_bytes}")
+        if self.tokenizer_from is not None and not Path(self.tokenizer_from).is_file():
+            raise ValueError(f"tokenizer file {self.tokenizer_from} does not exist")
 
 
 @dataclass(frozen=True)
@@ -68,28 +80,39 @@ def prepare_data(data_dir: Path, settings: CorpusSettings) -> FamilyData:
 
     files = build_corpus(data_dir / "corpus", seed=settings.seed, held_out_fraction=settings.held_out_fraction,
                          n_retrieval=settings.n_retrieval, max_bytes=settings.max_bytes,
-                         retrieval_tokens=settings.retrieval_tokens)
-    tok_path = data_dir / TOKENIZER_FILE
-    if tok_path.exists():
-        hf_tok = HFTokenizer.from_file(str(tok_path))
+                         retrieval_tokens=settings.retrieval_tokens, extra_dirs=settings.extra_dirs,
+                         extra_max_bytes=settings.extra_max_bytes)
+    if settings.tokenizer_from is not None:
+        metadata, tok_source = _tokenizer_metadata(settings.tokenizer_from), settings.tokenizer_from
     else:
-        hf_tok = train_bpe([files.train, files.retrieval_train], settings.vocab_size, seed=settings.seed,
-                           max_bytes=settings.bpe_max_bytes)
-        hf_tok.save(str(tok_path))
-    metadata = gguf_tokenizer_metadata(hf_tok)
-    tok = Tokenizer.from_metadata(metadata, source=str(tok_path))
+        tok_path = data_dir / TOKENIZER_FILE
+        if tok_path.exists():
+            hf_tok = HFTokenizer.from_file(str(tok_path))
+        else:
+            hf_tok = train_bpe([files.train, files.retrieval_train], settings.vocab_size, seed=settings.seed,
+                               max_bytes=settings.bpe_max_bytes)
+            hf_tok.save(str(tok_path))
+        metadata, tok_source = gguf_tokenizer_metadata(hf_tok), str(tok_path)
+    tok = Tokenizer.from_metadata(metadata, source=tok_source)
     eos = tok.eos_id
 
-    def stream(path: Path) -> TokenStream:
-        return TokenStream.from_documents(tok.encode_batch(list(iter_documents(path))), separator=eos)
+    def stream(*paths: Path) -> TokenStream:
+        docs = [doc for path in paths for doc in iter_documents(path)]
+        return TokenStream.from_documents(tok.encode_batch(docs), separator=eos)
 
-    train, heldout = stream(files.train), stream(files.held_out)
+    library = stream(files.train)
+    train = stream(files.train, files.extra_train) if files.extra_train is not None else library
+    heldout = stream(files.held_out)
     examples = stream(files.retrieval_train) if settings.n_retrieval else None
     cases = tuple(_retrieval_case(tok, text) for text in iter_documents(files.retrieval_held_out)) \
         if settings.n_retrieval else ()
     data = TrainData(train=train, heldout=heldout, vocab=tok.vocab_size, examples=examples,
                      bos_id=tok.bos_id, eos_id=eos, pad_id=tok.pad_id)
     stats = {"train_tokens": len(train), "train_documents": train.n_docs,
+             "library_tokens": len(library), "library_documents": library.n_docs,
+             "extra_tokens": len(train) - len(library), "extra_documents": train.n_docs - library.n_docs,
+             "extra_bytes": files.extra_train.stat().st_size if files.extra_train is not None else 0,
+             "tokenizer": tok_source,
              "heldout_tokens": len(heldout), "heldout_documents": heldout.n_docs,
              "retrieval_train_tokens": len(examples) if examples is not None else 0,
              "retrieval_train_examples": examples.n_docs if examples is not None else 0,
@@ -98,6 +121,20 @@ def prepare_data(data_dir: Path, settings: CorpusSettings) -> FamilyData:
              "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()}}
     return FamilyData(streams=data, retrieval_cases=cases, tokenizer_metadata=metadata, stats=stats,
                       heldout_text=files.held_out)
+
+
+def _tokenizer_metadata(path: str) -> dict[str, Any]:
+    """The ``tokenizer.*`` keys of a GGUF file; ``ValueError`` when it has no tokenizer."""
+    from engine.errors import EngineError
+    from engine.tokenizer import _read_metadata
+
+    try:
+        md = _read_metadata(path)
+    except EngineError as exc:
+        raise ValueError(f"tokenizer file {path}: {exc}") from None
+    if "tokenizer.ggml.tokens" not in md:
+        raise ValueError(f"tokenizer file {path} holds no tokenizer (no tokenizer.ggml.tokens)")
+    return md
 
 
 def _retrieval_case(tok, text: str) -> RetrievalCase:

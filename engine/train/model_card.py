@@ -141,7 +141,7 @@ def _member_section(member: str, report: dict[str, Any] | None) -> list[str]:
         f"{cfg['min_lr_ratio']:g}x), {cfg['batch_tokens']:,} tokens/step, sequence "
         f"{curriculum['short_len']} then {curriculum['long_len']} for the last "
         f"{curriculum['long_fraction']:.0%}, seed {cfg['seed']} |",
-        f"| data | {d['train_tokens']:,} tokens of library source ({d['train_documents']:,} files) and "
+        f"| data | {_sources(d)} and "
         f"{d['retrieval_train_examples']:,} retrieval examples ({d['retrieval_train_tokens']:,} tokens); "
         f"training saw {t['tokens'] / max(1, d['train_tokens'] + d['retrieval_train_tokens']):.1f}x that |",
         f"| held-out loss | {h['loss']:.3f} nats/token (perplexity {h['perplexity']:.1f}) over "
@@ -199,3 +199,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _sources(d: dict) -> str:
+    """The training text's sources: the library, and the extra folders when a run had them."""
+    if not d.get("extra_tokens"):
+        return f"{d['train_tokens']:,} tokens of library source ({d['train_documents']:,} files)"
+    folders = ", ".join(f"`{Path(x).name}`" for x in d["settings"]["extra_dirs"])
+    return (f"{d['library_tokens']:,} tokens of library source ({d['library_documents']:,} files), "
+            f"{d['extra_tokens']:,} of other Python sources ({d['extra_documents']:,} files from {folders})")

@@ -118,3 +118,45 @@ def test_documents_round_trip_across_chunk_edges(tmp_path: Path):
 def test_bad_arguments(tmp_path: Path, kwargs: dict):
     with pytest.raises(ValueError):
         build_corpus(tmp_path, **kwargs)
+
+
+def _package(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return root
+
+
+def test_extra_sources_skip_copies_caches_and_undecodable_files(tmp_path: Path):
+    from engine.train.corpus import extra_sources
+
+    library_text = next(iter(stdlib_sources())).text
+    a = _package(tmp_path / "pkg_a", {"m.py": b"def a():\n    return 1\n", "sub/n.py": b"x = 2\n",
+                                      "__pycache__/m.py": b"cached = 1\n", "copy.py": library_text.encode(),
+                                      "latin.py": "s = 'caf\xe9'\n".encode("latin-1"), "blank.py": b"  \n",
+                                      "notes.txt": b"not python\n"})
+    b = _package(tmp_path / "pkg_b", {"same.py": b"def a():\n    return 1\n", "own.py": b"y = 3\n"})
+    got = list(extra_sources([a, b], exclude=[library_text]))
+    texts = [s.text for s in got]
+    assert sorted(texts) == sorted(["def a():\n    return 1\n", "x = 2\n", "y = 3\n"])  # one of the two copies
+    assert all(s.path.split("/")[0] in ("pkg_a", "pkg_b") for s in got)
+    assert got == list(extra_sources([a, b], exclude=[library_text]))  # the same order every time
+    with pytest.raises(ValueError, match="missing"):
+        list(extra_sources([tmp_path / "missing"]))
+
+
+def test_extra_sources_join_the_training_split_only(corpus, tmp_path: Path):
+    text = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(200))
+    pkg = _package(tmp_path / "pkg", {f"mod{i}.py": f"# module {i}\n{text}".encode() for i in range(30)})
+    files = build_corpus(tmp_path / "c", seed=3, extra_dirs=[pkg], **SMALL)
+    for field in ("train", "held_out", "retrieval_train", "retrieval_held_out"):
+        assert getattr(files, field).read_bytes() == getattr(corpus, field).read_bytes()
+    extra = list(iter_documents(files.extra_train))
+    assert len(extra) == 30 and all(doc.startswith("# module") for doc in extra)
+    assert corpus.extra_train is None
+    capped = build_corpus(tmp_path / "capped", seed=3, extra_dirs=[pkg], extra_max_bytes=len(extra[0]) * 5 + 10,
+                          **SMALL)
+    assert len(list(iter_documents(capped.extra_train))) == 5
+    empty = _package(tmp_path / "empty", {"a.txt": b"no sources\n"})
+    with pytest.raises(ValueError, match="hold no usable .py file"):
+        build_corpus(tmp_path / "none", seed=3, extra_dirs=[empty], **SMALL)
