@@ -13,8 +13,16 @@ on the same slots: the most frequent follower of the last two tokens in ``--ngra
 ``--ngram-corpus`` (default: the other side of the split), and the token that followed the last two tokens' latest earlier
 occurrence in the row itself (prompt lookup).
 
+The slots are also split by the loop the target is in at the anchor: the smallest period ``p`` such
+that the last ``LOOP_WINDOW`` tokens equal those ``p`` before them (none when no period up to
+``LOOP_MAX`` fits). Inside a loop, copying the token ``p`` back is right whenever the loop goes on;
+the split shows at which periods the draft still gets the slot.
+
+``--split workload`` takes the long-form prompts of issue 4's table (``tuner.workloads``, the same
+seed: ``--corpus`` is then the held-out text itself, as ``bench/dflash.py`` reads it).
+
     python bench/draft_rows.py --draft D.gguf [--target models/luce-target.gguf] [--corpus train.txt]
-        [--split train|held] [--rows 24] [--prompt 64] [--new 96] [--speculative] [--ngram-corpus F]
+        [--split train|held|workload] [--rows 24] [--prompt 64] [--new 96] [--speculative] [--ngram-corpus F]
         [--ngram-docs 1500] [--json OUT]
 """
 
@@ -90,6 +98,35 @@ def row_lookup(ids: list[int], a: int) -> int | None:
 
 
 P1_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0 + 1e-6)
+LOOP_WINDOW = 16
+LOOP_MAX = 128
+PERIOD_BUCKETS = ((1, 4), (5, 16), (17, 64), (65, LOOP_MAX))
+
+
+def loop_period(ids: list[int], a: int, window: int = LOOP_WINDOW, longest: int = LOOP_MAX) -> int | None:
+    """The smallest p <= ``longest`` with ``ids[a - k] == ids[a - k - p]`` for k < ``window``, else None."""
+    if a + 1 < window:
+        return None
+    tail = ids[a - window + 1:a + 1]
+    for p in range(1, min(longest, a + 1 - window) + 1):
+        if ids[a - window + 1 - p:a + 1 - p] == tail:
+            return p
+    return None
+
+
+def loop_summary(slots: list[dict]) -> list[dict]:
+    """Per period bucket (and none): the share of the slots, how often copying the token one period back is
+    right, the draft's first-slot hit and its mean accepted length."""
+    out = []
+    for name, lo, hi in [("none", None, None)] + [(f"{lo}-{hi}", lo, hi) for lo, hi in PERIOD_BUCKETS]:
+        sel = [s for s in slots if (s["period"] is None if lo is None
+                                    else s["period"] is not None and lo <= s["period"] <= hi)]
+        if sel:
+            out.append({"period": name, "slots": len(sel), "share": round(len(sel) / len(slots), 3),
+                        "copy_hit": None if lo is None else round(sum(s["copy"] for s in sel) / len(sel), 3),
+                        "draft_hit": round(sum(s["draft"] for s in sel) / len(sel), 3),
+                        "accepted": round(sum(s["accepted"] for s in sel) / len(sel), 3)})
+    return out
 
 
 def first_slot_summary(slots: list[dict]) -> dict:
@@ -112,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", required=True)
     ap.add_argument("--target", default="models/luce-target.gguf")
     ap.add_argument("--corpus", default=None, help="the corpus's train.txt (default: built under /tmp/corpus)")
-    ap.add_argument("--split", choices=("train", "held"), default="train")
+    ap.add_argument("--split", choices=("train", "held", "workload"), default="train")
     ap.add_argument("--rows", type=int, default=24)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=96)
@@ -138,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     stream = TokenStream.from_documents(tokenizer.encode(d) for d in docs)
     if args.split == "train":  # as the distillation draws its prompts
         prompts = draw_prompts(stream, args.rows, args.prompt, args.seed)
+    elif args.split == "workload":  # issue 4's long-form prompts, as bench/dflash.py draws them
+        from tuner.workloads import long_form_prompts
+
+        prompts = [torch.tensor(tokenizer.encode(p.text))
+                   for p in long_form_prompts(corpus, args.rows, args.prompt, tokenizer, args.seed).prompts]
+        train_docs = []  # the follower counts come from --ngram-corpus (the training text) only here
     else:  # as the held-out report does
         prompts = eval_windows(stream, args.prompt, args.rows * args.prompt)[:args.rows]
     counted = (read_corpus(args.ngram_corpus) if args.ngram_corpus
@@ -154,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             want = full[a + 1]  # greedy rows: the target's own choice after position a
             follower = pairs.get((full[a - 1], full[a]))
             look = row_lookup(full, a)
-            slots.append({"p1": p1[a], "draft": accepted >= 2, "row_lookup": look == want,
+            period = loop_period(full, a)
+            slots.append({"p1": p1[a], "draft": accepted >= 2, "row_lookup": look == want, "accepted": accepted,
+                          "period": period, "copy": period is not None and full[a + 1 - period] == want,
                           "pair_follower": bool(follower) and follower.most_common(1)[0][0] == want,
                           "draft_or_row_lookup": accepted >= 2 or look == want})
         found = {"teacher_forced": round(float(acc.float().mean()), 3),
@@ -169,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{found['text']!r}", flush=True)
     tf = [r["teacher_forced"] for r in rows]
     summary = {"rows": len(rows), "mean": round(statistics.fmean(tf), 3), "median": round(statistics.median(tf), 3),
-               "first_slot": first_slot_summary(slots)}
+               "first_slot": first_slot_summary(slots), "by_loop_period": loop_summary(slots)}
     print(f"teacher-forced acceptance over {len(rows)} rows: mean {summary['mean']:.2f}, median {summary['median']:.2f}")
     hit = summary["first_slot"]["hit"]
     print(f"first drafted slot over {len(slots)} anchors: draft {hit['draft']:.3f}, follower of the last two tokens "
@@ -177,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{hit['draft_or_row_lookup']:.3f}")
     for b in summary["first_slot"]["by_target_p1"]:
         print(f"  target top-1 probability {b['p1']:>8}: {b['share']:.3f} of the slots, draft hit {b['draft_hit']:.3f}")
+    print(f"by the loop the target is in (the last {LOOP_WINDOW} tokens repeat p back):")
+    for b in summary["by_loop_period"]:
+        copy = "" if b["copy_hit"] is None else f", copying p back right {b['copy_hit']:.3f}"
+        print(f"  period {b['period']:>6}: {b['share']:.3f} of the slots{copy}, draft hit {b['draft_hit']:.3f}, "
+              f"accepted {b['accepted']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "rows": rows}, indent=1) + "\n")
     return 0

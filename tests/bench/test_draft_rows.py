@@ -33,6 +33,7 @@ def test_rows_report_both_acceptances_within_a_block(tmp_path, bench_script):
     either, draft, lookup = count["draft_or_row_lookup"], count["draft"], count["row_lookup"]
     assert max(draft, lookup) <= either <= draft + lookup
     assert abs(sum(b["share"] for b in first["by_target_p1"]) - 1.0) < 0.01
+    assert sum(b["slots"] for b in report["summary"]["by_loop_period"]) == first["slots"]
 
 
 def test_row_lookup_and_pair_followers(bench_script):
@@ -54,3 +55,23 @@ def test_row_lookup_and_pair_followers(bench_script):
     assert summary["hit"] == {"draft": 0.5, "pair_follower": 0.5, "row_lookup": 0.5, "draft_or_row_lookup": 1.0}
     assert summary["by_target_p1"] == [{"p1": "0-0.2", "share": 0.5, "draft_hit": 0.0},
                                        {"p1": "0.95-1", "share": 0.5, "draft_hit": 1.0}]
+
+
+def test_loop_period_and_its_summary(bench_script):
+    draft_rows = bench_script("draft_rows")
+    loop = [9, 8] + [1, 2, 3] * 10
+    assert draft_rows.loop_period(loop, len(loop) - 1, window=6) == 3
+    assert draft_rows.loop_period(loop, 5, window=6) is None  # too few tokens before the window
+    assert draft_rows.loop_period([7] * 20, 19, window=4) == 1
+    assert draft_rows.loop_period(list(range(40)), 39, window=4) is None
+    assert draft_rows.loop_period(loop, len(loop) - 1, window=6, longest=2) is None
+    slots = [{"period": None, "copy": False, "draft": True, "accepted": 3},
+             {"period": 3, "copy": True, "draft": False, "accepted": 1},
+             {"period": 2, "copy": False, "draft": True, "accepted": 2},
+             {"period": 40, "copy": True, "draft": True, "accepted": 5}]
+    rows = {b["period"]: b for b in draft_rows.loop_summary(slots)}
+    assert set(rows) == {"none", "1-4", "17-64"}
+    assert rows["none"]["copy_hit"] is None and rows["none"]["share"] == 0.25
+    assert rows["1-4"] == {"period": "1-4", "slots": 2, "share": 0.5, "copy_hit": 0.5, "draft_hit": 0.5,
+                           "accepted": 1.5}
+    assert rows["17-64"]["accepted"] == 5.0
