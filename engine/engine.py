@@ -394,7 +394,7 @@ class Engine:
                  top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[str] | None = None, ignore_eos: bool = False,
                  pflash_keep_ratio: float | None = None, spec_len: int | None = None,
-                 spec_fallback: float | str | None = None,
+                 spec_fallback: float | str | None = None, spec_lookup: int | None = None,
                  on_token: Callable[[int, str], None] | None = None,
                  feed: Sequence[int] | None = None) -> Generation:
         """Prefill ``ids`` and decode up to ``max_new_tokens`` new tokens.
@@ -409,6 +409,9 @@ class Engine:
         ``spec_fallback``: the acceptance length under which plain decoding takes a stretch of the
         generation before speculation is tried again (default 1.2; 0: speculate throughout;
         ``"auto"``: where speculation commits tokens more slowly than timed plain steps).
+        ``spec_lookup``: a match length (default 0, off): where the last that many committed ids
+        occurred before, a block copies what followed them instead of the draft's proposal
+        (``engine.dflash.lookup``; the output is unchanged).
         ``feed`` (benchmarks): decode these tokens in place of the sampled ones, each step still computing
         and sampling its logits; the output's ids are the fed tokens. llama-bench times decoding this way on
         random tokens, whose routing changes at every step where a random-weight model's greedy output
@@ -432,6 +435,14 @@ class Engine:
 
         if spec_fallback is None:
             spec_fallback = self.defaults.get("spec_fallback", DEFAULT_FALLBACK)
+        if spec_lookup is None:
+            spec_lookup = self.defaults.get("spec_lookup", 0)
+        from engine.dflash.lookup import check_min_match
+
+        try:
+            check_min_match(spec_lookup)
+        except ValueError as exc:
+            raise ConfigError(f"spec_lookup: {exc}") from None
         try:
             check_fallback(spec_fallback)  # before the prefill
         except ValueError:
@@ -470,10 +481,10 @@ class Engine:
             extra.update(res.timings())
             if spec_len is not None:
                 return self._speculative(ids, max_new_tokens, params, eos, stop, spec_len, on_token, extra,
-                                         t0, prefilled=res, fallback=spec_fallback)
+                                         t0, prefilled=res, fallback=spec_fallback, lookup=spec_lookup)
         elif spec_len is not None:
             return self._speculative(ids, max_new_tokens, params, eos, stop, spec_len, on_token, extra, t0,
-                                     fallback=spec_fallback)
+                                     fallback=spec_fallback, lookup=spec_lookup)
         else:
             if padded is not None:
                 last_logits, state = padded.run(prompt)
@@ -645,7 +656,7 @@ class Engine:
     def _speculative(self, ids: Sequence[int], max_new_tokens: int, params: SamplingParams, eos: set[int],
                      stop: list[str], spec_len: int, on_token: Callable[[int, str], None] | None,
                      extra: dict[str, Any], t0: float, prefilled: Any = None, *,
-                     fallback: float | str) -> Generation:
+                     fallback: float | str, lookup: int = 0) -> Generation:
         from engine.dflash.speculative import speculative_generate
 
         stream = _TextStream(self.tokenizer, on_token)
@@ -657,7 +668,7 @@ class Engine:
         new, stats = speculative_generate(
             self.model, self.draft, ids, max_new_tokens, spec_len=spec_len, temperature=params.temperature,
             top_p=params.top_p, seed=params.seed, eos_ids=eos, stop=stopped,
-            stall_timeout_s=self.stall_timeout_s, prefilled=prefilled, fallback_threshold=fallback,
+            stall_timeout_s=self.stall_timeout_s, prefilled=prefilled, fallback_threshold=fallback, lookup=lookup,
             # nothing is captured on the CPU: verify eagerly there (the fixed-shape step attends over its whole cache)
             verify_path="graph" if self.cuda_graph and self.device.type == "cuda" else "eager")
         text = self.tokenizer.decode(new)

@@ -6,8 +6,9 @@ the next block's opening token all follow from it. Here those live on the device
 step advances itself, so a step needs nothing from the host. One greedy step is three launches (CUDA
 graphs where the configuration allows, the same functions run eagerly otherwise):
 
-1. ``draft``: the draft's proposal after the opening token, at the counters' position and cache length;
-   the verify block's ids and positions from it;
+1. ``draft``: the draft's proposal after the opening token, at the counters' position and cache length
+   (with ``lookup``, replaced by a copy of the committed text where its end occurred before:
+   ``engine.dflash.lookup``); the verify block's ids and positions from it;
 2. ``verify``: the target over the block (``DecodeGraph``'s static step), its argmax, the accepted
    prefix and the report ``[keep, choice...]`` (``keep`` = accepted drafts + 1);
 3. ``advance``: the draft cache's rows for the whole block written and ``keep`` of them counted, the
@@ -30,6 +31,7 @@ import torch
 
 from engine.dflash.draft import DFlashDraft, DraftCache
 from engine.dflash.draft_step import DraftStep
+from engine.dflash.lookup import check_min_match, merge_lookup
 from engine.errors import ConfigError
 from engine.model.decode_graph import DecodeGraph, capture_counted, capture_graph
 from engine.model.linear import Weight
@@ -52,15 +54,17 @@ class SpecLoop:
     ``graph``: capture the three launches (CUDA), else run them eagerly (any device). ``restore``: how the
     verify step's Gated DeltaNet states go back to the kept prefix (``DecodeGraph``). ``lag``: the steps the
     host launches past the one it waits for (0..``MAX_LAG``), which sizes the report slots and the room ``load``
-    asks for. Needs a draft that attends in its cache (``DraftStep.in_cache``); ``ValueError`` otherwise.
+    asks for. ``lookup``: the match length of the committed-text lookup (0: off), whose ids the loop keeps on
+    the device. Needs a draft that attends in its cache (``DraftStep.in_cache``); ``ValueError`` otherwise.
     """
 
     def __init__(self, model: Qwen35MoE, state: ModelState, draft: DFlashDraft, cache: DraftCache, embed: torch.Tensor,
                  output: Weight, *, tokens: int, layer_ids: tuple[int, ...], graph: bool, restore: str = "auto",
-                 lag: int = LAG) -> None:
+                 lag: int = LAG, lookup: int = 0) -> None:
         if not 0 <= lag <= MAX_LAG:
             raise ValueError(f"the device loop's lag must be 0..{MAX_LAG}, got {lag}")
-        self.state, self.cache, self.tokens, self.lag = state, cache, tokens, lag
+        check_min_match(lookup)
+        self.state, self.cache, self.tokens, self.lag, self.lookup = state, cache, tokens, lag, lookup
         self.verify = DecodeGraph(model, state, tokens=tokens, capture_layers=layer_ids, graph=False, rollback=True,
                                   restore=restore)
         self.draft = DraftStep(draft, cache, embed, output, tokens=tokens, graph=False, context=self.verify.hidden)
@@ -73,8 +77,13 @@ class SpecLoop:
             # and the verify step's own inputs are views of them, so that no launch copies one into the other:
             # the draft reads its start and cache length, the verify its cache length, and the drafted ids are
             # written straight into the verify block, whose first id is the opening token.
-            self._counters = torch.zeros(3, dtype=torch.long, device=dev)
-            self.pos, self.kv_len, self.draft_len = self._counters.unbind(0)  # block start, KV length, draft cache
+            self._counters = torch.zeros(4, dtype=torch.long, device=dev)
+            # block start, KV length, draft cache, committed ids (the lookup's history)
+            self.pos, self.kv_len, self.draft_len, self.hist_len = self._counters.unbind(0)
+            # committed ids, with room for the blocks in flight (the lookup only)
+            self.history = torch.zeros(cache.max_len + (room_steps(lag) + 1) * tokens if lookup else 1,
+                                       dtype=torch.long, device=dev)
+            self._hist_offsets = torch.arange(tokens, device=dev)
             d.start = d._context_start = self.pos  # the block's start is where the next extension's rows go
             d.length, v.cache_len = self.draft_len, self.kv_len
             d.drafted = v.ids[1:]
@@ -99,16 +108,25 @@ class SpecLoop:
         return "cuda_graph" if self.captured else "static"
 
     @torch.inference_mode()
-    def load(self, token: torch.Tensor, new_left: int) -> None:
+    def load(self, token: torch.Tensor, new_left: int, history: list[int] | None = None) -> None:
         """Start from the host's view of the state and the draft cache: ``token`` (one id on the device) opens the
         next block; at most ``new_left`` more tokens are wanted. The KV caches and the draft cache need room for
-        them and ``room_steps(lag)`` blocks more (steps in flight when the host stops, and the last block's rows)."""
+        them and ``room_steps(lag)`` blocks more (steps in flight when the host stops, and the last block's rows).
+        With ``lookup``, ``history`` is every committed id (prompt and new ones, ending with ``token``'s)."""
         kv_len, draft_len = self.verify._cache_length(), self.cache.length
         room = new_left + room_steps(self.lag) * self.tokens
         if kv_len + room > self.state.max_len or draft_len + room > self.cache.max_len:
             raise ConfigError(f"the device loop needs room for {room} more tokens: the KV caches hold "
                               f"{self.state.max_len} ({kv_len} used), the draft cache {self.cache.max_len} "
                               f"({draft_len} used)")
+        if self.lookup:
+            if history is None:
+                raise ValueError("the device loop's lookup needs the committed ids at load")
+            if len(history) + new_left + room_steps(self.lag) * self.tokens > self.history.shape[0]:
+                raise ConfigError(f"the device loop's lookup holds {self.history.shape[0]} ids; {len(history)} "
+                                  f"committed and {new_left} more do not fit")
+            self.history[:len(history)].copy_(torch.tensor(history, dtype=torch.long))
+            self.hist_len.fill_(len(history))
         self.token.copy_(token.reshape(()))
         self.pos.fill_(self.state.next_position)
         self.kv_len.fill_(kv_len)
@@ -151,7 +169,7 @@ class SpecLoop:
     def store(self) -> torch.Tensor:
         """After the last launched step: the counters into the state's and the draft cache's lengths (one sync);
         returns the next opening token (a device scalar)."""
-        pos, kv_len, draft_len = self._counters.tolist()
+        pos, kv_len, draft_len, _ = self._counters.tolist()
         kv0, seq0 = self._start
         for c in self.state.kv.values():
             c.length = kv_len
@@ -164,6 +182,8 @@ class SpecLoop:
         d, v = self.draft, self.verify
         d._block[:1].copy_(self.token.view(1))
         d._run()  # its ids into the verify block's
+        if self.lookup:
+            d.drafted.copy_(merge_lookup(d.drafted, self.history, self.hist_len, self.lookup))
         torch.add(v._offsets, self.pos, out=v.positions)
 
     def _verify(self) -> None:
@@ -177,6 +197,8 @@ class SpecLoop:
         self.draft._run_extend()  # the block's rows at the draft cache's length; the kept ones are counted below
         self.verify.restore_at(self.keep)
         torch.gather(self.report[1:], 0, (self.keep - 1).view(1), out=self.token.view(1))
+        if self.lookup:  # the block's choices at the history's end; the kept ones are counted below
+            self.history.index_copy_(0, self._hist_offsets + self.hist_len, self.report[1:])
         self._counters.add_(self.keep)
 
     @torch.inference_mode()
@@ -185,7 +207,7 @@ class SpecLoop:
         back as they were: the warm-up runs write rows from the counters' start and move the counters."""
         state, cache, rows = self.state, self.cache, (room_steps(self.lag) + 1) * self.tokens
         saved = [(t, t.clone()) for t in (*state.conv.values(), *state.recurrent.values(), self.verify.ids,
-                                          self._counters, self.report)]
+                                          self._counters, self.report, self.history)]
         saved += [(t[:, :rows], t[:, :rows].clone()) for c in state.kv.values() for t in (c.k, c.v)]
         saved += [(t[:, :rows], t[:, :rows].clone()) for t in (*cache.k, *cache.v)]
         saved.append((cache.positions[:rows], cache.positions[:rows].clone()))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.dflash.compat import check_spec_len
 from engine.dflash.device_loop import LAG, MAX_LAG, room_steps
 from engine.dflash.draft import DFlashDraft, DraftCache, block_hidden
+from engine.dflash.lookup import check_min_match, merge_lookup
 from engine.dflash.rollback import ROLLBACK_MODES, make_rollback
 from engine.errors import ConfigError, GenerationStalled
 from engine.model.qwen35moe import Qwen35MoE
@@ -77,6 +78,7 @@ class SpecOptions:
                               # (engine.dflash.device_loop) and the host reads each one a step late
     restore: str = "auto"  # the fixed-shape verify's state restore (engine.model.decode_graph.RESTORES)
     lag: int = LAG  # the device loop's steps launched past the one the host waits for (0..MAX_LAG)
+    lookup: int = 0  # match length of the committed-text lookup whose copy replaces the draft's block; 0: off
 
     def __post_init__(self) -> None:
         if self.verify_path not in VERIFY_PATHS:
@@ -89,6 +91,7 @@ class SpecOptions:
             raise ValueError(f"restore must be one of {RESTORES}, got {self.restore!r}")
         if not 0 <= self.lag <= MAX_LAG:
             raise ValueError(f"lag must be 0..{MAX_LAG}, got {self.lag}")
+        check_min_match(self.lookup)
         check_fallback(self.fallback_threshold)
         if self.fallback_window < 1:
             raise ValueError(f"fallback_window must be at least 1, got {self.fallback_window}")
@@ -129,6 +132,7 @@ class SpecStats:
     draft_path: str = "eager"  # the path full blocks' proposals took: eager, static or cuda_graph
     restore: str | None = None  # the fixed-shape verify's state restore: "states" or "replay" (None: eager verify)
     device_loop: bool = False  # verify steps ran back to back on the device, the host reading them a step late
+    lookup: int = 0  # the committed-text lookup's match length (0: the draft's blocks only)
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step
 
     @property
@@ -179,7 +183,7 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
                          rollback: str = DEFAULT_ROLLBACK, fallback_threshold: float | str = DEFAULT_FALLBACK,
                          fallback_window: int = 8, reprobe_after: int = 32, stall_timeout_s: float = 120.0,
                          prefilled: Any = None, verify_path: str = "eager", device_loop: bool = True,
-                         restore: str = "auto", lag: int = LAG) -> tuple[list[int], SpecStats]:
+                         restore: str = "auto", lag: int = LAG, lookup: int = 0) -> tuple[list[int], SpecStats]:
     """Generate up to ``max_new_tokens`` after ``ids`` with ``draft`` proposing blocks.
 
     ``stop(new_ids)`` is called after every committed token, in order (streaming can live
@@ -205,6 +209,10 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
     an accepted prefix (``stats.restore`` names the one used); ``lag``: the device loop's steps launched past
     the one whose result the host waits for.
 
+    ``lookup`` (a match length, 0: off): where the last ``lookup`` committed ids occurred before, the block
+    copies what followed that latest occurrence (``engine.dflash.lookup``) instead of the draft's proposal;
+    verification is unchanged, so the output is too.
+
     ``prefilled`` continues from a prompt already prefilled elsewhere (PFlash's
     ``CompressedPrefill``, made with ``capture_layers`` = the draft's target layers and
     ``reserve`` >= ``max_new_tokens + spec_len``): its state, last logits, captured hidden
@@ -214,7 +222,7 @@ def speculative_generate(model: Qwen35MoE, draft: DFlashDraft, ids: Sequence[int
         opts = SpecOptions(spec_len=spec_len, rollback=rollback, fallback_threshold=fallback_threshold,
                            fallback_window=fallback_window, reprobe_after=reprobe_after,
                            stall_timeout_s=stall_timeout_s, verify_path=verify_path, device_loop=device_loop,
-                           restore=restore, lag=lag)
+                           restore=restore, lag=lag, lookup=lookup)
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -232,6 +240,7 @@ class _Generation:
                  prefilled: Any = None) -> None:
         self.model, self.draft, self.opts, self.params = model, draft, opts, params
         self.prompt = torch.tensor(ids, dtype=torch.long, device=model.device)
+        self.prompt_ids = ids  # the lookup's history starts with them
         self.max_new = max_new
         self.eos, self.stop = eos, stop
         self.layer_ids = tuple(draft.cfg.target_layer_ids)
@@ -255,7 +264,8 @@ class _Generation:
         self.rollback = make_rollback(opts.rollback, model, self.state)
         self.gen = make_generator(params, model.device)
         self.clock = _Clock(model.device)
-        self.stats = SpecStats(spec_len=opts.spec_len, rollback=opts.rollback, prompt_tokens=len(ids))
+        self.stats = SpecStats(spec_len=opts.spec_len, rollback=opts.rollback, prompt_tokens=len(ids),
+                               lookup=opts.lookup)
         self.draft_step: Any = None  # the fixed-shape proposal step, with the fixed-shape verify
         self.verify_step = self._verify_step(opts.verify_path)
         self.new: list[int] = []
@@ -294,7 +304,7 @@ class _Generation:
                 self.loop = SpecLoop(self.model, self.state, self.draft, self.cache, self.model.weights.embed,
                                      self.model.weights.output, tokens=self.opts.spec_len,
                                      layer_ids=self.layer_ids, graph=graph, restore=self.opts.restore,
-                                     lag=self.opts.lag)
+                                     lag=self.opts.lag, lookup=self.opts.lookup)
                 return self.loop.verify, self.loop.draft
             step = DecodeGraph(self.model, self.state, tokens=self.opts.spec_len, capture_layers=self.layer_ids,
                                graph=graph, rollback=True, restore=self.opts.restore)
@@ -374,6 +384,9 @@ class _Generation:
             block[0] = token
             hidden = block_hidden(self.draft, self.cache, F.embedding(block, model.weights.embed), start)
             drafted = linear(hidden[1:], model.weights.output).argmax(-1)  # [n - 1]
+        if self.opts.lookup:
+            history = torch.tensor(self.prompt_ids + self.new, dtype=torch.long, device=model.device)
+            drafted = merge_lookup(drafted, history, history.shape[0], self.opts.lookup)
         c1 = self.clock.mark()
         verify_ids = torch.cat([token.reshape(1), drafted])
         fixed = self.verify_step is not None and n == self.verify_step.tokens
@@ -429,7 +442,7 @@ class _Generation:
         if self.pending:  # speculation resumes: the plain stretch's rows join the draft's context
             self._extend_features(torch.cat(self.pending), self.pending_start)
             self.pending.clear()
-        loop.load(token, self.max_new - len(self.new))
+        loop.load(token, self.max_new - len(self.new), self.prompt_ids + self.new if self.opts.lookup else None)
         in_flight: deque[int] = deque()
         done = stopping = False
         t = time.perf_counter()

@@ -103,6 +103,34 @@ def test_negative_spec_fallback_is_one_clear_error(capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
+    (["--spec-lookup", "3"], "--spec-lookup needs --draft"),
+    (["--spec-lookup", "17", "--draft", "DRAFT"], "--spec-lookup must be 0 (off) .. 16, got 17"),
+])
+def test_spec_lookup_errors_are_one_clear_line(extra, message, capsys):
+    root = Path(__file__).resolve().parents[2] / "models"
+    extra = [str(root / "luce-draft.gguf") if x == "DRAFT" else x for x in extra]
+    status = main(["generate", "--model", str(root / "luce-target.gguf"), "--prompt", "x", "-n", "2",
+                   "--device", "cpu", *extra])
+    err = " ".join(capsys.readouterr().err.split())
+    assert status == 2 and "Traceback" not in err
+    assert err.startswith("error:") and message in err
+
+
+def test_spec_lookup_generates_the_plain_text(capsys):
+    """``--spec-lookup 2`` with the shipped target and draft: the same greedy text as without speculation."""
+    import json
+
+    root = Path(__file__).resolve().parents[2] / "models"
+    base = ["generate", "--model", str(root / "luce-target.gguf"), "--prompt", "def f(x):\n    return x\n\ndef f(x):",
+            "-n", "24", "--device", "cpu", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--draft", str(root / "luce-draft.gguf"), "--spec-len", "4", "--spec-lookup", "2"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["text"] == plain["text"] and spec["timings"]["lookup"] == 2
+
+
+@pytest.mark.parametrize("extra, message", [
     (["--placement-unit", "layer"], "--placement-unit needs --expert-budget"),
     (["--placement-unit", "block", "--expert-budget", "1"], "placement_unit must be one of expert, layer, got 'block'"),
 ])
