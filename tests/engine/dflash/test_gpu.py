@@ -163,6 +163,23 @@ def test_graph_verify_matches_plain_on_cuda(cuda_target, prompt):
     assert host == ref and not host_stats.device_loop and host_stats.verify_path == "cuda_graph"
 
 
+def test_graph_lookup_matches_plain_on_cuda(cuda_target, prompt):
+    """The committed-text lookup inside the captured device loop (its history written by the advance launch, its
+    block merged into the draft launch) and on the host loop: plain greedy output, float32, on a prompt that
+    repeats itself so that the lookup finds matches from the first block."""
+    draft = _right_draft(cuda_target, prompt, _plain_cuda)
+    ids = prompt + prompt[:5] + prompt
+    ref = _plain_cuda(cuda_target, ids, 64)
+    for spec_len in (4, 8):
+        new, stats = speculative_generate(cuda_target, draft, ids, 64, spec_len=spec_len, fallback_threshold=0,
+                                          verify_path="graph", lookup=2)
+        assert stats.verify_path == stats.draft_path == "cuda_graph", stats.verify_path_note
+        assert stats.device_loop and stats.lookup == 2 and new == ref
+    host, host_stats = speculative_generate(cuda_target, draft, ids, 64, spec_len=8, fallback_threshold=0,
+                                            verify_path="graph", device_loop=False, lookup=2)
+    assert host == ref and not host_stats.device_loop
+
+
 def test_graph_plain_stretches_match_plain_on_cuda(cuda_target, prompt):
     """Fallbacks and re-tries on CUDA: the plain stretches replay the captured one-token step, the
     verify blocks theirs, and greedy output stays the plain one, float32."""
