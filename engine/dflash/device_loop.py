@@ -108,11 +108,11 @@ class SpecLoop:
         return "cuda_graph" if self.captured else "static"
 
     @torch.inference_mode()
-    def load(self, token: torch.Tensor, new_left: int, history: list[int] | None = None) -> None:
+    def load(self, token: torch.Tensor, new_left: int, history: torch.Tensor | None = None) -> None:
         """Start from the host's view of the state and the draft cache: ``token`` (one id on the device) opens the
         next block; at most ``new_left`` more tokens are wanted. The KV caches and the draft cache need room for
         them and ``room_steps(lag)`` blocks more (steps in flight when the host stops, and the last block's rows).
-        With ``lookup``, ``history`` is every committed id (prompt and new ones, ending with ``token``'s)."""
+        With ``lookup``, ``history`` holds every committed id (prompt and new ones, ending with ``token``'s)."""
         kv_len, draft_len = self.verify._cache_length(), self.cache.length
         room = new_left + room_steps(self.lag) * self.tokens
         if kv_len + room > self.state.max_len or draft_len + room > self.cache.max_len:
@@ -125,7 +125,7 @@ class SpecLoop:
             if len(history) + new_left + room_steps(self.lag) * self.tokens > self.history.shape[0]:
                 raise ConfigError(f"the device loop's lookup holds {self.history.shape[0]} ids; {len(history)} "
                                   f"committed and {new_left} more do not fit")
-            self.history[:len(history)].copy_(torch.tensor(history, dtype=torch.long))
+            self.history[:len(history)].copy_(history)
             self.hist_len.fill_(len(history))
         self.token.copy_(token.reshape(()))
         self.pos.fill_(self.state.next_position)

@@ -240,7 +240,6 @@ class _Generation:
                  prefilled: Any = None) -> None:
         self.model, self.draft, self.opts, self.params = model, draft, opts, params
         self.prompt = torch.tensor(ids, dtype=torch.long, device=model.device)
-        self.prompt_ids = ids  # the lookup's history starts with them
         self.max_new = max_new
         self.eos, self.stop = eos, stop
         self.layer_ids = tuple(draft.cfg.target_layer_ids)
@@ -280,6 +279,11 @@ class _Generation:
             self.plain_left = CALIBRATION_STEPS
         if (self.auto or opts.fallback_threshold > 0) and self.verify_step is not None:
             self.plain = self._plain_decoder()  # here, so that its capture stays out of the decode loop
+        self.history: torch.Tensor | None = None  # the committed ids on the device (the lookup's), up to history_len
+        self.history_len = len(ids)
+        if opts.lookup:
+            self.history = torch.empty(len(ids) + max_new + opts.spec_len, dtype=torch.long, device=model.device)
+            self.history[:len(ids)].copy_(self.prompt)
         self.pending: list[torch.Tensor] = []  # plain steps' context rows, not yet in the draft cache
         self.pending_start = 0  # position of the first of them
 
@@ -385,7 +389,7 @@ class _Generation:
             hidden = block_hidden(self.draft, self.cache, F.embedding(block, model.weights.embed), start)
             drafted = linear(hidden[1:], model.weights.output).argmax(-1)  # [n - 1]
         if self.opts.lookup:
-            history = torch.tensor(self.prompt_ids + self.new, dtype=torch.long, device=model.device)
+            history = self._committed_ids()
             drafted = merge_lookup(drafted, history, history.shape[0], self.opts.lookup)
         c1 = self.clock.mark()
         verify_ids = torch.cat([token.reshape(1), drafted])
@@ -442,7 +446,7 @@ class _Generation:
         if self.pending:  # speculation resumes: the plain stretch's rows join the draft's context
             self._extend_features(torch.cat(self.pending), self.pending_start)
             self.pending.clear()
-        loop.load(token, self.max_new - len(self.new), self.prompt_ids + self.new if self.opts.lookup else None)
+        loop.load(token, self.max_new - len(self.new), self._committed_ids() if self.opts.lookup else None)
         in_flight: deque[int] = deque()
         done = stopping = False
         t = time.perf_counter()
@@ -467,6 +471,15 @@ class _Generation:
         if self.stats.fallbacks and stopping and not done:
             self.window_start = len(self.stats.accept_lengths)  # the steps in flight belonged to the try that failed
         return loop.store(), done
+
+    def _committed_ids(self) -> torch.Tensor:
+        """The prompt and every new token on the device (the lookup's history): the tokens committed since the last
+        call are written in one copy."""
+        fresh = self.new[self.history_len - self.prompt.shape[0]:]
+        if fresh:
+            self.history[self.history_len:self.history_len + len(fresh)].copy_(torch.tensor(fresh, dtype=torch.long))
+            self.history_len += len(fresh)
+        return self.history[:self.history_len]
 
     def _plain_step(self, token: torch.Tensor) -> tuple[torch.Tensor, bool]:
         start = self.state.next_position

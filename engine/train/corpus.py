@@ -252,7 +252,8 @@ def build_corpus(out_dir: str | os.PathLike[str], *, seed: int = 0, held_out_fra
         raise ValueError(f"extra_max_bytes must be positive, got {extra_max_bytes}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train, held_out = split_sources(stdlib_sources(), held_out_fraction, max_bytes)
+    library = list(stdlib_sources())  # read once: split, and the texts extra sources must not repeat
+    train, held_out = split_sources(library, held_out_fraction, max_bytes)
     if not train or not held_out:
         raise ValueError(f"the standard library at {stdlib_root()} gave {len(train)} training and "
                          f"{len(held_out)} held-out files; both must be non-empty")
@@ -261,7 +262,7 @@ def build_corpus(out_dir: str | os.PathLike[str], *, seed: int = 0, held_out_fra
                         retrieval_held_out=out / "retrieval_held_out.txt",
                         extra_train=out / "extra_train.txt" if extra_dirs else None)
     if files.extra_train is not None:
-        extra = _capped(extra_sources(extra_dirs, exclude=(s.text for s in stdlib_sources())), extra_max_bytes)
+        extra = _capped(extra_sources(extra_dirs, exclude=(s.text for s in library)), extra_max_bytes)
         if not extra:
             raise ValueError(f"the extra source folders {', '.join(map(str, extra_dirs))} hold no usable "
                              f".py file (UTF-8, not empty, not a copy of a library file)")

@@ -96,14 +96,17 @@ def prepare_data(data_dir: Path, settings: CorpusSettings) -> FamilyData:
     tok = Tokenizer.from_metadata(metadata, source=tok_source)
     eos = tok.eos_id
 
-    def stream(*paths: Path) -> TokenStream:
-        docs = [doc for path in paths for doc in iter_documents(path)]
-        return TokenStream.from_documents(tok.encode_batch(docs), separator=eos)
+    def encoded(path: Path) -> list[list[int]]:
+        return tok.encode_batch(list(iter_documents(path)))
 
-    library = stream(files.train)
-    train = stream(files.train, files.extra_train) if files.extra_train is not None else library
-    heldout = stream(files.held_out)
-    examples = stream(files.retrieval_train) if settings.n_retrieval else None
+    def stream(docs: list[list[int]]) -> TokenStream:
+        return TokenStream.from_documents(docs, separator=eos)
+
+    library_docs = encoded(files.train)
+    library = stream(library_docs)
+    train = stream(library_docs + encoded(files.extra_train)) if files.extra_train is not None else library
+    heldout = stream(encoded(files.held_out))
+    examples = stream(encoded(files.retrieval_train)) if settings.n_retrieval else None
     cases = tuple(_retrieval_case(tok, text) for text in iter_documents(files.retrieval_held_out)) \
         if settings.n_retrieval else ()
     data = TrainData(train=train, heldout=heldout, vocab=tok.vocab_size, examples=examples,

@@ -96,7 +96,7 @@ def test_the_device_loop_proposes_the_lookups_block_and_keeps_its_history(target
     history = [1, 2, t, 11, 12, 13, 1, 2, t]  # the end (1, 2, t) occurred at the start: period 6
     with pytest.raises(ValueError, match="needs the committed ids"):
         loop.load(token, steps * spec_len)
-    loop.load(token, steps * spec_len, history)
+    loop.load(token, steps * spec_len, torch.tensor(history))
     proposals = []
     for _ in range(steps):
         want = reference(history, 3, spec_len - 1)
