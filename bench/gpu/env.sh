@@ -4,7 +4,7 @@
 set -euo pipefail
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHL:-.whl}/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export LUCE_TUNE_VOCAB=${LUCE_TUNE_VOCAB:-$PWD/.vocab/ggml-vocab-qwen35.gguf}
 luce() { python3 -m tuner.cli "$@"; }
