@@ -5,7 +5,8 @@
 # and 17 rows (ROWS) and the tiles in TILES; the skinny CUDA tests (TESTS_S; 0 skips them); then the DFlash step at
 # spec_len 8 and 16 (bench/dflash_step.py, STEP_S a process) and issue 4's table at spec_len SPECS (8,16) on LONG
 # long-form and CODE code prompts (DFLASH_S a process), each with FEW_ROWS in turn (default "8 18": the shipped
-# bound, then 9-17 rows through the few-row kernel at the best-ranked tile).
+# bound, then 9-17 rows through the few-row kernel at the best-ranked tile). TARGET and DRAFT pick the models
+# (default the shipped target and bench/drafts/luce-draft-8192x960.gguf), LOOKUPS and FALLBACKS the table's rows.
 source "$(dirname "$0")/env.sh"
 [ -f /tmp/corpus/held_out.txt ] || python3 -c \
   "from engine.train.corpus import build_corpus; build_corpus('/tmp/corpus', n_retrieval=0)" > "$OUT/corpus.log" 2>&1 &
@@ -26,15 +27,15 @@ fi
 DRAFT=${DRAFT:-bench/drafts/luce-draft-8192x960.gguf}
 for few in ${FEW_ROWS:-8 18}; do
   LUCE_TUNE_FEW_ROWS=$few timeout ${STEP_S:-90} python3 bench/dflash_step.py \
-    --target models/luce-target.gguf --draft "$DRAFT" --corpus /tmp/corpus/held_out.txt \
+    --target ${TARGET:-models/luce-target.gguf} --draft "$DRAFT" --corpus /tmp/corpus/held_out.txt \
     --spec-lens ${STEP_SPECS:-8,16} --restores states \
     --json "$OUT/step_few$few.json" 2>&1 | grep -v Warn | tail -6 | sed "s/^/few rows $few: /" || echo "step rc=$?"
 done
 for few in ${FEW_ROWS:-8 18}; do
-  LUCE_TUNE_FEW_ROWS=$few timeout ${DFLASH_S:-150} python3 bench/dflash.py --target models/luce-target.gguf \
+  LUCE_TUNE_FEW_ROWS=$few timeout ${DFLASH_S:-150} python3 bench/dflash.py --target ${TARGET:-models/luce-target.gguf} \
     --draft "$DRAFT" --corpus /tmp/corpus/held_out.txt --dtype float32 --graph --spec-lens ${SPECS:-8,16} \
     --budgets ${BUDGETS:-all} --rollbacks capture --restores auto --cold-device gpu --long-form ${LONG:-2} \
-    --code ${CODE:-2} --new-tokens 400 --fallbacks 0 --json "$OUT/table_few$few.json" 2>&1 | grep -v Warn \
+    --code ${CODE:-2} --new-tokens 400 --fallbacks ${FALLBACKS:-0} --lookups ${LOOKUPS:-0} --json "$OUT/table_few$few.json" 2>&1 | grep -v Warn \
     > "$OUT/table_few$few.log" || echo "table rc=$?"
   echo "== few rows $few"; grep -A6 "^summary" "$OUT/table_few$few.log" || tail -3 "$OUT/table_few$few.log"
 done
