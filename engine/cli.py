@@ -148,7 +148,7 @@ def generate(
     sys.stdout.write("\n")
     err.print(f"[dim]prefill {t.prompt_tokens} tok in {t.prefill_s * 1000:.1f} ms "
               f"({t.prompt_tokens / max(t.prefill_s, 1e-9):.1f} tok/s{_prefill_path(t.extra)}) | decode "
-              f"{t.new_tokens} tok at {t.decode_tok_s:.1f} tok/s ({t.extra.get('decode_path', 'eager')}) | peak memory "
+              f"{t.new_tokens} tok at {t.decode_tok_s:.1f} tok/s ({_decode_path(t.extra)}) | peak memory "
               f"{t.peak_mem_mb:.0f} MB | stop: {result.stop_reason}[/dim]")
     extra = t.extra
     if "prefill_graph_capture_s" in extra:
@@ -162,7 +162,8 @@ def generate(
                   f"{extra['cold_hit_rate']:.1%} (expected {extra['expected_cold_hit_rate']:.1%}) | "
                   f"expert memory {extra['expert_vram_mb']:.0f} MB (host {extra['expert_host_mb']:.0f} MB)[/dim]")
     if "acceptance_length" in extra:
-        err.print(f"[dim]dflash spec_len {extra['spec_len']} | acceptance length {extra['acceptance_length']:.2f} "
+        lookup = f", lookup {extra['lookup']}" if extra.get("lookup") else ""
+        err.print(f"[dim]dflash spec_len {extra['spec_len']}{lookup} | acceptance length {extra['acceptance_length']:.2f} "
                   f"tokens per target forward | draft {extra['draft_s'] * 1000:.1f} ms, verify "
                   f"{extra['verify_s'] * 1000:.1f} ms, rollback {extra['rollback_s'] * 1000:.1f} ms | paths: draft "
                   f"{extra.get('draft_path', 'eager')}, verify {extra.get('verify_path', 'eager')}"
@@ -171,6 +172,13 @@ def generate(
         err.print(f"[dim]pflash kept {extra['pflash_kept_tokens']}/{extra['pflash_total_tokens']} tokens | "
                   f"drafter {extra['pflash_drafter_s'] * 1000:.1f} ms | target prefill "
                   f"{extra['pflash_target_prefill_s'] * 1000:.1f} ms[/dim]")
+
+
+def _decode_path(extra: dict) -> str:
+    """How the decode ran, for the timings line: DFlash's speculative loop, or plain decoding's path."""
+    if "acceptance_length" in extra:
+        return "dflash"
+    return extra.get("decode_path", "eager")
 
 
 def _prefill_path(extra: dict) -> str:

@@ -130,6 +130,16 @@ def test_spec_lookup_generates_the_plain_text(capsys):
     assert spec["text"] == plain["text"] and spec["timings"]["lookup"] == 2
 
 
+def test_dflash_timings_name_the_speculative_loop(capsys):
+    """The timings line says the decode ran through DFlash (not plain decoding's eager path) and with the lookup."""
+    root = Path(__file__).resolve().parents[2] / "models"
+    assert main(["generate", "--model", str(root / "luce-target.gguf"), "--prompt", "def f(x):", "-n", "8",
+                 "--device", "cpu", "--draft", str(root / "luce-draft.gguf"), "--spec-len", "4",
+                 "--spec-lookup", "2"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "tok/s (dflash)" in err and "dflash spec_len 4, lookup 2 |" in err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--placement-unit", "layer"], "--placement-unit needs --expert-budget"),
     (["--placement-unit", "block", "--expert-budget", "1"], "placement_unit must be one of expert, layer, got 'block'"),
