@@ -15,8 +15,10 @@ reading its weight tile once per K chunk and dotting every row of the block agai
 2-7 float32 rows as a split-K GEMM plus its reduction, two launches of 4-6 us where a one-row call takes one
 GEMV of about 2.3 us; this kernel takes 1.5-3 us for them (``bench/few_rows.py``; an H100, docs/benchmarks.md,
 fourteenth round). ``engine.model.linear`` decides from how many rows on it sends blocks here
-(``skinny_min_rows``). ``LUCE_TUNE_FEW_ROWS`` moves the bound between the two kernels (``few_rows``): 18 sends
-the verify blocks of spec_len 8 and 16 (9 and 17 rows) to the few-row kernel too, which has not been timed there.
+(``skinny_min_rows``). Since the seventeenth round the bound is 18, so the verify blocks of spec_len 8 and 16 (9 and
+17 rows) take this kernel too: on an H100 it takes 2.2-5.2 us for the shipped shapes at 17 rows where cuBLAS takes
+4.3-7.9 and the ``tl.dot`` kernel 6.2-30 (``bench/few_rows.py``), and a DFlash step at spec_len 16 went from 916 to
+740 us. ``LUCE_TUNE_FEW_ROWS`` moves the bound between the two kernels (``few_rows``; 8 was the earlier bound).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from engine.errors import ConfigError
 from engine.kernels.fused import check_device
 
 MAX_M = 32  # rows; longer calls go to cuBLAS, whose large-tile kernels suit them
-FEW_M = 8  # blocks of fewer rows take ``_rows_kernel``
+FEW_M = 18  # blocks of fewer rows (spec_len 16's verify block of 17 and less) take ``_rows_kernel``
 ROWS_TILE_ENV = "LUCE_TUNE_ROWS_TILE"
 FEW_ROWS_ENV = "LUCE_TUNE_FEW_ROWS"
 # (outputs a program, K chunk, warps) of ``_rows_kernel``: the fastest on average over the shipped target's and

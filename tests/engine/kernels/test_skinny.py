@@ -117,14 +117,16 @@ def test_the_few_rows_kernel_is_taken_below_few_m(monkeypatch):
     assert max_rel(skinny.skinny_linear(x[:skinny.FEW_M - 1], w), x[:skinny.FEW_M - 1], w) < 1e-5
     skinny.skinny_linear(x, w)
     assert launched == [("rows", (24 // skinny.ROWS_TILE[0],), skinny.FEW_M - 1), ("dot", (2, 1), None)]
-    # LUCE_TUNE_FEW_ROWS=18: blocks of 8 to 17 rows (spec_len 8 and 16) take the few-row kernel too, 18 not
+    # the default sends the verify blocks of spec_len 8 and 16 (9 and 17 rows) to the few-row kernel
+    assert skinny.FEW_M == 18
+    # LUCE_TUNE_FEW_ROWS=8 (the earlier bound): blocks of 8 to 17 rows take the tl.dot kernel, 7 not
     launched.clear()
-    monkeypatch.setenv(skinny.FEW_ROWS_ENV, "18")
+    monkeypatch.setenv(skinny.FEW_ROWS_ENV, "8")
     monkeypatch.setattr(skinny, "_in_use", None)
     x, w = case(18, 24, 40, seed=12)
-    for m in (8, 9, 17, 18):
+    for m in (7, 8, 9, 17):
         assert max_rel(skinny.skinny_linear(x[:m], w), x[:m], w) < 1e-5
-    assert launched == [("rows", (12,), 8), ("rows", (12,), 9), ("rows", (12,), 17), ("dot", (2, 1), None)]
+    assert [(name, m) for name, _, m in launched] == [("rows", 7), ("dot", None), ("dot", None), ("dot", None)]
     monkeypatch.setattr(skinny, "_in_use", None)
 
 
@@ -132,7 +134,7 @@ def test_few_rows_setting(monkeypatch):
     """``LUCE_TUNE_FEW_ROWS``: FEW_M when unset, 2 to MAX_M + 1 otherwise, one clear error for anything else,
     also through ``linear`` before the kernel's attempt."""
     monkeypatch.delenv(skinny.FEW_ROWS_ENV, raising=False)
-    assert skinny.few_rows() == skinny.FEW_M == 8
+    assert skinny.few_rows() == skinny.FEW_M == 18
     for good in ("2", "18", str(skinny.MAX_M + 1)):
         monkeypatch.setenv(skinny.FEW_ROWS_ENV, good)
         assert skinny.few_rows() == int(good)
