@@ -12,8 +12,8 @@ from storage.records import HardwareRecord, MeasurementRecord, TelemetrySample
 
 NO_DRAFT = "none"  # the tuner's name for plain decoding in the draft dimension
 # Numeric knobs of the landscape and what a trial without the knob means on that axis.
-LANDSCAPE_DIMS = {"expert_budget_mb": None, "spec_len": 0, "pflash_keep_ratio": 1.0, "cold_cpu_share": 0.0,
-                  "cold_prefetch": 0, "cold_warm": 0}
+LANDSCAPE_DIMS = {"expert_budget_mb": None, "spec_len": 0, "spec_lookup": 0, "pflash_keep_ratio": 1.0,
+                  "cold_cpu_share": 0.0, "cold_prefetch": 0, "cold_warm": 0}
 
 
 def draft_label(params: dict) -> str:
@@ -76,7 +76,8 @@ def landscape_frame(view: StudyView) -> tuple[pd.DataFrame, list[str]]:
     """Measured trials over the numeric knobs the study searched, and those knobs' names.
 
     A trial without a conditional knob sits where that knob is off: spec_len 0 for plain
-    decoding, keep ratio 1.0 when the whole prompt is prefilled.
+    decoding, spec_lookup 0 without the committed-text lookup, keep ratio 1.0 when the whole prompt is
+    prefilled.
     """
     trials = measured(view)
     dims = [d for d in LANDSCAPE_DIMS if any(d in t.params for t in trials)]

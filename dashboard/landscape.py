@@ -21,7 +21,7 @@ def render() -> None:
                 "on this machine): there is no landscape to draw.")
         return
     z = st.radio("Colour by", list(OBJECTIVES), horizontal=True, key="landscape_metric")
-    st.caption("spec_len 0 is plain decoding and keep ratio 1.0 is PFlash off. "
+    st.caption("spec_len 0 is plain decoding, spec_lookup 0 is the lookup off and keep ratio 1.0 is PFlash off. "
                f"{len(df)} measured trials.")
     if len(dims) == 1:
         st.plotly_chart(charts.scatter_figure(df, dims[0], z), key="landscape_scatter")

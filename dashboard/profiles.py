@@ -14,8 +14,8 @@ from dashboard import context, frames
 from dashboard.data import StudyView
 from storage.records import ProfileRecord
 
-KNOBS = ("expert_budget_mb", "draft", "spec_len", "pflash_keep_ratio", "cold_cpu_share", "placement_unit",
-         "cold_prefetch", "cold_warm")
+KNOBS = ("expert_budget_mb", "draft", "spec_len", "spec_lookup", "pflash_keep_ratio", "cold_cpu_share",
+         "placement_unit", "cold_prefetch", "cold_warm")
 
 
 def render() -> None:

@@ -22,13 +22,14 @@ import tomli_w
 from engine.errors import ConfigError
 
 SCHEMA = 1
-ENGINE_KEYS = ("device", "dtype", "threads", "expert_budget_mb", "pflash_threshold", "spec_len",
+ENGINE_KEYS = ("device", "dtype", "threads", "expert_budget_mb", "pflash_threshold", "spec_len", "spec_lookup",
                "pflash_keep_ratio", "weights", "cold_format", "hot_format", "cuda_graph", "cold_device",
                "cold_cpu_share", "placement_unit", "cold_prefetch", "cold_warm")
 LOAD_KEYS = ("device", "dtype", "threads", "expert_budget_mb", "pflash_threshold", "weights", "cold_format",
              "hot_format", "cuda_graph", "cold_device", "cold_cpu_share", "placement_unit", "cold_prefetch",
              "cold_warm")
-GENERATE_KEYS = ("spec_len", "pflash_keep_ratio")
+GENERATE_KEYS = ("spec_len", "spec_lookup", "pflash_keep_ratio")
+SPEC_LOOKUP_MAX = 16  # engine.dflash.lookup.MAX_MIN_MATCH (not imported: this module stays free of torch)
 MODEL_ROLES = ("target", "draft", "drafter")
 FINGERPRINT_KEYS = ("gpu_name", "gpu_uuid", "gpu_driver", "gpu_vram_mb", "cpu", "cpu_count", "ram_mb")
 
@@ -66,6 +67,13 @@ class Profile:
         missing = set(FINGERPRINT_KEYS) - set(self.hardware)
         if missing:
             raise ValueError(f"hardware.{sorted(missing)[0]} is missing")
+        if "spec_lookup" in self.engine:  # absent in older profiles: the engine's default, off
+            lookup = self.engine["spec_lookup"]
+            if isinstance(lookup, bool) or not isinstance(lookup, int) or not 0 <= lookup <= SPEC_LOOKUP_MAX:
+                raise ValueError(f"engine.spec_lookup: expected a match length from 0 (off) to {SPEC_LOOKUP_MAX}, "
+                                 f"found {lookup!r}")
+            if "draft" not in self.models:
+                raise ValueError(f"engine.spec_lookup {lookup} is set without a draft (models.draft)")
 
     def load_options(self) -> dict[str, Any]:
         """Keyword arguments for ``Engine.from_gguf(models['target'].path, **...)``."""

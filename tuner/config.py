@@ -72,6 +72,7 @@ ENGINE_FORMATS = ("dense", "quantized")
 COLD_DEVICES = ("cpu", "gpu")
 PLACEMENT_UNITS = ("expert", "layer")  # engine.placement.PLACEMENT_UNITS
 PREFETCH_MAX = 4  # engine.hybrid.PREFETCH_MAX: cold experts fetched or warmed ahead a layer, at most
+SPEC_LOOKUP_MAX = 16  # engine.dflash.lookup.MAX_MIN_MATCH: the committed-text lookup's longest match length
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ class SearchConfig:
     expert_budget_step_mb: int = 256
     expert_budget_max_mb: int | None = None  # None: what the live GPU can hold
     spec_len: tuple[int, int] = (2, 8)
+    # the committed-text lookup's match lengths to choose from with a draft (0: off); [0] leaves it out of the search
+    spec_lookup: tuple[int, ...] = (0,)
     pflash_keep_ratio: tuple[float, float] = (0.05, 0.5)
     pflash: bool = True  # search PFlash when a drafter and long prompts are configured
     pflash_threshold: int | None = None  # compress prompts longer than this; None: engine default
@@ -131,6 +134,11 @@ class SearchConfig:
         lo, hi = self.spec_len
         if not 1 <= lo <= hi:
             raise ValueError(f"spec_len: expected [low, high] with 1 <= low <= high, found [{lo}, {hi}]")
+        lookups = self.spec_lookup
+        bad = [n for n in lookups if not 0 <= n <= SPEC_LOOKUP_MAX]
+        if not lookups or bad or len(set(lookups)) != len(lookups):
+            raise ValueError(f"spec_lookup: expected distinct match lengths from 0 (off) to {SPEC_LOOKUP_MAX}, "
+                             f"found {bad[0] if bad else list(lookups)}")
         if self.pflash_threshold is not None and self.pflash_threshold < 1:
             raise ValueError(f"pflash_threshold: expected at least 1 token or \"auto\", found {self.pflash_threshold}")
         lo, hi = self.pflash_keep_ratio
@@ -422,6 +430,12 @@ def _int_pair(value: Any, _base: Path) -> tuple[int, int]:
     return (value[0], value[1])
 
 
+def _ints(value: Any, _base: Path) -> tuple[int, ...]:
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise _TypeMismatch("a list of integers")
+    return tuple(value)
+
+
 def _float_pair(value: Any, _base: Path) -> tuple[float, float]:
     if (not isinstance(value, list) or len(value) != 2
             or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value)):
@@ -452,7 +466,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Reader]]] = {
     "engine": (EngineConfig, {"weights": _str, "experts": _str, "cuda_graph": _bool, "cold_device": _str}),
     "search": (SearchConfig, {
         "expert_budget_step_mb": _int, "expert_budget_max_mb": _live_mb, "spec_len": _int_pair,
-        "pflash_keep_ratio": _float_pair, "pflash": _bool, "pflash_threshold": _auto_int,
+        "spec_lookup": _ints, "pflash_keep_ratio": _float_pair, "pflash": _bool, "pflash_threshold": _auto_int,
         "cold_cpu_share": _float_pair, "cold_prefetch": _int_pair, "cold_warm": _int_pair,
         "placement_unit": _names}),
     "workload": (WorkloadConfig, {

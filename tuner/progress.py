@@ -42,6 +42,7 @@ class LiveProgress(RunObserver):
         gpu = f"{hardware.gpu.name} ({hardware.gpu.total_mb} MB)" if hardware.gpu else "no GPU"
         dims = ", ".join(name for name, on in (("expert budget", space.budget_max_mb),
                                                ("draft + spec_len", space.drafts),
+                                               ("lookup", space.spec_lookup is not None),
                                                ("pflash", space.keep_ratio is not None)) if on)
         with self._lock:
             self._header = Text.assemble(

@@ -44,6 +44,7 @@ class Measure:
     jobs: tuple[Job, ...]
     expert_budget_mb: int | None = None
     spec_len: int | None = None
+    spec_lookup: int | None = None  # with spec_len: the committed-text lookup's match length; None: the engine's (off)
     pflash_keep_ratio: float | None = None
     cold_cpu_share: float | None = None  # set before measuring (Engine.set_cold_cpu_share); None: leave at 0
     placement_unit: str | None = None  # what the budget's hot set grows by (Engine.set_expert_budget); None: expert

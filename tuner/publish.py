@@ -99,8 +99,8 @@ def build_profile(c: ApplianceConfig, model_files: Mapping[str, Any], number: in
     if c.hardware.threads is not None:
         engine["threads"] = c.hardware.threads
     engine.update(c.engine.load_options())
-    for key in ("expert_budget_mb", "spec_len", "pflash_keep_ratio", "cold_cpu_share", "placement_unit",
-                "cold_prefetch", "cold_warm"):
+    for key in ("expert_budget_mb", "spec_len", "spec_lookup", "pflash_keep_ratio", "cold_cpu_share",
+                "placement_unit", "cold_prefetch", "cold_warm"):
         if getattr(params, key) is not None:
             engine[key] = getattr(params, key)
     models = {"target": _entry(model_files["target"])}
@@ -158,8 +158,8 @@ def export_trial(c: ApplianceConfig, number: int, out: Path) -> Path:
     for key, value in m.metrics.get("extras", {}).items():
         metrics[key] = {"mean": value}
     params = TrialParams(**{k: m.params.get(k) for k in
-                            ("expert_budget_mb", "draft", "spec_len", "pflash_keep_ratio", "cold_cpu_share",
-                             "placement_unit", "cold_prefetch", "cold_warm")})
+                            ("expert_budget_mb", "draft", "spec_len", "spec_lookup", "pflash_keep_ratio",
+                             "cold_cpu_share", "placement_unit", "cold_prefetch", "cold_warm")})
     profile = build_profile(c, study.user_attrs["model_files"], number, params, metrics,
                             m.metrics.get("device", ""), fingerprint)
     text = write_profile(out, profile)

@@ -1,7 +1,8 @@
 """The search space, derived from the config and the live hardware, defined by run.
 
 Dimensions appear only where they mean something: the expert budget only with a GPU, the
-draft only with compatible candidates, spec_len only with a draft, PFlash only with a
+draft only with compatible candidates, spec_len and the committed-text lookup only with a draft (the
+lookup with more than one match length configured, or one other than 0), PFlash only with a
 compatible drafter and long prompts, its keep ratio only when it is on, the cold experts' CPU
 share only with ``cold_device = "gpu"``, quantized experts and a budget that leaves some cold, the
 cold experts fetched and warmed ahead of the router only beside the CPU share (a range wider than
@@ -16,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from tuner.config import ApplianceConfig
+from tuner.config import SPEC_LOOKUP_MAX, ApplianceConfig
 from engine.hardware import Hardware
 
 NO_DRAFT = "none"
@@ -29,6 +30,7 @@ class TrialParams:
     expert_budget_mb: int | None = None  # None: no GPU, the engine's own placement
     draft: str | None = None  # a candidate's file name
     spec_len: int | None = None
+    spec_lookup: int | None = None  # the committed-text lookup's match length with a draft (0: off); None: off
     pflash_keep_ratio: float | None = None
     cold_cpu_share: float | None = None  # share of the cold pairs CPU threads compute; None: not searched
     placement_unit: str | None = None  # what the hot set grows by (engine.placement); None: not searched
@@ -46,12 +48,19 @@ class TrialParams:
             raise ValueError(f"spec_len {self.spec_len} is set without a draft")
         if self.draft is not None and self.spec_len is None:
             raise ValueError(f"draft {self.draft!r} has no spec_len")
+        if self.spec_lookup is not None:
+            if not 0 <= self.spec_lookup <= SPEC_LOOKUP_MAX:
+                raise ValueError(f"spec_lookup {self.spec_lookup} is outside 0 (off) .. {SPEC_LOOKUP_MAX}")
+            if self.draft is None:
+                raise ValueError(f"spec_lookup {self.spec_lookup} is set without a draft")
 
     def label(self) -> str:
         parts = []
         if self.expert_budget_mb is not None:
             parts.append(f"budget {self.expert_budget_mb} MB")
         parts.append(f"draft {self.draft} x{self.spec_len}" if self.draft else "no draft")
+        if self.spec_lookup:
+            parts.append(f"lookup {self.spec_lookup}")
         parts.append(f"pflash {self.pflash_keep_ratio:.3f}" if self.pflash_keep_ratio else "no pflash")
         if self.cold_cpu_share is not None:
             parts.append(f"cpu share {self.cold_cpu_share:.2f}")
@@ -74,6 +83,7 @@ class SearchSpace:
     units: tuple[str, ...] | None = None  # None: no placement-unit dimension (one unit, the engine's default)
     prefetch: tuple[int, int] | None = None  # None: no fetched-ahead dimension (with the CPU share's only)
     warm: tuple[int, int] | None = None  # None: no warmed-ahead dimension (with the CPU share's only)
+    spec_lookup: tuple[int, ...] | None = None  # the lookup's match lengths with a draft; None: off (the config's [0])
 
     def __post_init__(self) -> None:
         if self.budget_max_mb is not None and self.budget_max_mb % self.budget_step_mb:
@@ -110,10 +120,11 @@ class SearchSpace:
         units = search.placement_unit if hardware.gpu is not None and len(search.placement_unit) > 1 else None
         ahead = {name: rng if cpu_share is not None and rng[1] > rng[0] else None
                  for name, rng in (("prefetch", search.cold_prefetch), ("warm", search.cold_warm))}
+        lookup = search.spec_lookup if drafts and search.spec_lookup != (0,) else None
         return cls(budget_max_mb=budget_max, budget_step_mb=search.expert_budget_step_mb,
                    drafts=tuple(p.name for p in drafts), spec_len=search.spec_len,
                    keep_ratio=search.pflash_keep_ratio if pflash else None, full_model_mb=full,
-                   cpu_share=cpu_share, units=units, **ahead)
+                   cpu_share=cpu_share, units=units, spec_lookup=lookup, **ahead)
 
     @property
     def is_empty(self) -> bool:
@@ -137,17 +148,20 @@ class SearchSpace:
                 prefetch = trial.suggest_int("cold_prefetch", *self.prefetch)
             if self.warm is not None:
                 warm = trial.suggest_int("cold_warm", *self.warm)
-        draft = spec_len = None
+        draft = spec_len = lookup = None
         if self.drafts:
             choice = trial.suggest_categorical("draft", [NO_DRAFT, *self.drafts])
             if choice != NO_DRAFT:
                 draft = choice
                 spec_len = trial.suggest_int("spec_len", *self.spec_len)
+                if self.spec_lookup is not None:
+                    lookup = (trial.suggest_categorical("spec_lookup", list(self.spec_lookup))
+                              if len(self.spec_lookup) > 1 else self.spec_lookup[0])
         keep = None
         if self.keep_ratio is not None:
             if trial.suggest_categorical("pflash", ["off", "on"]) == "on":
                 keep = trial.suggest_float("pflash_keep_ratio", *self.keep_ratio, log=True)
-        return TrialParams(expert_budget_mb=budget, draft=draft, spec_len=spec_len,
+        return TrialParams(expert_budget_mb=budget, draft=draft, spec_len=spec_len, spec_lookup=lookup,
                            pflash_keep_ratio=keep, cold_cpu_share=share, placement_unit=unit,
                            cold_prefetch=prefetch, cold_warm=warm)
 
@@ -172,6 +186,8 @@ class SearchSpace:
             expert_budget_mb=int(budget) if budget is not None else None,
             draft=None if draft == NO_DRAFT else draft,
             spec_len=int(stored["spec_len"]) if draft != NO_DRAFT else None,
+            spec_lookup=(int(stored.get("spec_lookup", self.spec_lookup[0]))
+                         if draft != NO_DRAFT and self.spec_lookup is not None else None),
             pflash_keep_ratio=(float(stored["pflash_keep_ratio"])
                                if stored.get("pflash") == "on" else None),
             cold_cpu_share=(float(stored.get("cold_cpu_share", self.cpu_share[0]))
@@ -190,6 +206,8 @@ class SearchSpace:
             out["draft"] = p.draft or NO_DRAFT
             if p.draft:
                 out["spec_len"] = p.spec_len
+                if self.spec_lookup is not None and len(self.spec_lookup) > 1:
+                    out["spec_lookup"] = p.spec_lookup if p.spec_lookup is not None else self.spec_lookup[0]
         if self.keep_ratio is not None:
             out["pflash"] = "on" if p.pflash_keep_ratio else "off"
             if p.pflash_keep_ratio:
@@ -207,13 +225,16 @@ class SearchSpace:
 
     def warm_start(self) -> list[TrialParams]:
         """Informative first points: all experts on the GPU (or as many as fit) and plain
-        decoding; the matched draft at a middle spec_len; PFlash at a middle keep ratio;
-        half the budget."""
+        decoding; the matched draft at a middle spec_len, with the first lookup match length and then the
+        longest; PFlash at a middle keep ratio; half the budget."""
         top = self.full_model_mb if self.full_model_mb is not None else self.budget_max_mb
         points = [TrialParams(expert_budget_mb=top)]
         if self.drafts:
             middle = (self.spec_len[0] + self.spec_len[1]) // 2
-            points.append(TrialParams(expert_budget_mb=top, draft=self.drafts[0], spec_len=middle))
+            lookups = ([None] if self.spec_lookup is None
+                       else list(dict.fromkeys((self.spec_lookup[0], max(self.spec_lookup)))))
+            points += [TrialParams(expert_budget_mb=top, draft=self.drafts[0], spec_len=middle, spec_lookup=k)
+                       for k in lookups]
         if self.keep_ratio is not None:
             lo, hi = self.keep_ratio
             points.append(TrialParams(expert_budget_mb=top, pflash_keep_ratio=math.sqrt(lo * hi)))
@@ -241,17 +262,18 @@ class SearchSpace:
     def coarse_grid(self, budget_points: int = 4) -> list[TrialParams]:
         """Every combination of a few values per knob: the budget at ``budget_points`` even steps
         from 0 to the maximum, no draft or each draft at the lowest, middle and highest
-        spec_len, PFlash off or at the lowest, geometric-middle and highest keep ratio, the cold
-        experts fetched and warmed ahead at each end of their ranges. The exhaustive reference a
-        study's best is compared against."""
+        spec_len with each lookup match length, PFlash off or at the lowest, geometric-middle and
+        highest keep ratio, the cold experts fetched and warmed ahead at each end of their ranges.
+        The exhaustive reference a study's best is compared against."""
         budgets: list[int | None] = [None]
         if self.budget_max_mb:
             step = self.budget_step_mb
             budgets = sorted({round(self.budget_max_mb * i / (budget_points - 1) / step) * step
                               for i in range(budget_points)})
         lo, hi = self.spec_len
-        drafts: list[tuple[str | None, int | None]] = [(None, None)]
-        drafts += [(d, n) for d in self.drafts for n in sorted({lo, (lo + hi) // 2, hi})]
+        lookups: list[int | None] = list(self.spec_lookup) if self.spec_lookup is not None else [None]
+        drafts: list[tuple[str | None, int | None, int | None]] = [(None, None, None)]
+        drafts += [(d, n, k) for d in self.drafts for n in sorted({lo, (lo + hi) // 2, hi}) for k in lookups]
         keeps: list[float | None] = [None]
         if self.keep_ratio is not None:
             k_lo, k_hi = self.keep_ratio
@@ -268,15 +290,16 @@ class SearchSpace:
         def ahead(b: int | None, rng: tuple[int, int] | None) -> list[int | None]:
             return sorted(set(rng)) if rng is not None and self.shares_cold(b) else [None]
 
-        return [TrialParams(expert_budget_mb=b, draft=d, spec_len=n, pflash_keep_ratio=k, cold_cpu_share=s,
-                            placement_unit=u, cold_prefetch=f, cold_warm=w)
+        return [TrialParams(expert_budget_mb=b, draft=d, spec_len=n, spec_lookup=m, pflash_keep_ratio=k,
+                            cold_cpu_share=s, placement_unit=u, cold_prefetch=f, cold_warm=w)
                 for b in budgets for u in units(b) for s in shares(b) for f in ahead(b, self.prefetch)
-                for w in ahead(b, self.warm) for d, n in drafts for k in keeps]
+                for w in ahead(b, self.warm) for d, n, m in drafts for k in keeps]
 
     def describe(self) -> dict[str, Any]:
         """A JSON form stored with the study: resuming with another space is refused."""
         return {"budget_max_mb": self.budget_max_mb, "budget_step_mb": self.budget_step_mb,
                 "drafts": list(self.drafts), "spec_len": list(self.spec_len),
+                **({"spec_lookup": list(self.spec_lookup)} if self.spec_lookup is not None else {}),
                 "keep_ratio": list(self.keep_ratio) if self.keep_ratio else None,
                 **({"cpu_share": list(self.cpu_share)} if self.cpu_share else {}),
                 **({"placement_units": list(self.units)} if self.units else {}),

@@ -313,6 +313,7 @@ class Tuner:
         c = self.config
         request = Measure(spec=self._load_spec(params.draft), jobs=self.workload.jobs,
                           expert_budget_mb=params.expert_budget_mb, spec_len=params.spec_len,
+                          spec_lookup=params.spec_lookup,
                           pflash_keep_ratio=params.pflash_keep_ratio, cold_cpu_share=params.cold_cpu_share,
                           placement_unit=params.placement_unit, cold_prefetch=params.cold_prefetch,
                           cold_warm=params.cold_warm,
@@ -430,7 +431,8 @@ def _violations(limits: Mapping[str, float]) -> str:
 
 def _params_dict(p: TrialParams) -> dict[str, Any]:
     return {k: v for k, v in (("expert_budget_mb", p.expert_budget_mb), ("draft", p.draft),
-                              ("spec_len", p.spec_len), ("pflash_keep_ratio", p.pflash_keep_ratio),
+                              ("spec_len", p.spec_len), ("spec_lookup", p.spec_lookup),
+                              ("pflash_keep_ratio", p.pflash_keep_ratio),
                               ("cold_cpu_share", p.cold_cpu_share), ("placement_unit", p.placement_unit),
                               ("cold_prefetch", p.cold_prefetch), ("cold_warm", p.cold_warm))
             if v is not None}

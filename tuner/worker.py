@@ -274,6 +274,8 @@ class _EngineHost:
         options: dict[str, Any] = {}
         if m.spec_len is not None:
             options["spec_len"] = m.spec_len
+            if m.spec_lookup is not None:
+                options["spec_lookup"] = m.spec_lookup
         if m.pflash_keep_ratio is not None and job.long:
             options["pflash_keep_ratio"] = m.pflash_keep_ratio
         # ignore_eos: every repeat decodes the same number of tokens, so rates compare.

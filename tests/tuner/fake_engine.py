@@ -1,7 +1,7 @@
 """A test double of engine.Engine for exercising the tuner's machinery quickly.
 
 It has the stable API's surface (``from_gguf`` with draft/drafter/budget, ``generate`` with
-spec_len and pflash_keep_ratio, ``set_expert_budget``, ``tokenizer``) and the real
+spec_len, spec_lookup and pflash_keep_ratio, ``set_expert_budget``, ``tokenizer``) and the real
 tokenizer of the target file, but no model: greedy ids are a fixed function of the prompt,
 and time per token falls with the expert budget and speculation, so a search has something
 to find. A JSON file next to the target (``<target>.fake.json``) says which drafts are
@@ -96,7 +96,8 @@ class FakeEngine:
 
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop: Any = None,
-                 ignore_eos: bool = False, spec_len: int | None = None, pflash_keep_ratio: float | None = None) -> Generation:
+                 ignore_eos: bool = False, spec_len: int | None = None, pflash_keep_ratio: float | None = None,
+                 spec_lookup: int | None = None) -> Generation:
         if self.behaviour.get("crash_on_generate"):
             os._exit(4)
         vocab = self.tokenizer.vocab_size
@@ -111,6 +112,7 @@ class FakeEngine:
         ms *= 0.9 if self.unit == "layer" else 1.0  # fewer layers with cold experts
         if spec_len and self.draft:
             ms /= 1.0 + 0.1 * spec_len
+            ms *= 0.8 if spec_lookup else 1.0  # copied blocks accepted whole
         prompt = len(ids) * (pflash_keep_ratio or 1.0)
         prefill_s = prompt * ms / 20_000.0
         decode_s = (max_new_tokens - 1) * ms / 1000.0
@@ -118,7 +120,8 @@ class FakeEngine:
         timings = Timings(prompt_tokens=len(ids), new_tokens=max_new_tokens, prefill_s=prefill_s,
                           decode_s=decode_s, decode_tok_s=(max_new_tokens - 1) / decode_s,
                           peak_mem_mb=100.0 + self.budget_mb,
-                          extra={**({"acceptance_length": 1.0 + spec_len / 2} if spec_len else {}),
+                          extra={**({"acceptance_length": 1.0 + spec_len / 2, "lookup": spec_lookup or 0}
+                                    if spec_len else {}),
                                  **({"cold_cpu_share": self.cpu_share} if self.cpu_share else {}),
                                  **({"placement_unit": self.unit} if self.unit != "expert" else {})})
         return Generation(ids=new, text=self.tokenizer.decode(new), timings=timings,

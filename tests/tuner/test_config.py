@@ -32,6 +32,7 @@ def test_embedded_default_loads_and_resolves_paths():
     assert cfg.hardware.vram_cap_mb is None and cfg.hardware.ram_cap_mb is None  # "live"
     assert cfg.objectives.directions == ("maximize", "minimize")
     assert cfg.study.trials is not None and cfg.study.timeout_s is not None
+    assert cfg.search.spec_lookup == (0, 2, 3)
 
 
 def test_minimal_config_takes_defaults(tmp_path):
@@ -41,12 +42,19 @@ def test_minimal_config_takes_defaults(tmp_path):
     assert cfg.publish.profile == tmp_path / "out/profile.toml"
     assert cfg.study.storage == f"sqlite:///{tmp_path / 'runs/luce-tune.db'}"
     assert cfg.search.spec_len == (2, 8)
+    assert cfg.search.spec_lookup == (0,)  # the lookup off, not searched
     assert cfg.engine.load_options() == {}  # no [engine]: the engine's defaults
 
 
 @pytest.mark.parametrize("extra, message", [
     ("[search]\nspec_len = [8, 2]\n", r"search\.spec_len: expected \[low, high\] with 1 <= low <= high, found \[8, 2\]"),
     ("[search]\nspec_len = 4\n", r"search\.spec_len: expected \[low, high\], two integers, found 4"),
+    ("[search]\nspec_lookup = [0, 17]\n", r"search\.spec_lookup: expected distinct match lengths from 0 \(off\) to 16, found 17$"),
+    ("[search]\nspec_lookup = [3, -1]\n", r"search\.spec_lookup: expected .* to 16, found -1$"),
+    ("[search]\nspec_lookup = [2, 2]\n", r"search\.spec_lookup: expected distinct .*, found \[2, 2\]$"),
+    ("[search]\nspec_lookup = []\n", r"search\.spec_lookup: expected distinct .*, found \[\]$"),
+    ("[search]\nspec_lookup = 3\n", r"search\.spec_lookup: expected a list of integers, found 3$"),
+    ("[search]\nspec_lookup = [0, 2.5]\n", r"search\.spec_lookup: expected a list of integers, found \[0, 2.5\]$"),
     ("[search]\npflash_keep_ratio = [0.0, 0.5]\n", r"search\.pflash_keep_ratio: .*0 < low"),
     ("[search]\ncold_cpu_share = [0.5, 1.2]\n", r"search\.cold_cpu_share: .*0 <= low <= high <= 1"),
     ("[search]\nplacement_unit = [\"expert\", \"block\"]\n", r"search\.placement_unit: .*among expert, layer"),

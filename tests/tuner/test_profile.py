@@ -40,6 +40,67 @@ def test_round_trip_and_engine_options(tmp_path, profile):
     assert profile.generate_options() == {"spec_len": 4}
 
 
+def test_spec_lookup_round_trips_into_the_generate_options(tmp_path, profile):
+    """A profile's lookup match length is a generate() option beside spec_len; one without the key (older
+    profiles) leaves the engine's default, off."""
+    from dataclasses import replace
+
+    path = tmp_path / "p.toml"
+    write_profile(path, replace(profile, engine=dict(profile.engine, spec_lookup=3)))
+    loaded = load_profile(path)
+    assert loaded.engine["spec_lookup"] == 3
+    assert loaded.generate_options() == {"spec_len": 4, "spec_lookup": 3}
+    assert "spec_lookup" not in loaded.load_options()
+    write_profile(path, profile)
+    assert "spec_lookup" not in load_profile(path).generate_options()
+
+
+def _checksummed(path, content):
+    """Write ``content`` as a profile with a matching checksum, past Profile's own validation."""
+    import tomli_w
+
+    from engine.profile import checksum
+
+    content["profile"]["checksum"] = checksum(content)
+    path.write_text(tomli_w.dumps(content))
+
+
+@pytest.mark.parametrize("value, message", [
+    (17, r"engine\.spec_lookup: expected a match length from 0 \(off\) to 16, found 17$"),
+    (-1, r"engine\.spec_lookup: expected .*, found -1$"),
+    ("3", r"engine\.spec_lookup: expected .*, found '3'$"),
+    (2.0, r"engine\.spec_lookup: expected .*, found 2\.0$"),
+    (True, r"engine\.spec_lookup: expected .*, found True$"),
+])
+def test_a_bad_spec_lookup_is_refused(tmp_path, profile, value, message):
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match=message):
+        replace(profile, engine=dict(profile.engine, spec_lookup=value))
+    path = tmp_path / "p.toml"
+    content = profile.content()
+    content["engine"]["spec_lookup"] = value
+    _checksummed(path, content)
+    with pytest.raises(ProfileError, match=message) as info:
+        load_profile(path)
+    assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+
+
+def test_spec_lookup_without_a_draft_is_refused(tmp_path, profile):
+    from dataclasses import replace
+
+    message = r"engine\.spec_lookup 3 is set without a draft \(models\.draft\)$"
+    with pytest.raises(ValueError, match=message):
+        replace(profile, engine=dict(profile.engine, spec_lookup=3), models={"target": profile.models["target"]})
+    content = profile.content()
+    content["engine"]["spec_lookup"] = 3
+    del content["models"]["draft"]
+    path = tmp_path / "p.toml"
+    _checksummed(path, content)
+    with pytest.raises(ProfileError, match=message):
+        load_profile(path)
+
+
 def test_verify_accepts_the_same_machine_and_files(profile):
     assert verify_profile(profile, FINGERPRINT, model_hashes(profile)) == []
 
@@ -134,3 +195,31 @@ def test_the_searched_cpu_share_is_published(tmp_path):
     by_layer = build_profile(cfg, files, 2, TrialParams(expert_budget_mb=1024, placement_unit="layer"), {}, "cuda",
                              FINGERPRINT)
     assert by_layer.engine["placement_unit"] == "layer" and by_layer.load_options()["placement_unit"] == "layer"
+
+
+def test_the_searched_lookup_is_published_only_with_a_draft(tmp_path):
+    """A winner's lookup match length lands in the profile's engine settings beside spec_len, with the draft's
+    file, and becomes a generate() option at boot; a winner without a draft (or a study without the lookup)
+    publishes none."""
+    from tuner.config import load_config
+    from tuner.publish import build_profile
+    from tuner.space import TrialParams
+
+    files = {}
+    for name in ("t.gguf", "d.gguf"):
+        (tmp_path / name).write_bytes(os.urandom(100))
+        files[name] = {"path": str(tmp_path / name), "size": 100, "sha256": "0" * 64}
+    (tmp_path / "appliance.toml").write_text('[models]\ntarget = "t.gguf"\ndrafts = ["d.gguf"]\ndrafter = ""\n'
+                                             '[search]\nspec_lookup = [0, 3]\n'
+                                             '[study]\ntrials = 2\n[publish]\nprofile = "p.toml"\n')
+    cfg = load_config(tmp_path / "appliance.toml")
+    files = {"target": files["t.gguf"], "draft:d.gguf": files["d.gguf"]}
+    p = build_profile(cfg, files, 2, TrialParams(draft="d.gguf", spec_len=4, spec_lookup=3), {}, "cpu",
+                      FINGERPRINT)
+    assert p.engine["spec_lookup"] == 3 and p.models["draft"].path == str(tmp_path / "d.gguf")
+    assert p.generate_options() == {"spec_len": 4, "spec_lookup": 3}
+    off = build_profile(cfg, files, 2, TrialParams(draft="d.gguf", spec_len=4, spec_lookup=0), {}, "cpu",
+                        FINGERPRINT)
+    assert off.generate_options() == {"spec_len": 4, "spec_lookup": 0}
+    for params in (TrialParams(), TrialParams(draft="d.gguf", spec_len=4)):
+        assert "spec_lookup" not in build_profile(cfg, files, 2, params, {}, "cpu", FINGERPRINT).engine

@@ -298,3 +298,69 @@ def test_the_tuner_knows_the_engine_prefetch_bound():
     from tuner.config import PREFETCH_MAX as CONFIG_MAX
 
     assert CONFIG_MAX == PREFETCH_MAX
+
+
+def test_spec_lookup_is_chosen_only_with_a_draft(tmp_path):
+    """With several match lengths configured, the committed-text lookup is a categorical dimension of the
+    points that take a draft (beside spec_len) and absent from plain decoding's; warm start tries the draft
+    with the first and the longest length; the coarse grid crosses the lengths with spec_len; points
+    round-trip through Optuna's parameters; a trial stored without the key reads as the first length."""
+    space = SearchSpace.build(_config(tmp_path, "[search]\nspec_lookup = [0, 2, 3]\n"), CPU_ONLY, drafts=(DRAFT,),
+                              drafter_ok=False, experts_mb=100)
+    assert space.spec_lookup == (0, 2, 3) and space.describe()["spec_lookup"] == [0, 2, 3]
+    seen = set()
+    for p, params in _sample(space, 60):
+        if p.draft is None:
+            assert p.spec_lookup is None and "spec_lookup" not in params
+        else:
+            assert p.spec_lookup in (0, 2, 3) and params["spec_lookup"] == p.spec_lookup
+            seen.add(p.spec_lookup)
+        assert space.params_of(params) == p
+        assert space.to_params(p) == params
+    assert seen == {0, 2, 3}
+    points = space.warm_start()
+    assert points == [TrialParams(),
+                      TrialParams(draft="luce-draft.gguf", spec_len=5, spec_lookup=0),
+                      TrialParams(draft="luce-draft.gguf", spec_len=5, spec_lookup=3)]
+    _assert_enqueued_as_given(space, points)
+    grid = space.coarse_grid()
+    assert {(p.spec_len, p.spec_lookup) for p in grid if p.draft} == {(n, k) for n in (2, 5, 8) for k in (0, 2, 3)}
+    assert all(p.spec_lookup is None for p in grid if p.draft is None)
+    assert len(grid) == len(set(grid)) == 1 + 3 * 3
+    for p in grid:
+        assert space.params_of(space.to_params(p)) == p
+    assert space.params_of({"draft": "luce-draft.gguf", "spec_len": 4}).spec_lookup == 0
+    assert "lookup 3" in TrialParams(draft="d.gguf", spec_len=4, spec_lookup=3).label()
+    assert "lookup" not in TrialParams(draft="d.gguf", spec_len=4, spec_lookup=0).label()
+
+
+def test_spec_lookup_off_or_fixed_is_no_dimension(tmp_path):
+    """[0] (the default) or no draft leaves the lookup out (the space describes itself as before); one other
+    length is applied to every draft point without being an Optuna parameter."""
+    for extra, drafts in (("", (DRAFT,)), ("[search]\nspec_lookup = [0]\n", (DRAFT,)),
+                          ("[search]\nspec_lookup = [0, 3]\n", ())):
+        off = SearchSpace.build(_config(tmp_path, extra), CPU_ONLY, drafts=drafts, drafter_ok=False, experts_mb=100)
+        assert off.spec_lookup is None and "spec_lookup" not in off.describe()
+        assert all(p.spec_lookup is None and "spec_lookup" not in params for p, params in _sample(off, 10))
+    fixed = SearchSpace.build(_config(tmp_path, "[search]\nspec_lookup = [3]\n"), CPU_ONLY, drafts=(DRAFT,),
+                              drafter_ok=False, experts_mb=100)
+    for p, params in _sample(fixed, 20):
+        assert "spec_lookup" not in params
+        assert p.spec_lookup == (3 if p.draft else None)
+        assert fixed.params_of(params) == p
+    assert fixed.warm_start()[1:] == [TrialParams(draft="luce-draft.gguf", spec_len=5, spec_lookup=3)]
+
+
+def test_trial_params_refuse_a_bad_spec_lookup():
+    with pytest.raises(ValueError, match="spec_lookup 3 is set without a draft"):
+        TrialParams(spec_lookup=3)
+    with pytest.raises(ValueError, match=r"spec_lookup 17 is outside 0 \(off\) .. 16"):
+        TrialParams(draft="d.gguf", spec_len=4, spec_lookup=17)
+
+
+def test_the_tuner_knows_the_engine_lookup_bound():
+    from engine.dflash.lookup import MAX_MIN_MATCH
+    from engine.profile import SPEC_LOOKUP_MAX as PROFILE_MAX
+    from tuner.config import SPEC_LOOKUP_MAX as CONFIG_MAX
+
+    assert CONFIG_MAX == PROFILE_MAX == MAX_MIN_MATCH

@@ -58,6 +58,23 @@ def test_study_measures_checks_constraints_and_publishes(appliance):
     assert [p.trial_number for p in reader.profiles(cfg.study.name)] == [winner.number]
 
 
+def test_the_lookup_is_searched_with_the_draft_and_published(appliance):
+    """With lookup match lengths configured, the warm start tries the draft without and with the longest;
+    the fake engine decodes faster with the lookup, so the published profile carries it beside spec_len."""
+    cfg = load_config(appliance(sections={"search": {"spec_lookup": [0, 3]}, "study": {"trials": 3}},
+                                behaviour={"ms_per_token": 40.0}, drafts=("draft.gguf",), drafter=None))
+    result = Tuner(cfg, factory=FAKE).run()
+    trials = _trials(cfg)
+    assert [t.params for t in trials] == [{"draft": "none"}, {"draft": "draft.gguf", "spec_len": 5, "spec_lookup": 0},
+                                          {"draft": "draft.gguf", "spec_len": 5, "spec_lookup": 3}]
+    assert [t.user_attrs.get("lookup") for t in trials] == [None, 0, 3]  # what the engine was asked for
+    assert result.winner.params.spec_lookup == 3
+    profile = load_profile(result.profile)
+    assert profile.generate_options() == {"spec_len": 5, "spec_lookup": 3} and "draft" in profile.models
+    rows = Reader.open(cfg.study.storage).measurements(cfg.study.name)
+    assert {m.params.get("spec_lookup") for m in rows if m.trial_number == 2} == {3}
+
+
 def test_a_draft_that_differs_only_at_a_tie_of_plain_decoding_stays_feasible(appliance):
     cfg = load_config(appliance(
         sections={"study": {"trials": 2}},

@@ -35,6 +35,10 @@ def test_measure_reuses_the_engine_and_reloads_only_for_a_new_draft(target, tmp_
         m2 = w.request(Measure(spec=with_draft, jobs=JOBS, spec_len=3, repeats=1),
                        timeout_s=30, load_timeout_s=60)
         assert m2.outputs[0].timings["acceptance_length"] == 2.5
+        assert m2.outputs[0].timings["lookup"] == 0  # not asked for: the engine's default, off
+        m3 = w.request(Measure(spec=with_draft, jobs=JOBS, spec_len=3, spec_lookup=2, repeats=1),
+                       timeout_s=30, load_timeout_s=60)
+        assert m3.outputs[0].timings["lookup"] == 2  # passed through to generate()
         assert w.pid == pid  # one long-lived process
 
 
