@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.errors import EngineError
+from engine.profile import SPEC_LOOKUP_MAX  # the committed-text lookup's longest match length
 
 OBJECTIVES = {"decode_tok_s": "maximize", "ttft_s": "minimize", "peak_mem_mb": "minimize"}
 DEVICES = ("auto", "cpu", "cuda")
@@ -72,7 +73,6 @@ ENGINE_FORMATS = ("dense", "quantized")
 COLD_DEVICES = ("cpu", "gpu")
 PLACEMENT_UNITS = ("expert", "layer")  # engine.placement.PLACEMENT_UNITS
 PREFETCH_MAX = 4  # engine.hybrid.PREFETCH_MAX: cold experts fetched or warmed ahead a layer, at most
-SPEC_LOOKUP_MAX = 16  # engine.dflash.lookup.MAX_MIN_MATCH: the committed-text lookup's longest match length
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from storage.repository import Repository
 from tuner.config import ApplianceConfig, ConfigError
 from tuner.metrics import TrialMetrics
 from engine.profile import FINGERPRINT_KEYS, ModelEntry, Profile, write_profile
-from tuner.space import TrialParams
+from tuner.space import KNOBS, TrialParams
 
 if TYPE_CHECKING:
     from tuner.study import Outcome, Tuner
@@ -99,10 +99,7 @@ def build_profile(c: ApplianceConfig, model_files: Mapping[str, Any], number: in
     if c.hardware.threads is not None:
         engine["threads"] = c.hardware.threads
     engine.update(c.engine.load_options())
-    for key in ("expert_budget_mb", "spec_len", "spec_lookup", "pflash_keep_ratio", "cold_cpu_share",
-                "placement_unit", "cold_prefetch", "cold_warm"):
-        if getattr(params, key) is not None:
-            engine[key] = getattr(params, key)
+    engine.update({k: v for k, v in params.as_dict().items() if k != "draft"})  # the draft is a model entry
     models = {"target": _entry(model_files["target"])}
     if params.draft is not None:
         models["draft"] = _entry(model_files[f"draft:{params.draft}"])
@@ -157,9 +154,7 @@ def export_trial(c: ApplianceConfig, number: int, out: Path) -> Path:
     metrics["peak_mem_mb"] = {"max": m.metrics["peak_mem_mb"]}
     for key, value in m.metrics.get("extras", {}).items():
         metrics[key] = {"mean": value}
-    params = TrialParams(**{k: m.params.get(k) for k in
-                            ("expert_budget_mb", "draft", "spec_len", "spec_lookup", "pflash_keep_ratio",
-                             "cold_cpu_share", "placement_unit", "cold_prefetch", "cold_warm")})
+    params = TrialParams(**{k: m.params.get(k) for k in KNOBS})
     profile = build_profile(c, study.user_attrs["model_files"], number, params, metrics,
                             m.metrics.get("device", ""), fingerprint)
     text = write_profile(out, profile)

@@ -13,7 +13,7 @@ leaves some cold (but not all).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -54,6 +54,10 @@ class TrialParams:
             if self.draft is None:
                 raise ValueError(f"spec_lookup {self.spec_lookup} is set without a draft")
 
+    def as_dict(self) -> dict[str, Any]:
+        """The knobs that are set, by name (what a trial's measurement stores)."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
     def label(self) -> str:
         parts = []
         if self.expert_budget_mb is not None:
@@ -69,6 +73,9 @@ class TrialParams:
         if self.cold_prefetch is not None or self.cold_warm is not None:
             parts.append(f"ahead {self.cold_prefetch or 0} fetched, {self.cold_warm or 0} warmed")
         return ", ".join(parts)
+
+
+KNOBS = tuple(f.name for f in fields(TrialParams))  # every knob a trial sets, in TrialParams' order
 
 
 @dataclass(frozen=True)

@@ -374,7 +374,7 @@ class Tuner:
         m = o.metrics
         return MeasurementRecord(
             study=self.config.study.name, trial_number=number, phase=phase, attempt=attempt,
-            status=o.status, reason=o.reason, params=_params_dict(params),
+            status=o.status, reason=o.reason, params=params.as_dict(),
             decode_tok_s=m.decode_tok_s.median if m else None, ttft_s=m.ttft_s.median if m else None,
             peak_mem_mb=m.peak_mem_mb if m else None,
             throttled=bool(o.telemetry and o.telemetry.throttled),
@@ -427,15 +427,6 @@ def _requeue_stale(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None
 
 def _violations(limits: Mapping[str, float]) -> str:
     return "violates " + ", ".join(f"{k} (+{v:g})" for k, v in limits.items() if v > 0)
-
-
-def _params_dict(p: TrialParams) -> dict[str, Any]:
-    return {k: v for k, v in (("expert_budget_mb", p.expert_budget_mb), ("draft", p.draft),
-                              ("spec_len", p.spec_len), ("spec_lookup", p.spec_lookup),
-                              ("pflash_keep_ratio", p.pflash_keep_ratio),
-                              ("cold_cpu_share", p.cold_cpu_share), ("placement_unit", p.placement_unit),
-                              ("cold_prefetch", p.cold_prefetch), ("cold_warm", p.cold_warm))
-            if v is not None}
 
 
 def parse_hang(text: str | None) -> dict[int, float]:
