@@ -3,7 +3,7 @@
     python bench/cold_cpu_share.py --model /tmp/q35.gguf [--budget-mb 8640] [--shares 0,0.25,0.4,0.5]
                                    [--activations int8,float32] [--threads 15,12] [--new-tokens 128] [--repeats 3]
                                    [--placement-units expert,layer] [--feed random|greedy] [--also-greedy]
-                                   [--timeline] [--prefetch 0,1,2] [--warm 0,2]
+                                   [--timeline] [--prefetch 0,1,2] [--warm 0,2] [--ahead 0,1]
                                    [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_CHUNK1=16"]
                                    [--json out.json]
 
@@ -28,7 +28,8 @@ time is the device's wait for the threads. ``--cflags`` repeats the rows with th
 ``--placement-units`` repeats every row per placement unit (``Engine.set_expert_budget(unit=)``: the hot set
 grown by experts or by whole layers). ``--prefetch`` repeats the rows with threads per count of cold experts a
 layer the bus fetches ahead of its router (``Engine.set_cold_prefetch``), ``--warm`` per count the CPU threads
-warm ahead, and each such row reports how many were fetched or warmed and how many of the cold pairs they served.
+warm ahead, ``--ahead`` per way of predicting a cold layer after an all-hot one (at that layer's start, or at its own),
+and each such row reports how many were fetched or warmed and how many of the cold pairs they served.
 """
 
 from __future__ import annotations
@@ -73,10 +74,13 @@ def main() -> None:
                     "(comma-separated; default: the engine's)")
     ap.add_argument("--warm", default="", help="cold experts the CPU threads warm ahead a layer, per row with threads "
                     "(comma-separated; default: the engine's)")
+    ap.add_argument("--ahead", default="", help="1, 0 or both: a cold layer after an all-hot one predicted at "
+                    "that layer's start (default: the engine's, LUCE_TUNE_COLD_AHEAD or on)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     fetches = [int(n) for n in args.prefetch.split(",") if n] or [None]
     warms = [int(n) for n in args.warm.split(",") if n] or [None]
+    aheads = [n == "1" for n in args.ahead.split(",") if n] or [None]
     shares = [float(s) for s in args.shares.split(",")]
     t0 = time.perf_counter()
     eng = Engine.from_gguf(args.model, weights="quantized", cold_format="quantized", hot_format="quantized",
@@ -90,12 +94,12 @@ def main() -> None:
     counts = [int(t) for t in args.threads.split(",") if t] or [None]
     builds = args.cflags.split(";") if args.cflags is not None else [os.environ.get(CFLAGS_ENV, "")]
     units = args.placement_units.split(",")
-    runs = [(u, share, act, None, builds[0], None, None) for u in units for share in shares if not share
+    runs = [(u, share, act, None, builds[0], None, None, None) for u in units for share in shares if not share
             for act in acts[:1]]  # no threads: one row
-    runs += [(u, share, act, n, b, f, wm) for u in units for b in builds for n in counts for act in acts
-             for share in shares for f in fetches for wm in warms if share]
+    runs += [(u, share, act, n, b, f, wm, a) for u in units for b in builds for n in counts for act in acts
+             for share in shares for f in fetches for wm in warms for a in aheads if share]
     runs.sort(key=lambda r: units.index(r[0]))  # one placement after the other
-    for unit, share, act, n, build, fetch, warm_n in runs:
+    for unit, share, act, n, build, fetch, warm_n, ahead in runs:
         if unit != eng.hybrid.unit:
             eng.set_expert_budget(args.budget_mb, unit=unit)
         if build != os.environ.get(CFLAGS_ENV, "") and eng.hybrid._host_share is not None:
@@ -107,7 +111,7 @@ def main() -> None:
         if not share:
             eng.set_cold_prefetch(0, warm=0)
         else:
-            eng.set_cold_prefetch(eng.hybrid.cold_prefetch if fetch is None else fetch, warm=warm_n)
+            eng.set_cold_prefetch(eng.hybrid.cold_prefetch if fetch is None else fetch, warm=warm_n, ahead=ahead)
         warm = eng.generate(ids, 16, ignore_eos=True)
         pool = eng.hybrid._host_share
         before = pool.stats() if share and pool is not None else None
@@ -135,6 +139,7 @@ def main() -> None:
         same = warm.ids == first
         row = {"placement_unit": unit, "feed": args.feed, "share": share, "activations": act if share else None, "threads": pool.threads if share else 0,
                "cold_prefetch": eng.hybrid.cold_prefetch, "cold_warm": eng.hybrid.cold_warm,
+               "cold_ahead": eng.hybrid.cold_ahead,
                "prefetched": sent, "prefetch_served_pairs": served,
                "cold_pairs": cold_pairs,
                "cflags": build if share else None,
@@ -149,6 +154,7 @@ def main() -> None:
         step_ms = 1e3 / statistics.median(rates)
         print((f"[{unit}] " if len(units) > 1 else "") + (f"[{build}] " if share and len(builds) > 1 else "")
               + (f"fetch {row['cold_prefetch']} warm {row['cold_warm']} " if len(fetches) + len(warms) > 2 else "")
+              + (f"ahead {int(row['cold_ahead'])} " if len(aheads) > 1 else "")
               + f"share {share:.2f} {act if share else '':7s} {row['threads']:2d} threads: decode "
               f"{statistics.median(rates):7.1f} tok/s [{min(rates):.1f}-{max(rates):.1f}] ({row['decode_path']}), "
               f"step {step_ms:.2f} ms, same tokens as the first row: {same}, peak {out.timings.peak_mem_mb:,.0f} MB, "

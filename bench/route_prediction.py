@@ -1,14 +1,17 @@
 """How well a layer's routing is predicted at the layer's start, before its mixer has run: the measure behind
 fetching and warming cold experts ahead of the router (``HybridExperts.set_cold_prefetch``).
 
-    python bench/route_prediction.py --model /tmp/q35.gguf [--tokens 32] [--cold 0.5] [--text FILE] [--json out.json]
+    python bench/route_prediction.py --model /tmp/q35.gguf [--tokens 32] [--cold 0.5] [--text FILE] [--ahead]
+                                     [--json out.json]
 
 The model runs one forward over ``--tokens`` tokens (random ids, as llama-bench feeds them, or the start of
 ``--text`` through the model's tokenizer) on the CPU, its projections in their GGUF blocks and its routed
 experts read from the file as the tokens route to them (``BlockExperts``: a 35B file needs no more memory
 than its other weights). At each layer's start
 the executor's ``begin_layer`` hook sees the mixer's input x; the prediction is the top-k of the router over
-``x * post / attn`` (``HybridExperts.set_predictors``), and the truth is the routing the layer then takes.
+``x * post / attn`` (``HybridExperts.set_predictors``), and the truth is the routing the layer then takes; with
+``--ahead`` each layer but the first is predicted a layer earlier, from the layer before's mixer input (its
+``attn`` under this layer's ``post``), as ``HybridExperts.set_cold_prefetch(ahead=True)`` does.
 Each layer gets a cold set of ``--cold`` of its experts (seeded, as a placement with uniform routing counts
 would leave them). Reported per layer and overall:
 
@@ -71,15 +74,21 @@ class RecordingExecutor:
     """Wraps a model's expert executor: predicts each layer's routing at its start and records it beside
     the routing the layer takes (``run_layers``' ``begin_layer`` hook, then the executor's call)."""
 
-    def __init__(self, inner: Any, predictors: list[tuple[torch.Tensor, torch.Tensor]], k: int):
-        self.inner, self.predictors, self.k = inner, predictors, k
+    def __init__(self, inner: Any, predictors: list[tuple[torch.Tensor, torch.Tensor]], k: int,
+                 ahead: list[Any] | None = None):
+        self.inner, self.predictors, self.k, self.ahead = inner, predictors, k, ahead
         self.predicted: dict[int, torch.Tensor] = {}
         self.actual: dict[int, torch.Tensor] = {}
 
     def begin_layer(self, layer_idx: int, x: torch.Tensor) -> None:
-        router, scale = self.predictors[layer_idx]
-        logits = (x.float() * scale.to(x.device)) @ router.to(x.device).T
-        self.predicted[layer_idx] = logits.topk(self.k, dim=-1).indices.cpu()
+        if layer_idx == 0 or self.ahead is None:  # the first layer has no layer before it
+            self.predicted[layer_idx] = self._top(self.predictors[layer_idx], x)
+        if self.ahead is not None and layer_idx + 1 < len(self.ahead):  # the next layer, from this one's input
+            self.predicted[layer_idx + 1] = self._top(self.ahead[layer_idx + 1], x)
+
+    def _top(self, predictor: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        router, scale = predictor
+        return ((x.float() * scale.to(x.device)) @ router.to(x.device).T).topk(self.k, dim=-1).indices.cpu()
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         self.actual[layer_idx] = topk_ids.cpu()
@@ -87,11 +96,13 @@ class RecordingExecutor:
 
 
 def measure(model: Any, predictors: list[tuple[torch.Tensor, torch.Tensor]], ids: torch.Tensor, cold_share: float,
-            seed: int = 0) -> dict[str, Any]:
-    """One forward of ``model`` (a ``Qwen35MoE``) over ``ids`` with its routing recorded; the table."""
+            seed: int = 0, ahead: list[Any] | None = None) -> dict[str, Any]:
+    """One forward of ``model`` (a ``Qwen35MoE``) over ``ids`` with its routing recorded; the table. With
+    ``ahead`` (a predictor a layer from the layer before's mixer input, None for the first) every layer
+    but the first is predicted at the layer before's start."""
     cfg = model.cfg
     inner = model.executor
-    rec = RecordingExecutor(inner, predictors, cfg.n_expert_used)
+    rec = RecordingExecutor(inner, predictors, cfg.n_expert_used, ahead)
     model.set_expert_executor(rec)
     try:
         model.forward(ids, model.new_state(len(ids)), logits="none")
@@ -126,6 +137,8 @@ def main() -> None:
     ap.add_argument("--cold", type=float, default=0.5, help="share of each layer's experts taken as cold")
     ap.add_argument("--text", type=Path, default=None, help="tokens from the start of this file (default: random)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ahead", action="store_true", help="predict each layer at the layer before's start "
+                    "(HybridExperts.set_cold_prefetch(ahead=True)) rather than at its own")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.tokens < 1 or not 0 < args.cold <= 1:
@@ -140,15 +153,19 @@ def main() -> None:
     model = Qwen35MoE.from_gguf(gguf, device="cpu", dtype=torch.float32, quantized=True, expert_device="meta")
     cfg = model.cfg
     model.set_expert_executor(BlockExperts(raw_experts(gguf, cfg)))
+    layers = model.weights.layers
     predictors = [routing_predictor(layer.moe.router, layer.attn_norm, layer.post_norm, device="cpu")
-                  for layer in model.weights.layers]
+                  for layer in layers]
+    ahead = ([None] + [routing_predictor(layer.moe.router, before.attn_norm, layer.post_norm, device="cpu")
+                       for before, layer in zip(layers, layers[1:])]) if args.ahead else None
     if args.text is not None:
         ids = Tokenizer.from_gguf(args.model).encode(args.text.read_text(errors="replace"))[:args.tokens]
     else:
         ids = torch.randint(0, cfg.vocab, (args.tokens,), generator=torch.Generator().manual_seed(args.seed))
     ids = torch.as_tensor(ids, dtype=torch.long)
-    table = measure(model, predictors, ids, args.cold, args.seed)
+    table = measure(model, predictors, ids, args.cold, args.seed, ahead)
     print(f"{args.model.name}: {len(ids)} tokens ({'text' if args.text else 'random'}), "
+          f"{'a layer ahead' if args.ahead else 'at the layer start'}, "
           f"{round(args.cold * cfg.n_expert)} of {cfg.n_expert} experts cold a layer")
     print(f"{'layer':>5} {'overlap':>8} " + " ".join(f"{f'hit[{m}]':>7}" for m in range(1, MAX_FETCH + 1))
           + f" {'distinct':>9}")
@@ -161,7 +178,7 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model),
                                          "tokens": len(ids), "text": str(args.text) if args.text else None,
-                                         "cold": args.cold, **table}, indent=1))
+                                         "cold": args.cold, "ahead": args.ahead, **table}, indent=1))
 
 
 if __name__ == "__main__":

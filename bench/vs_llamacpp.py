@@ -4,7 +4,7 @@
         [--build-dir build/llama.cpp] [--cuda auto|on|off] [--cuda-arch 90] [--jobs N] [--cmake-arg -DX=Y]
         [--prompts 512,8192] [--gen 128] [--depths 0,16384] [--repeats 3] [--ncmoe N]
         [--weights dense|quantized] [--experts dense|quantized] [--cuda-graph] [--no-prefill-graph] [--device auto]
-        [--cold-device cpu|gpu] [--placement-unit expert|layer] [--cold-cpu-share 0.6] [--cold-prefetch 1] [--cold-warm 2] [--threads N] [--json out.json]
+        [--cold-device cpu|gpu] [--placement-unit expert|layer|alternate] [--cold-cpu-share 0.6] [--cold-prefetch 1] [--cold-warm 2] [--threads N] [--json out.json]
 
 llama.cpp comes from an existing llama-bench binary, or is built (llama-bench target only,
 CUDA when nvcc and a GPU are there) from a llama.cpp tree or the llama-cpp-python sdist, which
@@ -98,9 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "prefill through the captured padded prefill)")
     ap.add_argument("--cold-device", default="cpu", choices=("cpu", "gpu"),
                     help="our cold experts (--ncmoe): CPU threads, or the GPU reading their pinned host copies")
-    ap.add_argument("--placement-unit", default="expert", choices=("expert", "layer"),
+    ap.add_argument("--placement-unit", default="expert", choices=("expert", "layer", "alternate"),
                     help="our hot set at --ncmoe's budget: the most-routed experts of any layer, or whole layers "
-                         "(llama.cpp's -ncmoe places whole layers)")
+                         "(llama.cpp's -ncmoe places whole layers), or whole layers every other one first")
     ap.add_argument("--cold-cpu-share", type=float, default=None,
                     help="with --ncmoe, --cold-device gpu and --experts quantized: the share of the cold experts' "
                          "pairs our native CPU threads compute beside the bus in decode (default: "

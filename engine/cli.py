@@ -58,8 +58,9 @@ def generate(
         "CPU threads fetch into their caches ahead of the router, then compute"),
     placement_unit: Optional[str] = typer.Option(
         None, "--placement-unit", help="with --expert-budget: what the hot set grows by: expert (the most-routed "
-        "experts of any layer; the default) or layer (whole layers, so fewer layers have cold experts, as "
-        "llama.cpp's -ncmoe)"),
+        "experts of any layer; the default), layer (whole layers, so fewer layers have cold experts, as "
+        "llama.cpp's -ncmoe) or alternate (whole layers, every other one first, so that each cold layer follows a "
+        "hot one, whose time --cold-prefetch and --cold-warm use)"),
     weights: str = typer.Option(
         "dense", "--weights", help="dense (dequantized at load) or quantized (projection matrices kept as GGUF "
         "blocks, dequantized in the matmul kernels)"),

@@ -70,6 +70,7 @@ STAGED_ENV = "LUCE_TUNE_HYBRID_STAGED"  # 0: decode-sized calls with cold expert
 OVERLAP_ENV = "LUCE_TUNE_HYBRID_OVERLAP"  # 0: the staged path's bus copies on the compute stream, one expert launch
 COLD_GATHER_ENV = "LUCE_TUNE_COLD_GATHER"  # 0: decode-sized calls read the cold experts in place
 PREFETCH_MAX = 4  # cold experts a layer's bus may fetch ahead of its router (``set_cold_prefetch``)
+WARM_MAX = 8  # cold experts a layer's CPU threads may warm ahead of it (engine.kernels.host_experts.WARM_MAX)
 # None: decode-sized calls gather the cold experts on CUDA (unless LUCE_TUNE_COLD_GATHER=0); True: off CUDA
 # too (tests, with TRITON_INTERPRET=1); False: never.
 COLD_GATHER: bool | None = None
@@ -429,7 +430,9 @@ class HybridExperts:
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
         self.placement: Placement
         self.cold_prefetch = self.cold_warm = 0
+        self.cold_ahead = _env_ahead()
         self._predictors: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (router, scale) a layer
+        self._ahead_predictors: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # from the layer before's input
         # (layer, fetched ids or None, warmed ids or None, event): for the layer's split
         self._fetch: tuple[int, torch.Tensor | None, torch.Tensor | None, Any] | None = None
         with torch.inference_mode(False):
@@ -438,7 +441,7 @@ class HybridExperts:
             self._fetch_sent = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
         self._two_streams = [False] * len(self._layers)  # the layer's last one-token call took two streams
         self.set_cold_prefetch(_env_prefetch(COLD_PREFETCH_ENV) if cold_prefetch is None else cold_prefetch,
-                               warm=_env_prefetch(COLD_WARM_ENV) if cold_warm is None else cold_warm)
+                               warm=_env_prefetch(COLD_WARM_ENV, WARM_MAX) if cold_warm is None else cold_warm)
         self.set_budget(budget_mb)
         if cpu_share is None:
             cpu_share = _env_share()
@@ -525,22 +528,32 @@ class HybridExperts:
         if len(layers) != len(self._layers):
             raise ValueError(f"{len(layers)} layers of predictors for {len(self._layers)} layers of experts")
         self._predictors = [routing_predictor(*layer, device=self.device) for layer in layers]
+        # a layer's routing from the layer before's mixer input (``cold_ahead``): that layer's ``attn`` under this
+        # layer's ``post``, both layers' mixers and the one before's experts left out
+        self._ahead_predictors = [None] + [routing_predictor(router, before[1], post, device=self.device)
+                                           for before, (router, _, post) in zip(layers, layers[1:])]
 
-    def set_cold_prefetch(self, n: int, *, warm: int | None = None) -> None:
+    def set_cold_prefetch(self, n: int, *, warm: int | None = None, ahead: bool | None = None) -> None:
         """Fetch up to ``n`` (0 to ``PREFETCH_MAX``) cold experts a layer ahead of its router in decode steps
         of one token on the staged path with a CPU share (``_staged_moe``): at the layer's start the routing
         is predicted from the mixer's input (``set_predictors``), and the bus copies its first ``n`` cold
-        experts into the stage while the mixer runs. ``warm`` (None: as set; 0 to ``PREFETCH_MAX``): the
+        experts into the stage while the mixer runs. ``warm`` (None: as set; 0 to ``WARM_MAX``): the
         next ones are named to the CPU threads, which fetch their blocks into their caches meanwhile
-        (``HostShare.warm``) and are handed those experts' pairs whatever the share. Only where experts are
-        read from changes, never what is computed. Captured steps made before a change no longer match: the
-        engine captures again."""
+        (``HostShare.warm``) and are handed those experts' pairs whatever the share. ``ahead`` (None: as set,
+        at first ``LUCE_TUNE_COLD_AHEAD`` or on): a cold layer after one whose experts are all hot is predicted
+        a layer earlier, at that layer's start, so that the fetch and the warm-up have both layers' time, in
+        which neither the bus nor the threads have other work (placement ``"alternate"`` puts a hot layer
+        before each cold one). Only where experts are read from changes, never what is computed. Captured
+        steps made before a change no longer match: the engine captures again."""
         warm = self.cold_warm if warm is None else warm
-        for what, v in (("fetched", n), ("warmed", warm)):
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= PREFETCH_MAX:
-                raise ConfigError(f"cold experts {what} ahead must be a whole number from 0 to {PREFETCH_MAX}, "
-                                  f"got {v}")
+        for what, v, top in (("fetched", n, PREFETCH_MAX), ("warmed", warm, WARM_MAX)):
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= top:
+                raise ConfigError(f"cold experts {what} ahead must be a whole number from 0 to {top}, got {v}")
+        if ahead is not None and not isinstance(ahead, bool):
+            raise ConfigError(f"cold_ahead must be true or false, got {ahead!r}")
         self.cold_prefetch, self.cold_warm = n, warm
+        if ahead is not None:
+            self.cold_ahead = ahead
         self.placement_version += 1
 
     def set_budget(self, budget_mb: float, unit: str | None = None) -> Placement:
@@ -672,17 +685,22 @@ class HybridExperts:
         (``set_predictors``) and have the bus copy its first ``cold_prefetch`` cold experts into the stage's
         rows after ``STREAM_EXPERTS``, on the second stream while the mixer runs; the layer's split waits for
         the prediction (not the copies) and serves their pairs from there (``_staged_moe``)."""
+        if self._fetch is not None and self._fetch[0] == layer_idx:
+            return  # predicted at the layer before (``cold_ahead``)
         self._join_fetch()
         if (not (self.cold_prefetch or self.cold_warm) or self._predictors is None or not x.is_cuda or x.shape[0] != 1
-                or not self._two_streams[layer_idx] or not self.cpu_share or self._host_share is None
-                or self.min_hot & (self.min_hot - 1)):
+                or not self.cpu_share or self._host_share is None or self.min_hot & (self.min_hot - 1)):
             return
+        target = self.prefetch_target(layer_idx)
+        if target is None:
+            return
+        predictors = self._predictors if target == layer_idx else self._ahead_predictors
         from engine.kernels.gather import gather_stacks
         from engine.kernels.hybrid_split import select_prefetch
         from engine.kernels.moe_gate import route_triton
 
-        layer = self._layers[layer_idx]
-        router, scale = self._predictors[layer_idx]
+        layer = self._layers[target]
+        router, scale = predictors[target]
         m, mw = self.cold_prefetch, self.cold_warm
         fetched = torch.empty(m, dtype=torch.int32, device=x.device) if m else None
         warmed = torch.empty(mw, dtype=torch.int32, device=x.device) if mw else None
@@ -693,15 +711,25 @@ class HybridExperts:
         picked = torch.cuda.Event()
         with torch.cuda.stream(side):
             ids, _ = route_triton(x * scale, router, self.min_hot, side=True)
-            select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[layer_idx:layer_idx + 1],
-                            warmed=warmed, share=self._host_share, layer=layer_idx)
+            select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[target:target + 1],
+                            warmed=warmed, share=self._host_share, layer=target)
             picked.record(side)
             if m:
                 gather_stacks(sources, tuple(b[STREAM_EXPERTS:STREAM_EXPERTS + m] for b in buffers), fetched)
         for t in (x, fetched, warmed):  # read there: their blocks are not handed out again before it is done
             if t is not None:
                 t.record_stream(side)
-        self._fetch = (layer_idx, fetched, warmed, picked)
+        self._fetch = (target, fetched, warmed, picked)
+
+    def prefetch_target(self, layer_idx: int) -> int | None:
+        """The layer whose cold experts are fetched and warmed at ``layer_idx``'s start, or None: the next layer
+        with ``cold_ahead`` where this one's experts are all hot and the next one's last one-token call took
+        the staged path's two streams; else this layer where its own did."""
+        nxt = layer_idx + 1
+        if (self.cold_ahead and nxt < len(self._layers) and self._two_streams[nxt]
+                and self._layers[layer_idx].n_hot == self._layers[layer_idx].n_expert):
+            return nxt
+        return layer_idx if self._two_streams[layer_idx] else None
 
     def _join_fetch(self) -> None:
         """A fetch ahead that its layer's experts did not take (the call went another path): the compute
@@ -989,9 +1017,10 @@ class HybridExperts:
 
 COLD_CPU_SHARE_ENV = "LUCE_TUNE_COLD_CPU_SHARE"
 COLD_CPU_INT8_ENV = "LUCE_TUNE_COLD_CPU_INT8"  # 0: the CPU share multiplies in float32
-PLACEMENT_UNIT_ENV = "LUCE_TUNE_PLACEMENT_UNIT"  # expert or layer: what the hot set grows by
+PLACEMENT_UNIT_ENV = "LUCE_TUNE_PLACEMENT_UNIT"  # expert, layer or alternate: what the hot set grows by
 COLD_PREFETCH_ENV = "LUCE_TUNE_COLD_PREFETCH"  # cold experts fetched ahead a layer (``set_cold_prefetch``)
 COLD_WARM_ENV = "LUCE_TUNE_COLD_WARM"  # cold experts the CPU threads warm ahead a layer (``set_cold_prefetch``)
+COLD_AHEAD_ENV = "LUCE_TUNE_COLD_AHEAD"  # 0: a cold layer's prefetch always waits for its own start
 
 
 def _env_int8() -> bool:
@@ -1011,13 +1040,20 @@ def _env_share() -> float:
         raise ConfigError(f"{COLD_CPU_SHARE_ENV} must be a number between 0 and 1, got {text!r}") from None
 
 
-def _env_prefetch(name: str) -> int:
+def _env_prefetch(name: str, top: int = PREFETCH_MAX) -> int:
     text = os.environ.get(name, "").strip()
     if not text:
         return 0
-    if not text.isdigit() or int(text) > PREFETCH_MAX:
-        raise ConfigError(f"{name} must be a whole number from 0 to {PREFETCH_MAX}, got {text!r}")
+    if not text.isdigit() or int(text) > top:
+        raise ConfigError(f"{name} must be a whole number from 0 to {top}, got {text!r}")
     return int(text)
+
+
+def _env_ahead() -> bool:
+    text = os.environ.get(COLD_AHEAD_ENV, "1").strip()
+    if text not in ("0", "1"):
+        raise ConfigError(f"{COLD_AHEAD_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def _env_unit() -> str:

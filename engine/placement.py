@@ -234,7 +234,7 @@ def min_nonzero_budget_mb(expert_bytes: Sequence[int], min_hot: int) -> float:
     return min_hot * sum(expert_bytes) / MB
 
 
-PLACEMENT_UNITS = ("expert", "layer")
+PLACEMENT_UNITS = ("expert", "layer", "alternate")
 
 
 def plan_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: float, min_hot: int,
@@ -249,7 +249,10 @@ def plan_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: 
     by rank; fewer layers then have cold experts, each with more of them, which pays where
     a layer's cold experts cost a fixed price on top of their bytes (a CPU share's job, a
     gather's launch), and loses where routing is skewed enough that hot experts spread over
-    every layer catch more of it. Stopping at the first item that does not fit, rather than
+    every layer catch more of it. ``unit="alternate"``: whole layers too, every other layer first (the
+    last, then every second one before it, most mass per byte first among them), so that up to half
+    the layers hot each cold layer follows a hot one, whose time its cold experts' fetch ahead can
+    use (``HybridExperts.set_cold_prefetch``). Stopping at the first item that does not fit, rather than
     skipping to smaller ones, keeps hot sets nested as the budget grows, so ``set_budget``
     only ever moves the difference. Budget 0 puts every expert on the CPU.
     """
@@ -284,7 +287,8 @@ def plan_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: 
         else:
             per_byte = [float(p[l][rank[l] >= min_hot].sum()) / (max(1, E - min_hot) * expert_bytes[l])
                         for l in range(L)]
-            rest = [(-per_byte[l], -l, int(rank[l, e]), l, e) for l in range(L) for e in range(E)
+            wave = [(L - 1 - l) % 2 if unit == "alternate" else 0 for l in range(L)]
+            rest = [(wave[l], -per_byte[l], -l, int(rank[l, e]), l, e) for l in range(L) for e in range(E)
                     if rank[l, e] >= min_hot]
         rest.sort()
         for *_, layer, e in rest:

@@ -71,7 +71,7 @@ class HardwareConfig:
 
 ENGINE_FORMATS = ("dense", "quantized")
 COLD_DEVICES = ("cpu", "gpu")
-PLACEMENT_UNITS = ("expert", "layer")  # engine.placement.PLACEMENT_UNITS
+PLACEMENT_UNITS = ("expert", "layer", "alternate")  # engine.placement.PLACEMENT_UNITS
 PREFETCH_MAX = 4  # engine.hybrid.PREFETCH_MAX: cold experts fetched or warmed ahead a layer, at most
 
 

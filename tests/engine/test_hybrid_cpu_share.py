@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from engine.errors import ConfigError  # noqa: E402
 from engine.gguf.reader import GGUFFile  # noqa: E402
-from engine.hybrid import COLD_PREFETCH_ENV, PREFETCH_MAX, attach_hybrid  # noqa: E402
+from engine.hybrid import COLD_AHEAD_ENV, COLD_PREFETCH_ENV, PREFETCH_MAX, WARM_MAX, attach_hybrid  # noqa: E402
 from engine.kernels import host_experts  # noqa: E402
 from engine.kernels.host_experts import HostShareError  # noqa: E402
 from engine.model.qwen35moe import Qwen35MoE  # noqa: E402
@@ -230,20 +230,76 @@ def test_predictors_give_the_routing_of_the_residual_without_the_mixer(qfile):
         hybrid.close()
 
 
+def test_ahead_predictors_give_the_routing_from_the_layer_before(qfile):
+    """A layer's predictor from the layer before's mixer input ``x = rms_norm(h) * attn[i - 1]`` routes as
+    ``rms_norm(h) * post[i]`` does: the layer's routing had neither mixer nor the experts between added
+    anything."""
+    model, hybrid = attach(qfile, 0.0)
+    try:
+        k, layers = model.cfg.n_expert_used, model.weights.layers
+        g = torch.Generator().manual_seed(3)
+        assert hybrid._ahead_predictors[0] is None and len(hybrid._ahead_predictors) == len(layers)
+        for i in range(1, len(layers)):
+            h = torch.randn(5, model.cfg.hidden, generator=g)
+            x = F.rms_norm(h, (h.shape[-1],), layers[i - 1].attn_norm.float(), model.cfg.rms_eps)
+            router, scale = hybrid._ahead_predictors[i]
+            assert torch.equal(router, layers[i].moe.router.float())
+            want = (F.rms_norm(h, (h.shape[-1],), layers[i].post_norm.float(), model.cfg.rms_eps)
+                    @ router.T).topk(k).indices
+            assert torch.equal(((x * scale) @ router.T).topk(k).indices, want), f"layer {i}"
+    finally:
+        hybrid.close()
+
+
+def test_the_layer_before_a_cold_one_fetches_for_it(qfile):
+    """``prefetch_target``: with ``cold_ahead`` a layer whose experts are all hot fetches for the next layer
+    where that one took the staged path; otherwise a layer fetches for itself where it took it, and a hot
+    layer before a hot one, or any layer without ``cold_ahead``, only for itself."""
+    model, hybrid = attach(qfile, 0.0, unit="alternate")
+    try:
+        n = len(model.weights.layers)
+        all_hot = [layer.n_hot == layer.n_expert for layer in hybrid._layers]
+        assert any(all_hot) and not all(all_hot)  # half the experts by whole layers, every other one first
+        assert all_hot[n - 1] and not all_hot[n - 2]
+        cold = [i for i in range(n) if not all_hot[i]]
+        hybrid._two_streams = [not hot for hot in all_hot]  # as after a step: the cold layers took two streams
+        assert hybrid.cold_ahead
+        for i in range(n):
+            if all_hot[i]:
+                assert hybrid.prefetch_target(i) == (i + 1 if i + 1 in cold else None), f"layer {i}"
+            else:
+                assert hybrid.prefetch_target(i) == i, f"layer {i}"
+        hybrid.set_cold_prefetch(1, ahead=False)
+        assert [hybrid.prefetch_target(i) for i in range(n)] == [i if i in cold else None for i in range(n)]
+        hybrid._two_streams = [False] * n
+        hybrid.set_cold_prefetch(1, ahead=True)
+        assert all(hybrid.prefetch_target(i) is None for i in range(n))
+    finally:
+        hybrid.close()
+
+
 def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
     model, hybrid = attach(qfile, 0.0)
     try:
         for bad in (-1, PREFETCH_MAX + 1, 1.5):
             with pytest.raises(ConfigError, match="fetched ahead"):
                 hybrid.set_cold_prefetch(bad)
+        for bad in (-1, WARM_MAX + 1, 1.5):
             with pytest.raises(ConfigError, match="warmed ahead"):
                 hybrid.set_cold_prefetch(1, warm=bad)
-        hybrid.set_cold_prefetch(2)
+        with pytest.raises(ConfigError, match="cold_ahead"):
+            hybrid.set_cold_prefetch(1, ahead=1)
+        hybrid.set_cold_prefetch(2, warm=WARM_MAX)
         assert hybrid.cold_prefetch == 2 and hybrid.stats_snapshot().cold_prefetch == 2
+        assert hybrid.cold_warm == WARM_MAX
     finally:
         hybrid.close()
     monkeypatch.setenv(COLD_PREFETCH_ENV, "9")
     with pytest.raises(ConfigError, match=COLD_PREFETCH_ENV):
+        attach(qfile, 0.0)
+    monkeypatch.delenv(COLD_PREFETCH_ENV)
+    monkeypatch.setenv(COLD_AHEAD_ENV, "yes")
+    with pytest.raises(ConfigError, match=COLD_AHEAD_ENV):
         attach(qfile, 0.0)
 
 
@@ -268,20 +324,29 @@ def test_every_layer_starts_with_the_executors_hook(qfile):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fetch,warm", [(1, 0), (2, 0), (PREFETCH_MAX, 0), (0, 1), (1, 1)])
-def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm):
+@pytest.mark.parametrize("fetch,warm,unit", [(1, 0, "expert"), (2, 0, "expert"), (PREFETCH_MAX, 0, "expert"),
+                                             (0, 1, "expert"), (1, 1, "expert"), (2, 2, "alternate"),
+                                             (0, WARM_MAX, "alternate"), (PREFETCH_MAX, 4, "alternate")])
+def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm, unit):
     """Half the experts cold, half of those on the threads (float32 activations), ``fetch`` cold experts a
     layer fetched ahead by the bus and ``warm`` more warmed by the threads: the captured step follows the
     all-on-device model teacher-forced, as it does without them, and they served pairs (the tiny random
-    model routes alike before and after its mixers); the threads fetched chunks for the warm-ups."""
+    model routes alike before and after its mixers); the threads fetched chunks for the warm-ups. With
+    placement ``"alternate"`` each cold layer but the first is predicted at the hot layer before it."""
     plain = load(qfile, "cuda", quantized=True)
     model, hybrid = attach(qfile, 0.5, device="cuda", quantized=True, cpu_int8=False, cold_prefetch=fetch,
-                           cold_warm=warm)
+                           cold_warm=warm, unit=unit)
     try:
         follow_captured(plain, model, 1e-3, before=hybrid.reset_counters)
         stats = hybrid.stats_snapshot()
         assert 0 < stats.prefetch_served <= stats.cold_hits
         assert 0 < stats.prefetched <= 12 * (fetch + warm) * model.cfg.n_layers
+        if unit == "alternate":
+            sent = hybrid._fetch_sent.tolist()
+            hot = [layer.n_hot == layer.n_expert for layer in hybrid._layers]
+            assert all(sent[i] == 0 for i in range(len(hot)) if hot[i]) and any(sent)
+            assert [hybrid.prefetch_target(i) for i in range(len(hot)) if hot[i] and i + 1 < len(hot)] == [
+                i + 1 for i in range(len(hot) - 1) if hot[i] and not hot[i + 1]]
         if warm:
             assert hybrid._host_share.warm_chunks > 0 and int(hybrid._host_share.warm_seq) > 0
         hybrid.check_cpu_share()

@@ -48,7 +48,7 @@ SKEWED = counted(sample_routing(zipf_router(1), 400, seed=2))
 @pytest.mark.parametrize("stats", [SKEWED, RoutingStats.uniform(L, E)], ids=["skewed", "uniform"])
 @pytest.mark.parametrize("expert_bytes", [EXPERT_BYTES, [b * (1 + i % 3) for i, b in enumerate(EXPERT_BYTES)]],
                          ids=["equal", "mixed"])
-@pytest.mark.parametrize("unit", ["expert", "layer"])
+@pytest.mark.parametrize("unit", ["expert", "layer", "alternate"])
 def test_knapsack_respects_budget_minimum_and_nesting(stats, expert_bytes, unit):
     total_mb = E * sum(expert_bytes) / MB
     floor_mb = min_nonzero_budget_mb(expert_bytes, K)
@@ -85,6 +85,26 @@ def test_layer_unit_leaves_cold_experts_in_as_few_layers_as_fit(stats):
         assert mixed.expected_cold_hit_rate < p.expected_cold_hit_rate
     with pytest.raises(ConfigError, match="placement unit"):
         plan_placement(stats, EXPERT_BYTES, budget, K, unit="block")
+
+
+@pytest.mark.parametrize("stats", [SKEWED, RoutingStats.uniform(L, E)], ids=["skewed", "uniform"])
+def test_alternate_unit_puts_a_hot_layer_before_each_cold_one(stats):
+    """``unit="alternate"``: whole layers as with ``"layer"``, but every other layer from the last goes first, so
+    that up to half the layers hot no two layers with cold experts are neighbours; past half, the rest follow
+    in ``"layer"``'s order."""
+    floor_mb = min_nonzero_budget_mb(EXPERT_BYTES, K)
+    layer_mb = (E - K) * EXPERT_BYTES[0] / MB
+    p = plan_placement(stats, EXPERT_BYTES, floor_mb + 2.5 * layer_mb, K, unit="alternate")
+    sizes = [len(h) for h in p.hot]  # L = 6: layers 5, 3 and 1 go first
+    assert sorted(sizes) == [K] * 3 + [K + (E - K) // 2, E, E]
+    assert {i for i, n in enumerate(sizes) if n > K} <= {1, 3, 5}
+    if not stats.calibrated:
+        assert sizes == [K, K + (E - K) // 2, K, E, K, E]
+    more = plan_placement(stats, EXPERT_BYTES, floor_mb + 3.5 * layer_mb, K, unit="alternate")
+    more_sizes = [len(h) for h in more.hot]
+    assert [more_sizes[i] for i in (1, 3, 5)] == [E, E, E] and sorted(more_sizes[i] for i in (0, 2, 4)) == [
+        K, K, K + (E - K) // 2]
+    assert all(set(a) <= set(b) for a, b in zip(p.hot, more.hot))
 
 
 def test_budget_extremes():
