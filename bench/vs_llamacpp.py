@@ -42,6 +42,7 @@ from llamacpp import (BenchTest, LlamaCppError, bench_command, build_llama_bench
 
 from engine.engine import Engine, resolve_device
 from engine.errors import ConfigError, EngineError
+from engine.hybrid import PREFETCH_MAX, WARM_MAX
 from engine.placement import MB
 
 
@@ -109,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="half-cold rows: cold experts a layer the bus fetches ahead of its router from the predicted "
                          "routing (0-4; needs --cold-cpu-share)")
     ap.add_argument("--cold-warm", type=int, default=None,
-                    help="half-cold rows: cold experts a layer the CPU threads warm ahead of its router (0-4; needs "
+                    help="half-cold rows: cold experts a layer the CPU threads warm ahead of its router (0-8; needs "
                          "--cold-cpu-share)")
     ap.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (cpu: llama.cpp gets -ngl 0)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both")
@@ -128,12 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--cold-cpu-share must be between 0 and 1, got {args.cold_cpu_share}")
         if args.ncmoe is None or args.cold_device != "gpu" or args.experts != "quantized":
             ap.error("--cold-cpu-share needs --ncmoe, --cold-device gpu and --experts quantized")
-    for name in ("cold_prefetch", "cold_warm"):
+    for name, top in (("cold_prefetch", PREFETCH_MAX), ("cold_warm", WARM_MAX)):
         value, flag = getattr(args, name), "--" + name.replace("_", "-")
         if value is None:
             continue
-        if not 0 <= value <= 4:
-            ap.error(f"{flag} must be from 0 to 4, got {value}")
+        if not 0 <= value <= top:
+            ap.error(f"{flag} must be from 0 to {top}, got {value}")
         if not args.cold_cpu_share:
             ap.error(f"{flag} needs --cold-cpu-share above 0 (the fetches ride the CPU share's second stream)")
     if not args.model.is_file():
@@ -291,7 +292,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ours_info["ncmoe"] = info | placement.summary() | {"placement_unit": args.placement_unit,
                                                                "cold_cpu_share": share,
                                                                "cold_prefetch": eng.hybrid.cold_prefetch,
-                                                               "cold_warm": eng.hybrid.cold_warm}
+                                                               "cold_warm": eng.hybrid.cold_warm,
+                                                               "cold_ahead": eng.hybrid.cold_ahead}
         for test in tests_for(args, ncmoe):
             ours = time_ours(eng, test, args.repeats, gen)
             rows[test.name]["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}

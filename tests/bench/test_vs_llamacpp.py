@@ -436,6 +436,7 @@ def test_cli_clear_errors(tmp_path):
     (["--cold-cpu-share", "0.6", "--ncmoe", "2", "--experts", "quantized"],
      "--cold-cpu-share needs --ncmoe, --cold-device gpu and --experts quantized"),
     (["--cold-prefetch", "5"], "--cold-prefetch must be from 0 to 4, got 5"),
+    (["--cold-warm", "9"], "--cold-warm must be from 0 to 8, got 9"),
     (["--cold-prefetch", "1"], "--cold-prefetch needs --cold-cpu-share above 0"),
     (["--cold-prefetch", "1", "--cold-cpu-share", "0", "--ncmoe", "2", "--cold-device", "gpu", "--experts",
       "quantized"], "--cold-prefetch needs --cold-cpu-share above 0"),
