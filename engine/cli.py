@@ -52,9 +52,10 @@ def generate(
         "in float32"),
     cold_prefetch: Optional[int] = typer.Option(
         None, "--cold-prefetch", help="with --cold-cpu-share: cold experts a layer (0-4) the bus fetches ahead of "
-        "the layer's router from its routing predicted at the layer's start (decode steps of one token)"),
+        "the layer's router from its routing predicted at the layer's start, or at the start of the layer before "
+        "where that one's experts are all hot (decode steps of one token; LUCE_TUNE_COLD_AHEAD=0: always its own)"),
     cold_warm: Optional[int] = typer.Option(
-        None, "--cold-warm", help="with --cold-cpu-share: cold experts a layer (0-4) after --cold-prefetch's that the "
+        None, "--cold-warm", help="with --cold-cpu-share: cold experts a layer (0-8) after --cold-prefetch's that the "
         "CPU threads fetch into their caches ahead of the router, then compute"),
     placement_unit: Optional[str] = typer.Option(
         None, "--placement-unit", help="with --expert-budget: what the hot set grows by: expert (the most-routed "
