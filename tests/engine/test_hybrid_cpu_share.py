@@ -325,8 +325,9 @@ def test_every_layer_starts_with_the_executors_hook(qfile):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fetch,warm,unit", [(1, 0, "expert"), (2, 0, "expert"), (PREFETCH_MAX, 0, "expert"),
-                                             (0, 1, "expert"), (1, 1, "expert"), (2, 2, "alternate"),
-                                             (0, WARM_MAX, "alternate"), (PREFETCH_MAX, 4, "alternate")])
+                                             (0, 1, "expert"), (1, 1, "expert"), (1, 1, "alternate"),
+                                             (2, 2, "alternate"), (0, WARM_MAX, "alternate"),
+                                             (PREFETCH_MAX, 4, "alternate")])
 def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm, unit):
     """Half the experts cold, half of those on the threads (float32 activations), ``fetch`` cold experts a
     layer fetched ahead by the bus and ``warm`` more warmed by the threads: the captured step follows the
@@ -347,7 +348,7 @@ def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, 
             assert all(sent[i] == 0 for i in range(len(hot)) if hot[i]) and any(sent)
             assert [hybrid.prefetch_target(i) for i in range(len(hot)) if hot[i] and i + 1 < len(hot)] == [
                 i + 1 for i in range(len(hot) - 1) if hot[i] and not hot[i + 1]]
-        if warm:
+        if warm and fetch < model.cfg.n_expert_used:  # else the fetch takes every predicted expert: none is warmed
             assert hybrid._host_share.warm_chunks > 0 and int(hybrid._host_share.warm_seq) > 0
         hybrid.check_cpu_share()
     finally:
