@@ -142,7 +142,8 @@ def test_dflash_timings_name_the_speculative_loop(capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--placement-unit", "layer"], "--placement-unit needs --expert-budget"),
-    (["--placement-unit", "block", "--expert-budget", "1"], "placement_unit must be one of expert, layer, got 'block'"),
+    (["--placement-unit", "block", "--expert-budget", "1"],
+     "placement_unit must be one of expert, layer, alternate, got 'block'"),
 ])
 def test_placement_unit_errors_are_one_clear_line(good, extra, message, capsys):
     status = main(["generate", "--model", str(good), "--prompt", "x", "-n", "2", "--device", "cpu", *extra])
