@@ -144,7 +144,7 @@ def main() -> None:
     if args.tokens < 1 or not 0 < args.cold <= 1:
         ap.error("--tokens must be at least 1 and --cold in (0, 1]")
     from engine.gguf.reader import GGUFFile
-    from engine.hybrid import routing_predictor
+    from engine.hybrid import ahead_predictors, routing_predictor
     from engine.model.qwen35moe import Qwen35MoE
     from engine.model.weights import raw_experts
     from engine.tokenizer import Tokenizer
@@ -154,10 +154,9 @@ def main() -> None:
     cfg = model.cfg
     model.set_expert_executor(BlockExperts(raw_experts(gguf, cfg)))
     layers = model.weights.layers
-    predictors = [routing_predictor(layer.moe.router, layer.attn_norm, layer.post_norm, device="cpu")
-                  for layer in layers]
-    ahead = ([None] + [routing_predictor(layer.moe.router, before.attn_norm, layer.post_norm, device="cpu")
-                       for before, layer in zip(layers, layers[1:])]) if args.ahead else None
+    norms = [(layer.moe.router, layer.attn_norm, layer.post_norm) for layer in layers]
+    predictors = [routing_predictor(*layer, device="cpu") for layer in norms]
+    ahead = ahead_predictors(norms, device="cpu") if args.ahead else None
     if args.text is not None:
         ids = Tokenizer.from_gguf(args.model).encode(args.text.read_text(errors="replace"))[:args.tokens]
     else:

@@ -49,6 +49,7 @@ from gguf import GGML_QUANT_SIZES
 from engine.errors import ConfigError
 from engine.gguf import quants
 from engine.kernels.cpu_quant import CpuQuantMatrix
+from engine.kernels.host_experts import WARM_MAX  # cold experts a layer's CPU threads may warm ahead
 from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
 from engine.kernels.quant.reference import (SPLIT_QTYPES, QuantExperts, QuantMatrix, join_rows, row_bytes,
                                             split_layout_on, split_rows)
@@ -70,7 +71,6 @@ STAGED_ENV = "LUCE_TUNE_HYBRID_STAGED"  # 0: decode-sized calls with cold expert
 OVERLAP_ENV = "LUCE_TUNE_HYBRID_OVERLAP"  # 0: the staged path's bus copies on the compute stream, one expert launch
 COLD_GATHER_ENV = "LUCE_TUNE_COLD_GATHER"  # 0: decode-sized calls read the cold experts in place
 PREFETCH_MAX = 4  # cold experts a layer's bus may fetch ahead of its router (``set_cold_prefetch``)
-WARM_MAX = 8  # cold experts a layer's CPU threads may warm ahead of it (engine.kernels.host_experts.WARM_MAX)
 # None: decode-sized calls gather the cold experts on CUDA (unless LUCE_TUNE_COLD_GATHER=0); True: off CUDA
 # too (tests, with TRITON_INTERPRET=1); False: never.
 COLD_GATHER: bool | None = None
@@ -359,6 +359,15 @@ def routing_predictor(router: torch.Tensor, attn: torch.Tensor, post: torch.Tens
     return router.detach().float().contiguous(), scale.to(device).contiguous()
 
 
+def ahead_predictors(layers: "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]", *,
+                     device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per layer (router, attn norm, post norm), each layer's ``routing_predictor`` from the layer before's mixer
+    input (``HybridExperts.set_cold_prefetch(ahead=True)``): the layer before's ``attn`` under this layer's
+    ``post``, both mixers and the experts between left out; None for the first layer."""
+    return [None] + [routing_predictor(router, before[1], post, device=device)
+                     for before, (router, _, post) in zip(layers, layers[1:])]
+
+
 class HybridExperts:
     """The model's expert executor under a VRAM budget (``Qwen35MoE.set_expert_executor``)."""
 
@@ -386,7 +395,7 @@ class HybridExperts:
         self.cold_device = cold_device
         self.device = torch.device(device)
         self.cpu_share = 0.0
-        self.cpu_int8 = _env_int8() if cpu_int8 is None else bool(cpu_int8)
+        self.cpu_int8 = _env_flag(COLD_CPU_INT8_ENV) if cpu_int8 is None else bool(cpu_int8)
         self._host_share: Any = None  # engine.kernels.host_experts.HostShare, started by the first share > 0
         self._threads_given = threads is not None
         if len(host_experts) != stats.n_layers:
@@ -430,7 +439,7 @@ class HybridExperts:
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cold-experts")
         self.placement: Placement
         self.cold_prefetch = self.cold_warm = 0
-        self.cold_ahead = _env_ahead()
+        self.cold_ahead = _env_flag(COLD_AHEAD_ENV)
         self._predictors: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (router, scale) a layer
         self._ahead_predictors: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # from the layer before's input
         # (layer, fetched ids or None, warmed ids or None, event): for the layer's split
@@ -528,10 +537,7 @@ class HybridExperts:
         if len(layers) != len(self._layers):
             raise ValueError(f"{len(layers)} layers of predictors for {len(self._layers)} layers of experts")
         self._predictors = [routing_predictor(*layer, device=self.device) for layer in layers]
-        # a layer's routing from the layer before's mixer input (``cold_ahead``): that layer's ``attn`` under this
-        # layer's ``post``, both layers' mixers and the one before's experts left out
-        self._ahead_predictors = [None] + [routing_predictor(router, before[1], post, device=self.device)
-                                           for before, (router, _, post) in zip(layers, layers[1:])]
+        self._ahead_predictors = ahead_predictors(layers, device=self.device)
 
     def set_cold_prefetch(self, n: int, *, warm: int | None = None, ahead: bool | None = None) -> None:
         """Fetch up to ``n`` (0 to ``PREFETCH_MAX``) cold experts a layer ahead of its router in decode steps
@@ -680,11 +686,13 @@ class HybridExperts:
         return sum(layer.host.nbytes for layer in self._layers)
 
     def begin_layer(self, layer_idx: int, x: torch.Tensor) -> None:
-        """At a layer's start (``x`` [T, H] the mixer's input): with ``cold_prefetch``, for a one-token call of a
-        layer whose last such call took the staged path's two streams, predict the layer's routing from ``x``
-        (``set_predictors``) and have the bus copy its first ``cold_prefetch`` cold experts into the stage's
-        rows after ``STREAM_EXPERTS``, on the second stream while the mixer runs; the layer's split waits for
-        the prediction (not the copies) and serves their pairs from there (``_staged_moe``)."""
+        """At a layer's start (``x`` [T, H] the mixer's input): with ``cold_prefetch`` or ``cold_warm``, for a
+        one-token call, predict the routing of the layer ``prefetch_target`` names (this one, or with
+        ``cold_ahead`` the next one after an all-hot layer) from ``x`` (``set_predictors``), have the bus copy its
+        first ``cold_prefetch`` cold experts into the stage's rows after ``STREAM_EXPERTS`` and name the next
+        ``cold_warm`` to the CPU threads, on the second stream while this layer runs; the target layer's split
+        waits for the prediction (not the copies) and serves their pairs from there (``_staged_moe``). A layer
+        predicted at the layer before leaves its fetch be."""
         if self._fetch is not None and self._fetch[0] == layer_idx:
             return  # predicted at the layer before (``cold_ahead``)
         self._join_fetch()
@@ -1023,10 +1031,11 @@ COLD_WARM_ENV = "LUCE_TUNE_COLD_WARM"  # cold experts the CPU threads warm ahead
 COLD_AHEAD_ENV = "LUCE_TUNE_COLD_AHEAD"  # 0: a cold layer's prefetch always waits for its own start
 
 
-def _env_int8() -> bool:
-    text = os.environ.get(COLD_CPU_INT8_ENV, "1").strip()
+def _env_flag(name: str) -> bool:
+    """A setting of 0 or 1 that is on when unset."""
+    text = os.environ.get(name, "1").strip()
     if text not in ("0", "1"):
-        raise ConfigError(f"{COLD_CPU_INT8_ENV} must be 0 or 1, got {text!r}")
+        raise ConfigError(f"{name} must be 0 or 1, got {text!r}")
     return text == "1"
 
 
@@ -1047,13 +1056,6 @@ def _env_prefetch(name: str, top: int = PREFETCH_MAX) -> int:
     if not text.isdigit() or int(text) > top:
         raise ConfigError(f"{name} must be a whole number from 0 to {top}, got {text!r}")
     return int(text)
-
-
-def _env_ahead() -> bool:
-    text = os.environ.get(COLD_AHEAD_ENV, "1").strip()
-    if text not in ("0", "1"):
-        raise ConfigError(f"{COLD_AHEAD_ENV} must be 0 or 1, got {text!r}")
-    return text == "1"
 
 
 def _env_unit() -> str:
