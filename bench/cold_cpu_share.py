@@ -4,6 +4,7 @@
                                    [--activations int8,float32] [--threads 15,12] [--new-tokens 128] [--repeats 3]
                                    [--placement-units expert,layer] [--feed random|greedy] [--also-greedy]
                                    [--timeline] [--prefetch 0,1,2] [--warm 0,2] [--ahead 0,1]
+                                   [--routes main,side] [--fetch-programs 0,8,16]
                                    [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_CHUNK1=16"]
                                    [--json out.json]
 
@@ -29,7 +30,9 @@ time is the device's wait for the threads. ``--cflags`` repeats the rows with th
 grown by experts or by whole layers). ``--prefetch`` repeats the rows with threads per count of cold experts a
 layer the bus fetches ahead of its router (``Engine.set_cold_prefetch``), ``--warm`` per count the CPU threads
 warm ahead, ``--ahead`` per way of predicting a cold layer after an all-hot one (at that layer's start, or at its own),
-and each such row reports how many were fetched or warmed and how many of the cold pairs they served.
+and each such row reports how many were fetched or warmed and how many of the cold pairs they served;
+``--routes`` per place of the predicting router (the step's stream or the second one) and ``--fetch-programs`` per
+bound on the bus's fetch's programs (0: one a block).
 """
 
 from __future__ import annotations
@@ -76,11 +79,18 @@ def main() -> None:
                     "(comma-separated; default: the engine's)")
     ap.add_argument("--ahead", default="", help="1, 0 or both: a cold layer after an all-hot one predicted at "
                     "that layer's start (default: the engine's, LUCE_TUNE_COLD_AHEAD or on)")
+    ap.add_argument("--routes", default="", help="main, side or both: where the predicting router runs (default: "
+                    "the engine's, LUCE_TUNE_AHEAD_ROUTE or main)")
+    ap.add_argument("--fetch-programs", default="", help="programs of the bus's fetch ahead, per row with threads "
+                    "(comma-separated; 0: one a block; default: the engine's)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     fetches = [int(n) for n in args.prefetch.split(",") if n] or [None]
     warms = [int(n) for n in args.warm.split(",") if n] or [None]
     aheads = [n == "1" for n in args.ahead.split(",") if n] or [None]
+    routes = [r for r in args.routes.split(",") if r] or [None]
+    programs = [int(n) for n in args.fetch_programs.split(",") if n] or [None]
+    ways = [(r, g) for r in routes for g in programs]
     shares = [float(s) for s in args.shares.split(",")]
     t0 = time.perf_counter()
     eng = Engine.from_gguf(args.model, weights="quantized", cold_format="quantized", hot_format="quantized",
@@ -94,12 +104,12 @@ def main() -> None:
     counts = [int(t) for t in args.threads.split(",") if t] or [None]
     builds = args.cflags.split(";") if args.cflags is not None else [os.environ.get(CFLAGS_ENV, "")]
     units = args.placement_units.split(",")
-    runs = [(u, share, act, None, builds[0], None, None, None) for u in units for share in shares if not share
-            for act in acts[:1]]  # no threads: one row
-    runs += [(u, share, act, n, b, f, wm, a) for u in units for b in builds for n in counts for act in acts
-             for share in shares for f in fetches for wm in warms for a in aheads if share]
+    runs = [(u, share, act, None, builds[0], None, None, None, (None, None)) for u in units for share in shares
+            if not share for act in acts[:1]]  # no threads: one row
+    runs += [(u, share, act, n, b, f, wm, a, way) for u in units for b in builds for n in counts for act in acts
+             for share in shares for f in fetches for wm in warms for a in aheads for way in ways if share]
     runs.sort(key=lambda r: units.index(r[0]))  # one placement after the other
-    for unit, share, act, n, build, fetch, warm_n, ahead in runs:
+    for unit, share, act, n, build, fetch, warm_n, ahead, (route, progs) in runs:
         if unit != eng.hybrid.unit:
             eng.set_expert_budget(args.budget_mb, unit=unit)
         if build != os.environ.get(CFLAGS_ENV, "") and eng.hybrid._host_share is not None:
@@ -111,7 +121,8 @@ def main() -> None:
         if not share:
             eng.set_cold_prefetch(0, warm=0)
         else:
-            eng.set_cold_prefetch(eng.hybrid.cold_prefetch if fetch is None else fetch, warm=warm_n, ahead=ahead)
+            eng.set_cold_prefetch(eng.hybrid.cold_prefetch if fetch is None else fetch, warm=warm_n, ahead=ahead,
+                                  route=route, programs=progs)
         warm = eng.generate(ids, 16, ignore_eos=True)
         pool = eng.hybrid._host_share
         before = pool.stats() if share and pool is not None else None
@@ -139,7 +150,8 @@ def main() -> None:
         same = warm.ids == first
         row = {"placement_unit": unit, "feed": args.feed, "share": share, "activations": act if share else None, "threads": pool.threads if share else 0,
                "cold_prefetch": eng.hybrid.cold_prefetch, "cold_warm": eng.hybrid.cold_warm,
-               "cold_ahead": eng.hybrid.cold_ahead,
+               "cold_ahead": eng.hybrid.cold_ahead, "ahead_route": eng.hybrid.ahead_route,
+               "fetch_programs": eng.hybrid.fetch_programs or 0,
                "prefetched": sent, "prefetch_served_pairs": served,
                "cold_pairs": cold_pairs,
                "cflags": build if share else None,
@@ -155,6 +167,8 @@ def main() -> None:
         print((f"[{unit}] " if len(units) > 1 else "") + (f"[{build}] " if share and len(builds) > 1 else "")
               + (f"fetch {row['cold_prefetch']} warm {row['cold_warm']} " if len(fetches) + len(warms) > 2 else "")
               + (f"ahead {int(row['cold_ahead'])} " if len(aheads) > 1 else "")
+              + (f"route {row['ahead_route']} " if len(routes) > 1 else "")
+              + (f"programs {row['fetch_programs']} " if len(programs) > 1 else "")
               + f"share {share:.2f} {act if share else '':7s} {row['threads']:2d} threads: decode "
               f"{statistics.median(rates):7.1f} tok/s [{min(rates):.1f}-{max(rates):.1f}] ({row['decode_path']}), "
               f"step {step_ms:.2f} ms, same tokens as the first row: {same}, peak {out.timings.peak_mem_mb:,.0f} MB, "

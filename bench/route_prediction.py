@@ -86,16 +86,15 @@ class RecordingExecutor:
         if self.ahead is not None and layer_idx + 1 < len(self.ahead):  # the next layer, from this one's input
             self.predicted[layer_idx + 1] = self._top(self.ahead[layer_idx + 1], x)
 
-    def _top(self, predictor: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        router, scale = predictor
-        return ((x.float() * scale.to(x.device)) @ router.to(x.device).T).topk(self.k, dim=-1).indices.cpu()
+    def _top(self, predictor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() @ predictor.to(x.device).T).topk(self.k, dim=-1).indices.cpu()
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         self.actual[layer_idx] = topk_ids.cpu()
         return self.inner(layer_idx, x, topk_ids, topk_w)
 
 
-def measure(model: Any, predictors: list[tuple[torch.Tensor, torch.Tensor]], ids: torch.Tensor, cold_share: float,
+def measure(model: Any, predictors: list[torch.Tensor], ids: torch.Tensor, cold_share: float,
             seed: int = 0, ahead: list[Any] | None = None) -> dict[str, Any]:
     """One forward of ``model`` (a ``Qwen35MoE``) over ``ids`` with its routing recorded; the table. With
     ``ahead`` (a predictor a layer from the layer before's mixer input, None for the first) every layer

@@ -293,7 +293,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                "cold_cpu_share": share,
                                                                "cold_prefetch": eng.hybrid.cold_prefetch,
                                                                "cold_warm": eng.hybrid.cold_warm,
-                                                               "cold_ahead": eng.hybrid.cold_ahead}
+                                                               "cold_ahead": eng.hybrid.cold_ahead,
+                                                               "ahead_route": eng.hybrid.ahead_route,
+                                                               "fetch_programs": eng.hybrid.fetch_programs or 0}
         for test in tests_for(args, ncmoe):
             ours = time_ours(eng, test, args.repeats, gen)
             rows[test.name]["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}

@@ -349,18 +349,19 @@ SHARED_IN_MOE_ENV = "LUCE_TUNE_SHARED_IN_MOE"
 
 
 def routing_predictor(router: torch.Tensor, attn: torch.Tensor, post: torch.Tensor, *,
-                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(router float32 [E, H], scale [H]) such that the top-k of ``(x * scale) @ router.T``, with ``x`` a
-    layer's mixer input ``rms_norm(h) * attn``, is the layer's routing had its mixer added nothing (the
-    router's input is ``rms_norm(h + mixed) * post``; top-k does not see the norm's scale). An ``attn``
-    weight near 0 takes ``post`` alone there (``HybridExperts.set_predictors``)."""
+                      device: torch.device | str) -> torch.Tensor:
+    """A float32 router [E, H] on ``device`` such that the top-k of ``x @ predictor.T``, with ``x`` a layer's mixer
+    input ``rms_norm(h) * attn``, is the layer's routing had its mixer added nothing (the router's input is
+    ``rms_norm(h + mixed) * post``; top-k does not see the norm's scale): the router with ``post / attn`` folded
+    into its columns, so that predicting is one router launch on ``x`` as it is. An ``attn`` weight near 0 takes
+    ``post`` alone there (``HybridExperts.set_predictors``)."""
     a, b = attn.detach().float(), post.detach().float()
     scale = torch.where(a.abs() > 1e-3 * a.abs().max().clamp(min=1e-30), b / a, b)
-    return router.detach().float().contiguous(), scale.to(device).contiguous()
+    return (router.detach().float() * scale.to(router.device)).to(device).contiguous()
 
 
 def ahead_predictors(layers: "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]", *,
-                     device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+                     device: torch.device | str) -> list[torch.Tensor | None]:
     """Per layer (router, attn norm, post norm), each layer's ``routing_predictor`` from the layer before's mixer
     input (``HybridExperts.set_cold_prefetch(ahead=True)``): the layer before's ``attn`` under this layer's
     ``post``, both mixers and the experts between left out; None for the first layer."""
@@ -440,8 +441,10 @@ class HybridExperts:
         self.placement: Placement
         self.cold_prefetch = self.cold_warm = 0
         self.cold_ahead = _env_flag(COLD_AHEAD_ENV)
-        self._predictors: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (router, scale) a layer
-        self._ahead_predictors: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # from the layer before's input
+        self._predictors: list[torch.Tensor] | None = None  # a router with the norms folded in, a layer
+        self._ahead_predictors: list[torch.Tensor | None] = []  # the same from the layer before's input
+        self.ahead_route = _env_choice(AHEAD_ROUTE_ENV, AHEAD_ROUTES)
+        self.fetch_programs = _env_prefetch(FETCH_PROGRAMS_ENV, FETCH_PROGRAMS_MAX) or None
         # (layer, fetched ids or None, warmed ids or None, event): for the layer's split
         self._fetch: tuple[int, torch.Tensor | None, torch.Tensor | None, Any] | None = None
         with torch.inference_mode(False):
@@ -539,7 +542,8 @@ class HybridExperts:
         self._predictors = [routing_predictor(*layer, device=self.device) for layer in layers]
         self._ahead_predictors = ahead_predictors(layers, device=self.device)
 
-    def set_cold_prefetch(self, n: int, *, warm: int | None = None, ahead: bool | None = None) -> None:
+    def set_cold_prefetch(self, n: int, *, warm: int | None = None, ahead: bool | None = None,
+                          route: str | None = None, programs: int | None = None) -> None:
         """Fetch up to ``n`` (0 to ``PREFETCH_MAX``) cold experts a layer ahead of its router in decode steps
         of one token on the staged path with a CPU share (``_staged_moe``): at the layer's start the routing
         is predicted from the mixer's input (``set_predictors``), and the bus copies its first ``n`` cold
@@ -549,17 +553,33 @@ class HybridExperts:
         at first ``LUCE_TUNE_COLD_AHEAD`` or on): a cold layer after one whose experts are all hot is predicted
         a layer earlier, at that layer's start, so that the fetch and the warm-up have both layers' time, in
         which neither the bus nor the threads have other work (placement ``"alternate"`` puts a hot layer
-        before each cold one). Only where experts are read from changes, never what is computed. Captured
-        steps made before a change no longer match: the engine captures again."""
+        before each cold one). ``route`` (None: as set, at first ``LUCE_TUNE_AHEAD_ROUTE`` or ``"main"``): where the
+        predicting router runs, ``"main"`` on the step's own stream at the layer's start, the whole device for a
+        few microseconds, so that the threads' warm-up starts at once; ``"side"`` on the second stream in a few
+        programs beside the layer's kernels (it then waits for their SMs). ``programs`` (None: as set, at first
+        ``LUCE_TUNE_FETCH_PROGRAMS`` or 0; 0: one program a block): the bus's fetch ahead in at most that many
+        programs looping over the blocks (``gather_stacks(programs=)``), so that it holds a few SMs beside the
+        layer rather than queueing in front of its kernels. Only where experts are read from changes, never what
+        is computed. Captured steps made before a change no longer match: the engine captures again."""
         warm = self.cold_warm if warm is None else warm
         for what, v, top in (("fetched", n, PREFETCH_MAX), ("warmed", warm, WARM_MAX)):
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= top:
                 raise ConfigError(f"cold experts {what} ahead must be a whole number from 0 to {top}, got {v}")
         if ahead is not None and not isinstance(ahead, bool):
             raise ConfigError(f"cold_ahead must be true or false, got {ahead!r}")
+        if route is not None and route not in AHEAD_ROUTES:
+            raise ConfigError(f"the predicting router runs on one of {', '.join(AHEAD_ROUTES)}, got {route!r}")
+        if programs is not None and (not isinstance(programs, int) or isinstance(programs, bool)
+                                     or not 0 <= programs <= FETCH_PROGRAMS_MAX):
+            raise ConfigError(f"the fetch's programs must be a whole number from 0 to {FETCH_PROGRAMS_MAX}, "
+                              f"got {programs!r}")
         self.cold_prefetch, self.cold_warm = n, warm
         if ahead is not None:
             self.cold_ahead = ahead
+        if route is not None:
+            self.ahead_route = route
+        if programs is not None:
+            self.fetch_programs = programs or None
         self.placement_version += 1
 
     def set_budget(self, budget_mb: float, unit: str | None = None) -> Placement:
@@ -708,23 +728,28 @@ class HybridExperts:
         from engine.kernels.moe_gate import route_triton
 
         layer = self._layers[target]
-        router, scale = predictors[target]
+        router = predictors[target]
         m, mw = self.cold_prefetch, self.cold_warm
         fetched = torch.empty(m, dtype=torch.int32, device=x.device) if m else None
         warmed = torch.empty(mw, dtype=torch.int32, device=x.device) if mw else None
         buffers = self._stream_buffers(layer)
         sources = tuple(t.raw if isinstance(t, QuantExperts) else t for t in layer.mapped)
         main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
+        on_main = self.ahead_route == "main"
+        if on_main:  # a few microseconds of the whole device before the layer's own kernels
+            ids, _ = route_triton(x, router, self.min_hot, ahead=True)
         side.wait_stream(main)
         picked = torch.cuda.Event()
         with torch.cuda.stream(side):
-            ids, _ = route_triton(x * scale, router, self.min_hot, side=True)
+            if not on_main:
+                ids, _ = route_triton(x, router, self.min_hot, side=True)
             select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[target:target + 1],
                             warmed=warmed, share=self._host_share, layer=target)
             picked.record(side)
             if m:
-                gather_stacks(sources, tuple(b[STREAM_EXPERTS:STREAM_EXPERTS + m] for b in buffers), fetched)
-        for t in (x, fetched, warmed):  # read there: their blocks are not handed out again before it is done
+                gather_stacks(sources, tuple(b[STREAM_EXPERTS:STREAM_EXPERTS + m] for b in buffers), fetched,
+                              programs=self.fetch_programs)
+        for t in (x, fetched, warmed, ids):  # read there: their blocks are not handed out again before it is done
             if t is not None:
                 t.record_stream(side)
         self._fetch = (target, fetched, warmed, picked)
@@ -1029,6 +1054,10 @@ PLACEMENT_UNIT_ENV = "LUCE_TUNE_PLACEMENT_UNIT"  # expert, layer or alternate: w
 COLD_PREFETCH_ENV = "LUCE_TUNE_COLD_PREFETCH"  # cold experts fetched ahead a layer (``set_cold_prefetch``)
 COLD_WARM_ENV = "LUCE_TUNE_COLD_WARM"  # cold experts the CPU threads warm ahead a layer (``set_cold_prefetch``)
 COLD_AHEAD_ENV = "LUCE_TUNE_COLD_AHEAD"  # 0: a cold layer's prefetch always waits for its own start
+AHEAD_ROUTE_ENV = "LUCE_TUNE_AHEAD_ROUTE"  # where the predicting router runs (``set_cold_prefetch(route=)``)
+AHEAD_ROUTES = ("main", "side")  # the first is the default
+FETCH_PROGRAMS_ENV = "LUCE_TUNE_FETCH_PROGRAMS"  # programs of the bus's fetch ahead (``set_cold_prefetch(programs=)``)
+FETCH_PROGRAMS_MAX = 1024
 
 
 def _env_flag(name: str) -> bool:
@@ -1037,6 +1066,14 @@ def _env_flag(name: str) -> bool:
     if text not in ("0", "1"):
         raise ConfigError(f"{name} must be 0 or 1, got {text!r}")
     return text == "1"
+
+
+def _env_choice(name: str, choices: Sequence[str]) -> str:
+    """A setting among ``choices``, the first when unset."""
+    text = os.environ.get(name, "").strip() or choices[0]
+    if text not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {text!r}")
+    return text
 
 
 def _env_share() -> float:
@@ -1059,10 +1096,7 @@ def _env_prefetch(name: str, top: int = PREFETCH_MAX) -> int:
 
 
 def _env_unit() -> str:
-    text = os.environ.get(PLACEMENT_UNIT_ENV, "").strip() or "expert"
-    if text not in PLACEMENT_UNITS:
-        raise ConfigError(f"{PLACEMENT_UNIT_ENV} must be one of {', '.join(PLACEMENT_UNITS)}, got {text!r}")
-    return text
+    return _env_choice(PLACEMENT_UNIT_ENV, PLACEMENT_UNITS)
 
 
 def _checked_placement(stats: RoutingStats, expert_bytes: Sequence[int], budget_mb: float, min_hot: int,

@@ -7,6 +7,10 @@ bytes per row from scattered rows, and the bus carried about 13 GB/s that way on
 An expert's matrix is one contiguous slab, so this kernel copies each routed pair's slab into its own
 row of a device buffer in chunks of contiguous 32-bit words, and the expert launches then read device
 memory. Pairs routed nowhere (id -1) copy nothing.
+
+A copy that runs beside other work (the experts fetched ahead of a layer's router, beside the layer before) can take
+a bounded number of programs (``gather_stacks(programs=)``): each then loops over the blocks, so that the copy holds
+a few SMs for its whole length instead of queueing one program per block in front of the other stream's kernels.
 """
 
 from __future__ import annotations
@@ -57,6 +61,30 @@ def _gather3_kernel(s0, d0, s1, d1, s2, d2, ids_ptr, SLAB0: tl.constexpr, SLAB1:
             _copy_block(s2, d2, e, p, b - NB0 - NB1, SLAB2, BLOCK)
 
 
+@triton.jit
+def _gather3_loop_kernel(s0, d0, s1, d1, s2, d2, ids_ptr, P: tl.constexpr, SLAB0: tl.constexpr, SLAB1: tl.constexpr,
+                         SLAB2: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+    """``_gather3_kernel`` in ``PROGRAMS`` programs: program ``g`` copies blocks ``g``, ``g + PROGRAMS``, ... of the
+    ``P`` pairs' blocks taken in pair order."""
+    NB0: tl.constexpr = (SLAB0 + BLOCK - 1) // BLOCK
+    NB1: tl.constexpr = (SLAB1 + BLOCK - 1) // BLOCK
+    NB2: tl.constexpr = (SLAB2 + BLOCK - 1) // BLOCK
+    NB: tl.constexpr = NB0 + NB1 + NB2
+    ITERS: tl.constexpr = (P * NB + PROGRAMS - 1) // PROGRAMS
+    for i in range(0, ITERS):
+        w = tl.program_id(0) + i * PROGRAMS
+        p = w // NB
+        b = w % NB
+        e = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        if e >= 0:
+            if b < NB0:
+                _copy_block(s0, d0, e, p, b, SLAB0, BLOCK)
+            elif b < NB0 + NB1:
+                _copy_block(s1, d1, e, p, b - NB0, SLAB1, BLOCK)
+            else:
+                _copy_block(s2, d2, e, p, b - NB0 - NB1, SLAB2, BLOCK)
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """``t`` [E, ...] as [E, slab] of 32-bit words where its slabs hold whole words, else of bytes."""
     flat = t.reshape(t.shape[0], -1).view(torch.uint8)
@@ -85,11 +113,15 @@ def gather_experts(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> N
     _gather_kernel[(ids.shape[0], triton.cdiv(slab, BLOCK))](s, d, ids, SLAB=slab, BLOCK=BLOCK, num_warps=8)
 
 
-def gather_stacks(srcs: tuple[torch.Tensor, ...], dsts: tuple[torch.Tensor, ...], ids: torch.Tensor) -> None:
+def gather_stacks(srcs: tuple[torch.Tensor, ...], dsts: tuple[torch.Tensor, ...], ids: torch.Tensor, *,
+                  programs: int | None = None) -> None:
     """``gather_experts`` for three stacks (an expert's gate, up and down) in one launch: ``dsts[i][p] =
-    srcs[i][ids[p]]`` for every ``p`` with ``ids[p] >= 0``."""
+    srcs[i][ids[p]]`` for every ``p`` with ``ids[p] >= 0``. ``programs``: at most that many programs, each looping
+    over blocks (None: one program a block)."""
     if len(srcs) != 3 or len(dsts) != 3:
         raise ValueError(f"gather_stacks copies three stacks, got {len(srcs)} and {len(dsts)}")
+    if programs is not None and (not isinstance(programs, int) or isinstance(programs, bool) or programs < 1):
+        raise ValueError(f"programs must be a whole number of at least 1 or None, got {programs!r}")
     for src, dst in zip(srcs, dsts):
         _check(src, dst, ids, "gather_stacks")
     if ids.numel() == 0:
@@ -97,5 +129,10 @@ def gather_stacks(srcs: tuple[torch.Tensor, ...], dsts: tuple[torch.Tensor, ...]
     views = [(_words(s), _words(d)) for s, d in zip(srcs, dsts)]
     slabs = [s.shape[1] for s, _ in views]
     blocks = sum(triton.cdiv(n, BLOCK) for n in slabs)
+    if programs is not None:
+        n = min(programs, ids.shape[0] * blocks)
+        _gather3_loop_kernel[(n,)](*(t for pair in views for t in pair), ids, P=ids.shape[0], SLAB0=slabs[0],
+                                   SLAB1=slabs[1], SLAB2=slabs[2], BLOCK=BLOCK, PROGRAMS=n, num_warps=8)
+        return
     _gather3_kernel[(ids.shape[0], blocks)](*(t for pair in views for t in pair), ids, SLAB0=slabs[0],
                                             SLAB1=slabs[1], SLAB2=slabs[2], BLOCK=BLOCK, num_warps=8)

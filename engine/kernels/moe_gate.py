@@ -170,13 +170,16 @@ def _route_scratch(device: torch.device, tag: str = "") -> tuple[torch.Tensor, t
 
 
 def route_triton(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int | None = None, *,
-                 side: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 side: bool = False, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer input x [T, H] (float32, float16 or bfloat16; T <= 16) and the float32 router [E, H]
     -> (ids [T, k] int64, weights [T, k] float32 summing to 1), in one launch of ``num_warps``
     warps per program (left out: ``engine.kernels.warps``'s entry for the router). ``side``: a launch on a
     second stream, which may run beside the step's own routers: scratch of its own, no programmatic launch,
-    16 experts a program."""
-    return _route(x, router, k, num_warps, None, side=side)
+    16 experts a program. ``ahead``: a prediction on the step's own stream between its kernels (scratch of its
+    own, no programmatic launch, the whole device's programs)."""
+    if side and ahead:
+        raise ValueError("a router launch is on the second stream (side) or a prediction on the step's (ahead)")
+    return _route(x, router, k, num_warps, None, side=side, ahead=ahead)
 
 
 def add_norm_route_triton(h: torch.Tensor, r: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -195,7 +198,8 @@ def add_norm_route_triton(h: torch.Tensor, r: torch.Tensor, norm_weight: torch.T
 
 
 def _route(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int | None,
-           add: tuple[torch.Tensor, torch.Tensor, float] | None, side: bool = False) -> tuple[torch.Tensor, ...]:
+           add: tuple[torch.Tensor, torch.Tensor, float] | None, side: bool = False,
+           ahead: bool = False) -> tuple[torch.Tensor, ...]:
     _rows("x", x)
     _rows("router", router)
     check_device(x, WHAT)
@@ -217,7 +221,7 @@ def _route(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int | None,
     h_out, x_out = (torch.empty(T, H, dtype=x.dtype, device=x.device) for _ in range(2)) if add is not None \
         else (x, x)
     if T:
-        scratch, counters = _route_scratch(x.device, "side " if side else "")
+        scratch, counters = _route_scratch(x.device, "side " if side else "ahead " if ahead else "")
         # a side launch runs beside the step's own kernels: a few wide programs rather than the whole GPU
         block_e = 16 if side else min(16, triton.next_power_of_2(triton.cdiv(E * T, PROGRAMS)))
         _route_kernel[(triton.cdiv(E, block_e), T)](
@@ -226,7 +230,7 @@ def _route(x: torch.Tensor, router: torch.Tensor, k: int, num_warps: int | None,
             ALL_E=triton.next_power_of_2(E), res_ptr=res, nw_ptr=norm_weight, h_out_ptr=h_out, x_out_ptr=x_out,
             stride_res=res.stride(0), eps=eps, ADD_NORM=add is not None, PREFETCH=prefetch(),
             num_warps=warps("router") if num_warps is None else num_warps,
-            **({"PDL": False, "launch_pdl": False} if side else launch(x.device, T, "router")))
+            **({"PDL": False, "launch_pdl": False} if side or ahead else launch(x.device, T, "router")))
     return (h_out, x_out, ids, weights) if add is not None else (ids, weights)
 
 

@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 
 from engine.errors import ConfigError  # noqa: E402
 from engine.gguf.reader import GGUFFile  # noqa: E402
-from engine.hybrid import COLD_AHEAD_ENV, COLD_PREFETCH_ENV, PREFETCH_MAX, WARM_MAX, attach_hybrid  # noqa: E402
+from engine.hybrid import (AHEAD_ROUTE_ENV, COLD_AHEAD_ENV, COLD_PREFETCH_ENV, FETCH_PROGRAMS_ENV,  # noqa: E402
+                           FETCH_PROGRAMS_MAX, PREFETCH_MAX, WARM_MAX, attach_hybrid)
 from engine.kernels import host_experts  # noqa: E402
 from engine.kernels.host_experts import HostShareError  # noqa: E402
 from engine.model.qwen35moe import Qwen35MoE  # noqa: E402
@@ -213,8 +214,8 @@ def test_cuda_wait_for_stopped_threads_ends_and_is_reported(qfile, monkeypatch):
 # Cold experts fetched and warmed ahead of a layer's router (``HybridExperts.set_cold_prefetch``, ``begin_layer``)
 
 def test_predictors_give_the_routing_of_the_residual_without_the_mixer(qfile):
-    """The predictor's input ``x * post / attn`` (x the mixer's normed input) routes as ``rms_norm(h) * post``
-    does: exactly the layer's routing had the mixer added nothing."""
+    """The predictor (the router with ``post / attn`` folded into its columns) on ``x`` (the mixer's normed input)
+    routes as the router on ``rms_norm(h) * post`` does: exactly the layer's routing had the mixer added nothing."""
     model, hybrid = attach(qfile, 0.0)
     try:
         k = model.cfg.n_expert_used
@@ -222,9 +223,9 @@ def test_predictors_give_the_routing_of_the_residual_without_the_mixer(qfile):
         for i, layer in enumerate(model.weights.layers):
             h = torch.randn(5, model.cfg.hidden, generator=g)
             x = F.rms_norm(h, (h.shape[-1],), layer.attn_norm.float(), model.cfg.rms_eps)
-            router, scale = hybrid._predictors[i]
+            router = layer.moe.router.float()
             want = (F.rms_norm(h, (h.shape[-1],), layer.post_norm.float(), model.cfg.rms_eps) @ router.T).topk(k).indices
-            got = ((x * scale) @ router.T).topk(k).indices
+            got = (x @ hybrid._predictors[i].T).topk(k).indices
             assert torch.equal(got, want), f"layer {i}"
     finally:
         hybrid.close()
@@ -242,11 +243,10 @@ def test_ahead_predictors_give_the_routing_from_the_layer_before(qfile):
         for i in range(1, len(layers)):
             h = torch.randn(5, model.cfg.hidden, generator=g)
             x = F.rms_norm(h, (h.shape[-1],), layers[i - 1].attn_norm.float(), model.cfg.rms_eps)
-            router, scale = hybrid._ahead_predictors[i]
-            assert torch.equal(router, layers[i].moe.router.float())
+            router = layers[i].moe.router.float()
             want = (F.rms_norm(h, (h.shape[-1],), layers[i].post_norm.float(), model.cfg.rms_eps)
                     @ router.T).topk(k).indices
-            assert torch.equal(((x * scale) @ router.T).topk(k).indices, want), f"layer {i}"
+            assert torch.equal((x @ hybrid._ahead_predictors[i].T).topk(k).indices, want), f"layer {i}"
     finally:
         hybrid.close()
 
@@ -289,6 +289,17 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
                 hybrid.set_cold_prefetch(1, warm=bad)
         with pytest.raises(ConfigError, match="cold_ahead"):
             hybrid.set_cold_prefetch(1, ahead=1)
+        for bad in ("gpu", 1):
+            with pytest.raises(ConfigError, match="predicting router"):
+                hybrid.set_cold_prefetch(1, route=bad)
+        for bad in (-1, FETCH_PROGRAMS_MAX + 1, 2.0, True):
+            with pytest.raises(ConfigError, match="fetch's programs"):
+                hybrid.set_cold_prefetch(1, programs=bad)
+        assert hybrid.ahead_route == "main" and hybrid.fetch_programs is None  # the defaults
+        hybrid.set_cold_prefetch(1, route="side", programs=16)
+        assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 16
+        hybrid.set_cold_prefetch(1, programs=0)
+        assert hybrid.ahead_route == "side" and hybrid.fetch_programs is None
         hybrid.set_cold_prefetch(2, warm=WARM_MAX)
         assert hybrid.cold_prefetch == 2 and hybrid.stats_snapshot().cold_prefetch == 2
         assert hybrid.cold_warm == WARM_MAX
@@ -298,6 +309,18 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
     with pytest.raises(ConfigError, match=COLD_PREFETCH_ENV):
         attach(qfile, 0.0)
     monkeypatch.delenv(COLD_PREFETCH_ENV)
+    for name, bad in ((AHEAD_ROUTE_ENV, "gpu"), (FETCH_PROGRAMS_ENV, "-3"), (FETCH_PROGRAMS_ENV, "2000")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ConfigError, match=name):
+            attach(qfile, 0.0)
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(AHEAD_ROUTE_ENV, "side")
+    monkeypatch.setenv(FETCH_PROGRAMS_ENV, "12")
+    _, hybrid = attach(qfile, 0.0)
+    try:
+        assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 12
+    finally:
+        hybrid.close()
     monkeypatch.setenv(COLD_AHEAD_ENV, "yes")
     with pytest.raises(ConfigError, match=COLD_AHEAD_ENV):
         attach(qfile, 0.0)
@@ -324,19 +347,23 @@ def test_every_layer_starts_with_the_executors_hook(qfile):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fetch,warm,unit", [(1, 0, "expert"), (2, 0, "expert"), (PREFETCH_MAX, 0, "expert"),
-                                             (0, 1, "expert"), (1, 1, "expert"), (1, 1, "alternate"),
-                                             (2, 2, "alternate"), (0, WARM_MAX, "alternate"),
-                                             (PREFETCH_MAX, 4, "alternate")])
-def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm, unit):
+@pytest.mark.parametrize("fetch,warm,unit,route,programs", [
+    (1, 0, "expert", "main", 0), (2, 0, "expert", "side", 0), (PREFETCH_MAX, 0, "expert", "main", 0),
+    (0, 1, "expert", "main", 0), (1, 1, "expert", "side", 0), (1, 1, "alternate", "main", 0),
+    (1, 1, "alternate", "side", 0), (2, 2, "alternate", "main", 3), (0, WARM_MAX, "alternate", "main", 0),
+    (PREFETCH_MAX, 4, "alternate", "main", 0), (PREFETCH_MAX, 4, "alternate", "side", 5)])
+def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm, unit, route, programs):
     """Half the experts cold, half of those on the threads (float32 activations), ``fetch`` cold experts a
     layer fetched ahead by the bus and ``warm`` more warmed by the threads: the captured step follows the
     all-on-device model teacher-forced, as it does without them, and they served pairs (the tiny random
     model routes alike before and after its mixers); the threads fetched chunks for the warm-ups. With
-    placement ``"alternate"`` each cold layer but the first is predicted at the hot layer before it."""
+    placement ``"alternate"`` each cold layer but the first is predicted at the hot layer before it. The
+    predicting router on the step's stream or the second one, the fetch in one program a block or a few
+    looping."""
     plain = load(qfile, "cuda", quantized=True)
     model, hybrid = attach(qfile, 0.5, device="cuda", quantized=True, cpu_int8=False, cold_prefetch=fetch,
                            cold_warm=warm, unit=unit)
+    hybrid.set_cold_prefetch(fetch, route=route, programs=programs)
     try:
         follow_captured(plain, model, 1e-3, before=hybrid.reset_counters)
         stats = hybrid.stats_snapshot()

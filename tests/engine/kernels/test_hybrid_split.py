@@ -155,10 +155,12 @@ def test_split_refuses_wrong_outputs():
                                                                                        device=DEVICE))
 
 
+@pytest.mark.parametrize("programs", [None, 1, 3, 7, 1000], ids=lambda p: f"programs{p}")
 @pytest.mark.parametrize("shapes", [((5, 12), (5, 12), (12, 5)), ((3, 7), (2, 9), (4, 4))], ids=["expert", "odd"])
-def test_gather_stacks_copies_three_stacks_at_once(shapes):
+def test_gather_stacks_copies_three_stacks_at_once(shapes, programs):
     """Each routed pair's slab of all three stacks (word and byte slabs, unequal sizes, more blocks than one
-    program's), untouched rows where the id is -1."""
+    program's), untouched rows where the id is -1; the same with a bounded number of programs looping over the
+    blocks (fewer than the pairs, an odd count, more than the blocks)."""
     import engine.kernels.gather as gather
 
     old = gather.BLOCK
@@ -168,7 +170,7 @@ def test_gather_stacks_copies_three_stacks_at_once(shapes):
         srcs = tuple(torch.randint(0, 255, (6, *s), generator=g, dtype=torch.uint8).to(DEVICE) for s in shapes)
         dsts = tuple(torch.zeros((4, *s), dtype=torch.uint8, device=DEVICE) for s in shapes)
         ids = torch.tensor([4, -1, 0, 5], dtype=torch.int32, device=DEVICE)
-        gather_stacks(srcs, dsts, ids)
+        gather_stacks(srcs, dsts, ids, programs=programs)
         for src, dst in zip(srcs, dsts):
             for p, e in enumerate(ids.tolist()):
                 assert torch.equal(dst[p], src[e] if e >= 0 else torch.zeros_like(dst[p]))
@@ -176,6 +178,9 @@ def test_gather_stacks_copies_three_stacks_at_once(shapes):
         gather.BLOCK = old
     with pytest.raises(ValueError, match="three stacks"):
         gather_stacks(srcs[:2], dsts[:2], ids)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="programs"):
+            gather_stacks(srcs, dsts, ids, programs=bad)
 
 
 @pytest.mark.gpu

@@ -84,9 +84,10 @@ def test_route_from_x_matches_the_reference_twice(T, E, H, k, dtype):
     torch.testing.assert_close(other[1], w, rtol=1e-6, atol=1e-7)
 
 
-def test_side_route_uses_scratch_of_its_own():
-    """``side=True`` (a launch on a second stream) gives the default launch's routing, and leaves the
-    default scratch's counters at zero between calls: interleaved, both keep giving the reference."""
+def test_side_and_ahead_routes_use_scratch_of_their_own():
+    """``side=True`` (a launch on a second stream) and ``ahead=True`` (a prediction between the step's kernels)
+    give the default launch's routing, and leave every scratch's counters at zero between calls: interleaved,
+    all three keep giving the reference."""
     from engine.kernels.fused import scratch
 
     g = torch.Generator().manual_seed(3)
@@ -95,12 +96,15 @@ def test_side_route_uses_scratch_of_its_own():
     ref_ids, ref_w = reference_logits_route(x, router, 8)
     for _ in range(2):
         side = kernels.route_triton(x, router, 8, side=True)
+        ahead = kernels.route_triton(x, router, 8, ahead=True)
         main = kernels.route_triton(x, router, 8)
-        for ids, w in (side, main):
+        for ids, w in (side, ahead, main):
             torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
             torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
-    for tag in ("", "side "):
+    for tag in ("", "side ", "ahead "):
         assert not scratch(tag + "router counters", (kernels.MAX_TOKENS,), torch.int32, torch.device(DEVICE)).any()
+    with pytest.raises(ValueError, match="second stream"):
+        kernels.route_triton(x, router, 8, side=True, ahead=True)
 
 
 def test_route_from_x_reads_strided_rows_and_breaks_ties_to_the_lower_id():
