@@ -23,6 +23,12 @@
    get (engine/kernels/hybrid_split.py). Threads with no job then fetch those experts' blocks into their
    caches, in chunks taken as they come (a third work word), and leave off at once when a job arrives, so
    that the job's rows come from the caches rather than from memory. A warm-up never changes a result.
+   With LT_AFFINITY=1 a warm-up and a job are cut alike, and a thread computes first the chunks it warmed: in a
+   warm-up each thread fetches only the gate/up rows (chunks of LT_CHUNK1 rows of an expert) and down rows (chunks of
+   LT_CHUNK2 output rows) that it owns, into its own core's caches; in a job each thread first claims the chunks it
+   owns, then any left (a flag a chunk, so that a thread scheduled late has its chunks taken by the others). Without
+   it the warm-up's chunks go to whichever thread takes them, and a job's chunk read by another core than the one
+   that fetched it comes from that core's cache. The sums are the same bits either way.
    The reply: [0] sequence, [1] status (0 ok; LT_ERR_* otherwise), [16 ..) y float32 [max_tokens * hidden]. */
 
 #define _GNU_SOURCE
@@ -78,6 +84,9 @@
 #ifndef LT_CHUNK2
 #define LT_CHUNK2 64  /* output rows a thread takes at a time */
 #endif
+#ifndef LT_AFFINITY
+#define LT_AFFINITY 0  /* 1: warm-ups and jobs cut alike, each thread computing first the chunks it warmed (above) */
+#endif
 #ifndef LT_PIN
 #define LT_PIN 0  /* 1: thread i runs on the i-th CPU of the process's affinity mask */
 #endif
@@ -116,6 +125,7 @@ typedef struct {
     int32_t start_warm;  /* the same for the warm-up number */
     volatile int stop;
     pthread_t *threads;
+    int32_t *claims[2];  /* LT_AFFINITY: per chunk of phase 1 and 2, the job that took it [W_MAX + 1] */
 #if LT_STATS
     int64_t job_start, job_ns;             /* a job's first chunk taken to its reply, summed */
     int first_phase;                       /* 1 where a job has no gate/up chunks: its start is phase 2's first */
@@ -454,9 +464,92 @@ static int grab_warm(pool_t *p, int32_t ws, int32_t job, int n) {
     }
 }
 
+#if LT_AFFINITY
+/* The thread that owns chunk c of phase ph: for gate/up, by the pair's expert and the chunk's rows within it (as a
+   warm-up names them, run_warm); for the output rows, by the chunk. */
+static inline int chunk_owner(const pool_t *p, int ph, int c, int per, const int32_t *pairs,
+                              const volatile int32_t *ids) {
+    return ph == 0 ? (ids[pairs[c / per]] + c % per) % p->nthreads : c % p->nthreads;
+}
+
+/* Phase ph's work word set to job seq (done 0) where it is not yet; 0 when the job is gone. */
+static int tag_phase(pool_t *p, int ph, int32_t seq) {
+    uint64_t *w = &p->work[ph], v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+    while (W_TAG(v) != (uint32_t)seq) {
+        if (!job_live(p, seq)) return 0;
+        if (__atomic_compare_exchange_n(w, &v, (uint64_t)(uint32_t)seq << 32, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+#if LT_STATS
+            if (ph == 0 || p->first_phase == 1) __atomic_store_n(&p->job_start, now_ns(), __ATOMIC_RELAXED);
+#endif
+            break;
+        }
+    }
+    return 1;
+}
+
+/* The next chunk of phase ph of job seq (n chunks) for thread `me`, or -1 when none is left or the job is gone:
+   *cur runs over 2 n steps, the chunks `me` owns first, then every chunk from a point of its own; a chunk is
+   the thread's whose flag it sets to seq. A job ends only when all its chunks are done, so a thread late for a
+   job finds them all taken. */
+static int take(pool_t *p, int ph, int32_t seq, int n, int me, int *cur, int per, const int32_t *pairs,
+                const volatile int32_t *ids) {
+    if (n < 1 || !tag_phase(p, ph, seq)) return -1;
+    while (*cur < 2 * n) {
+        const int i = (*cur)++;
+        int c = i;
+        if (i < n) {
+            if (chunk_owner(p, ph, c, per, pairs, ids) != me) continue;
+        } else {
+            c = (int)((i - n + (int64_t)me * n / p->nthreads) % n);
+        }
+        int32_t v = __atomic_load_n(&p->claims[ph][c], __ATOMIC_ACQUIRE);
+        while (v != seq)
+            if (__atomic_compare_exchange_n(&p->claims[ph][c], &v, seq, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                return c;
+    }
+    return -1;
+}
+
+static inline void fetch_rows(const matrix_t *m, int e, int r0, int r1) {
+    const uint8_t *a = m->base + (int64_t)e * m->expert_bytes + (int64_t)r0 * m->row_bytes;
+    const int64_t len = (int64_t)(r1 - r0) * m->row_bytes;
+    for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(a + o, 0, 2);  /* prefetcht1 on x86: into L2 */
+}
+
+/* Warm-up `ws` cut as the job will be (above): this thread (`me`) fetches the gate/up rows and the down rows it owns
+   of each named expert in turn, counting a chunk per piece, until they are done or a job comes. */
+static void run_warm(pool_t *p, int me, int32_t ws, int32_t job) {
+    const int layer = p->mailbox[WARM_LAYER], n = p->mailbox[WARM_N];
+    if (layer < 0 || layer >= p->nlayers || n < 1 || n > WARM_MAX) return;
+    const matrix_t *m = &p->mats[3 * layer];
+    for (int j = 0; j < 3; j++) if (m[j].base == NULL) return;
+    const int ffn = m[0].rows, H = m[2].rows, T = p->nthreads;
+    const int per = (ffn + LT_CHUNK1 - 1) / LT_CHUNK1, n2 = (H + LT_CHUNK2 - 1) / LT_CHUNK2;
+    for (int i = 0; i < n; i++) {
+        const int e = p->mailbox[WARM_IDS + i];
+        if (e < 0 || e >= m[0].experts || e >= m[1].experts || e >= m[2].experts) continue;
+        for (int j = 0; j < per + n2; j++) {
+            if (j < per ? (e + j) % T != me : (j - per) % T != me) continue;
+            if (__atomic_load_n(&p->mailbox[0], __ATOMIC_ACQUIRE) != job
+                || __atomic_load_n(&p->mailbox[WARM_SEQ], __ATOMIC_ACQUIRE) != ws || p->stop)
+                return;
+            if (j < per) {
+                const int r0 = j * LT_CHUNK1, r1 = r0 + LT_CHUNK1 < ffn ? r0 + LT_CHUNK1 : ffn;
+                fetch_rows(&m[0], e, r0, r1);
+                fetch_rows(&m[1], e, r0, r1);
+            } else {
+                const int r0 = (j - per) * LT_CHUNK2, r1 = r0 + LT_CHUNK2 < H ? r0 + LT_CHUNK2 : H;
+                fetch_rows(&m[2], e, r0, r1);
+            }
+            __atomic_fetch_add(&p->warm_chunks, 1, __ATOMIC_RELAXED);
+        }
+    }
+}
+#else
 /* Fetches the blocks of the experts warm-up `ws` names (gate, up and down of each) into this core's caches,
    chunk by chunk, until they are all taken or a job comes. Bad headers are ignored: a warm-up is a hint. */
-static void run_warm(pool_t *p, int32_t ws, int32_t job) {
+static void run_warm(pool_t *p, int me, int32_t ws, int32_t job) {
+    (void)me;
     const int layer = p->mailbox[WARM_LAYER], n = p->mailbox[WARM_N];
     if (layer < 0 || layer >= p->nlayers || n < 1 || n > WARM_MAX) return;
     const matrix_t *m = &p->mats[3 * layer];
@@ -479,6 +572,7 @@ static void run_warm(pool_t *p, int32_t ws, int32_t job) {
         __atomic_fetch_add(&p->warm_chunks, 1, __ATOMIC_RELAXED);
     }
 }
+#endif
 
 /* Waits until all n chunks of phase `ph` of job `seq` are done; 0 when the job is gone instead. */
 static int phase_done(pool_t *p, int ph, int32_t seq, int n) {
@@ -498,8 +592,8 @@ static int chunk_rows(int64_t units, int rows, int chunk) {
 }
 
 static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
-    const int index = wk->index;
-    (void)index;  /* the stats' row */
+    const int index = wk->index;  /* the stats' row, and with LT_AFFINITY the chunks owned */
+    (void)index;
 #if LT_STATS
     int64_t t0 = now_ns(), t1, t2, t3;
 #endif
@@ -527,8 +621,17 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
 #if LT_STATS
     if (index == 0) p->first_phase = n1 > 0 ? 0 : 1;
 #endif
+#if LT_AFFINITY
+    int cur1 = 0, cur2 = 0;
+    const int per1 = (ffn + c1 - 1) / c1;
+#define NEXT1() take(p, 0, seq, n1, index, &cur1, per1, pairs, ids)
+#define NEXT2() take(p, 1, seq, n2, index, &cur2, 1, pairs, ids)
+#else
+#define NEXT1() grab(p, 0, seq, n1)
+#define NEXT2() grab(p, 1, seq, n2)
+#endif
     /* phase 1: chunks of c1 rows of gate and up of one pair (h = silu(g) * u) */
-    while ((c = grab(p, 0, seq, n1)) >= 0) {
+    while ((c = NEXT1()) >= 0) {
         const int per = (ffn + c1 - 1) / c1, pair = pairs[c / per], e = ids[pair];
         const int r0 = (c % per) * c1, r1 = r0 + c1 < ffn ? r0 + c1 : ffn;
         const int tok = pair / k;
@@ -562,7 +665,7 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
     t2 = now_ns();
 #endif
     /* phase 2: chunks of c2 output rows of [tokens * H], each summed over its token's pairs in order */
-    while ((c = grab(p, 1, seq, n2)) >= 0) {
+    while ((c = NEXT2()) >= 0) {
         if (status == 0) {
             const int64_t a = (int64_t)c * c2, b = a + c2 < (int64_t)tokens * H ? a + c2 : (int64_t)tokens * H;
             for (int64_t t = a; t < b; t++) {
@@ -597,6 +700,8 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
             __atomic_store_n(&p->reply[0], seq, __ATOMIC_RELEASE);  /* the GPU's wait ends here */
         }
     }
+#undef NEXT1
+#undef NEXT2
 #if LT_STATS
     t3 = now_ns();
     if (index < LT_STAT_THREADS) {
@@ -654,7 +759,7 @@ static void *worker_main(void *arg) {
             int32_t ws = __atomic_load_n(&p->mailbox[WARM_SEQ], __ATOMIC_ACQUIRE);
             if (ws != last_warm) {
                 last_warm = ws;
-                run_warm(p, ws, last);
+                run_warm(p, wk->index, ws, last);
                 idle_since = now_ns();
                 spins = 0;
                 continue;
@@ -702,6 +807,13 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
     p->threads = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
     p->int8 = int8 != 0;
     if (!p->mats || !p->h || !p->threads) goto fail;
+#if LT_AFFINITY
+    for (int ph = 0; ph < 2; ph++) {
+        p->claims[ph] = (int32_t *)malloc((size_t)(W_MAX + 1) * sizeof(int32_t));
+        if (!p->claims[ph]) goto fail;
+        for (int c = 0; c <= W_MAX; c++) p->claims[ph][c] = p->start_seq;
+    }
+#endif
     for (int i = 0; i < nthreads; i++) {
         worker_t *wk = (worker_t *)calloc(1, sizeof(worker_t));
         if (!wk) { p->nthreads = i; goto fail; }
@@ -712,7 +824,7 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
 fail:
     p->stop = 1;
     for (int i = 0; p->threads && i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
-    free(p->mats); free(p->h); free(p->threads); free(p);
+    free(p->mats); free(p->h); free(p->threads); free(p->claims[0]); free(p->claims[1]); free(p);
     return NULL;
 }
 
@@ -780,5 +892,5 @@ void lt_stop(void *pool) {
     if (!p) return;
     p->stop = 1;
     for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
-    free(p->mats); free(p->h); free(p->threads); free(p);
+    free(p->mats); free(p->h); free(p->threads); free(p->claims[0]); free(p->claims[1]); free(p);
 }
