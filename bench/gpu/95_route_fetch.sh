@@ -12,7 +12,8 @@ source "$(dirname "$0")/env.sh"
 start_q35
 t0=$(date +%s)
 timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
-  tests/engine/kernels/test_moe_gate.py tests/engine/kernels/test_hybrid_split.py -k "scratch or gather_stacks" \
+  tests/engine/kernels/test_moe_gate.py tests/engine/kernels/test_hybrid_split.py tests/engine/kernels/test_host_experts.py \
+  -k "scratch or gather_stacks or affinity or warm or any_thread" \
   > "$OUT/tests_kernels.log" 2>&1 || echo "kernel tests rc=$?"
 grep -E "passed|failed" "$OUT/tests_kernels.log" | tail -1 || true
 prefetch_tests ${TESTS_S:-150}
