@@ -43,13 +43,10 @@ def _copy_block(src_ptr, dst_ptr, e, p, b, SLAB: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _gather3_kernel(s0, d0, s1, d1, s2, d2, ids_ptr, SLAB0: tl.constexpr, SLAB1: tl.constexpr,
-                    SLAB2: tl.constexpr, BLOCK: tl.constexpr):
-    """``_gather_kernel`` for three stacks at once (an expert's gate, up and down): the second grid axis
-    runs over the three slabs' blocks in turn."""
-    p = tl.program_id(0)
-    b = tl.program_id(1)
-    e = tl.load(ids_ptr + p)
+def _copy_stacks_block(s0, d0, s1, d1, s2, d2, e, p, b, SLAB0: tl.constexpr, SLAB1: tl.constexpr, SLAB2: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Block ``b`` of pair ``p``'s three slabs (gate's blocks, then up's, then down's) copied from expert ``e``;
+    nothing where ``e`` is -1."""
     NB0: tl.constexpr = (SLAB0 + BLOCK - 1) // BLOCK
     NB1: tl.constexpr = (SLAB1 + BLOCK - 1) // BLOCK
     if e >= 0:
@@ -62,27 +59,27 @@ def _gather3_kernel(s0, d0, s1, d1, s2, d2, ids_ptr, SLAB0: tl.constexpr, SLAB1:
 
 
 @triton.jit
+def _gather3_kernel(s0, d0, s1, d1, s2, d2, ids_ptr, SLAB0: tl.constexpr, SLAB1: tl.constexpr,
+                    SLAB2: tl.constexpr, BLOCK: tl.constexpr):
+    """``_gather_kernel`` for three stacks at once (an expert's gate, up and down): the second grid axis
+    runs over the three slabs' blocks in turn."""
+    p = tl.program_id(0)
+    _copy_stacks_block(s0, d0, s1, d1, s2, d2, tl.load(ids_ptr + p), p, tl.program_id(1), SLAB0, SLAB1, SLAB2, BLOCK)
+
+
+@triton.jit
 def _gather3_loop_kernel(s0, d0, s1, d1, s2, d2, ids_ptr, P: tl.constexpr, SLAB0: tl.constexpr, SLAB1: tl.constexpr,
                          SLAB2: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
     """``_gather3_kernel`` in ``PROGRAMS`` programs: program ``g`` copies blocks ``g``, ``g + PROGRAMS``, ... of the
     ``P`` pairs' blocks taken in pair order."""
-    NB0: tl.constexpr = (SLAB0 + BLOCK - 1) // BLOCK
-    NB1: tl.constexpr = (SLAB1 + BLOCK - 1) // BLOCK
-    NB2: tl.constexpr = (SLAB2 + BLOCK - 1) // BLOCK
-    NB: tl.constexpr = NB0 + NB1 + NB2
+    NB: tl.constexpr = (SLAB0 + BLOCK - 1) // BLOCK + (SLAB1 + BLOCK - 1) // BLOCK + (SLAB2 + BLOCK - 1) // BLOCK
     ITERS: tl.constexpr = (P * NB + PROGRAMS - 1) // PROGRAMS
     for i in range(0, ITERS):
         w = tl.program_id(0) + i * PROGRAMS
         p = w // NB
         b = w % NB
-        e = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        if e >= 0:
-            if b < NB0:
-                _copy_block(s0, d0, e, p, b, SLAB0, BLOCK)
-            elif b < NB0 + NB1:
-                _copy_block(s1, d1, e, p, b - NB0, SLAB1, BLOCK)
-            else:
-                _copy_block(s2, d2, e, p, b - NB0 - NB1, SLAB2, BLOCK)
+        _copy_stacks_block(s0, d0, s1, d1, s2, d2, tl.load(ids_ptr + p, mask=p < P, other=-1), p, b, SLAB0, SLAB1,
+                           SLAB2, BLOCK)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
