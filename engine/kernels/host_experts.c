@@ -464,6 +464,11 @@ static int grab_warm(pool_t *p, int32_t ws, int32_t job, int n) {
     }
 }
 
+/* Fetches len bytes from a into this core's caches, a line at a time (a warm-up). */
+static inline void fetch_bytes(const uint8_t *a, int64_t len) {
+    for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(a + o, 0, 2);  /* prefetcht1 on x86: into L2 */
+}
+
 #if LT_AFFINITY
 /* The thread that owns chunk c of phase ph: for gate/up, by the pair's expert and the chunk's rows within it (as a
    warm-up names them, run_warm); for the output rows, by the chunk. */
@@ -511,9 +516,7 @@ static int take(pool_t *p, int ph, int32_t seq, int n, int me, int *cur, int per
 }
 
 static inline void fetch_rows(const matrix_t *m, int e, int r0, int r1) {
-    const uint8_t *a = m->base + (int64_t)e * m->expert_bytes + (int64_t)r0 * m->row_bytes;
-    const int64_t len = (int64_t)(r1 - r0) * m->row_bytes;
-    for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(a + o, 0, 2);  /* prefetcht1 on x86: into L2 */
+    fetch_bytes(row_of(m, e, r0), (int64_t)(r1 - r0) * m->row_bytes);
 }
 
 /* Warm-up `ws` cut as the job will be (above): this thread (`me`) fetches the gate/up rows and the down rows it owns
@@ -568,7 +571,7 @@ static void run_warm(pool_t *p, int me, int32_t ws, int32_t job) {
         const uint8_t *a = m[j].base + (int64_t)e * m[j].expert_bytes + (int64_t)r * LT_WARM_CHUNK;
         int64_t len = m[j].expert_bytes - (int64_t)r * LT_WARM_CHUNK;
         len = len < LT_WARM_CHUNK ? len : LT_WARM_CHUNK;
-        for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(a + o, 0, 2);  /* prefetcht1 on x86: into L2 */
+        fetch_bytes(a, len);
         __atomic_fetch_add(&p->warm_chunks, 1, __ATOMIC_RELAXED);
     }
 }
