@@ -6,7 +6,8 @@
 # nothing fetched, then per count fetched (FETCH) and programs (PROGRAMS) at FETCH_WARM warmed on the step's stream
 # (share FETCH_SHARE), and per count warmed (AFF_WARM) with the pool built with LT_AFFINITY=1 (each thread computing
 # first the chunks it warmed); then `bench/vs_llamacpp.py` on the decode rows (tg64 at depth 0, all-GPU and -ncmoe 20) at the
-# fastest row (ROUTES=none or FETCH=none leaves those rows out).
+# fastest row, among 96_rows_short.sh's too where it ran on this machine (ROUTES=none or FETCH=none leaves those
+# rows out).
 source "$(dirname "$0")/env.sh"
 [ -x /tmp/llbuild/cmake/bin/llama-bench ] || bash "$(dirname "$0")/17_llamacpp_build.sh"
 start_q35
@@ -35,7 +36,7 @@ rows() {  # $1: the JSON's name; the rest: cold_cpu_share.py's row options
   --fetch-programs ${PROGRAMS:-8,32}
 read -r SHARE F W R P C < <(python3 -c "
 import glob, json
-rows = [r for f in glob.glob('$OUT/*_rows.json') for r in json.load(open(f))['rows']]
+rows = [r for f in glob.glob('$OUT/*_rows.json') + glob.glob('/tmp/short_rows.json') for r in json.load(open(f))['rows']]
 r = max(rows, key=lambda x: x['decode_tok_s']['median'])
 print(r['share'], r['cold_prefetch'], r['cold_warm'], r['ahead_route'], r['fetch_programs'], r['cflags'] or '-')" \
   2>/dev/null || echo "0.6 0 4 main 0 -")
