@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--ahead", default="", help="1, 0 or both: a cold layer after an all-hot one predicted at "
                     "that layer's start (default: the engine's, LUCE_TUNE_COLD_AHEAD or on)")
     ap.add_argument("--routes", default="", help="main, side or both: where the predicting router runs (default: "
-                    "the engine's, LUCE_TUNE_AHEAD_ROUTE or side)")
+                    "the engine's, LUCE_TUNE_AHEAD_ROUTE or main)")
     ap.add_argument("--fetch-programs", default="", help="programs of the bus's fetch ahead, per row with threads "
                     "(comma-separated; 0: one a block; default: the engine's)")
     ap.add_argument("--json", type=Path, default=None)

@@ -553,11 +553,12 @@ class HybridExperts:
         at first ``LUCE_TUNE_COLD_AHEAD`` or on): a cold layer after one whose experts are all hot is predicted
         a layer earlier, at that layer's start, so that the fetch and the warm-up have both layers' time, in
         which neither the bus nor the threads have other work (placement ``"alternate"`` puts a hot layer
-        before each cold one). ``route`` (None: as set, at first ``LUCE_TUNE_AHEAD_ROUTE`` or ``"side"``): where the
-        predicting router runs, ``"side"`` on the second stream in a few programs beside the layer's kernels (the
-        eighteenth round's 54 us a launch there: it waits for their SMs), ``"main"`` on the step's own stream at the
-        layer's start, the whole device for a few microseconds, so that the threads' warm-up starts at once (not
-        yet measured on a GPU: docs/benchmarks.md, nineteenth round). ``programs`` (None: as set, at first
+        before each cold one). ``route`` (None: as set, at first ``LUCE_TUNE_AHEAD_ROUTE`` or ``"main"``): where the
+        predicting router runs, ``"main"`` on the step's own stream at the layer's start, the whole device for a
+        few microseconds, so that the threads' warm-up starts at once (half-cold decode 2.6% faster than
+        ``"side"`` on one H100 host: docs/benchmarks.md, twentieth round), ``"side"`` on the second stream in a
+        few programs beside the layer's kernels (the eighteenth round's 54 us a launch there: it waits for their
+        SMs). ``programs`` (None: as set, at first
         ``LUCE_TUNE_FETCH_PROGRAMS`` or 0; 0: one program a block): the bus's fetch ahead in at most that many
         programs looping over the blocks (``gather_stacks(programs=)``), so that it holds a few SMs beside the
         layer rather than queueing in front of its kernels. Only where experts are read from changes, never what
@@ -1056,7 +1057,7 @@ COLD_PREFETCH_ENV = "LUCE_TUNE_COLD_PREFETCH"  # cold experts fetched ahead a la
 COLD_WARM_ENV = "LUCE_TUNE_COLD_WARM"  # cold experts the CPU threads warm ahead a layer (``set_cold_prefetch``)
 COLD_AHEAD_ENV = "LUCE_TUNE_COLD_AHEAD"  # 0: a cold layer's prefetch always waits for its own start
 AHEAD_ROUTE_ENV = "LUCE_TUNE_AHEAD_ROUTE"  # where the predicting router runs (``set_cold_prefetch(route=)``)
-AHEAD_ROUTES = ("side", "main")  # the first is the default
+AHEAD_ROUTES = ("main", "side")  # the first is the default (docs/benchmarks.md, twentieth round)
 FETCH_PROGRAMS_ENV = "LUCE_TUNE_FETCH_PROGRAMS"  # programs of the bus's fetch ahead (``set_cold_prefetch(programs=)``)
 FETCH_PROGRAMS_MAX = 1024
 

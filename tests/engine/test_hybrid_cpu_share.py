@@ -295,11 +295,11 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
         for bad in (-1, FETCH_PROGRAMS_MAX + 1, 2.0, True):
             with pytest.raises(ConfigError, match="fetch's programs"):
                 hybrid.set_cold_prefetch(1, programs=bad)
-        assert hybrid.ahead_route == "side" and hybrid.fetch_programs is None  # the defaults
-        hybrid.set_cold_prefetch(1, route="main", programs=16)
-        assert hybrid.ahead_route == "main" and hybrid.fetch_programs == 16
+        assert hybrid.ahead_route == "main" and hybrid.fetch_programs is None  # the defaults
+        hybrid.set_cold_prefetch(1, route="side", programs=16)
+        assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 16
         hybrid.set_cold_prefetch(1, programs=0)
-        assert hybrid.ahead_route == "main" and hybrid.fetch_programs is None
+        assert hybrid.ahead_route == "side" and hybrid.fetch_programs is None
         hybrid.set_cold_prefetch(2, warm=WARM_MAX)
         assert hybrid.cold_prefetch == 2 and hybrid.stats_snapshot().cold_prefetch == 2
         assert hybrid.cold_warm == WARM_MAX
@@ -314,11 +314,11 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
         with pytest.raises(ConfigError, match=name):
             attach(qfile, 0.0)
         monkeypatch.delenv(name)
-    monkeypatch.setenv(AHEAD_ROUTE_ENV, "main")
+    monkeypatch.setenv(AHEAD_ROUTE_ENV, "side")
     monkeypatch.setenv(FETCH_PROGRAMS_ENV, "12")
     _, hybrid = attach(qfile, 0.0)
     try:
-        assert hybrid.ahead_route == "main" and hybrid.fetch_programs == 12
+        assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 12
     finally:
         hybrid.close()
     monkeypatch.setenv(COLD_AHEAD_ENV, "yes")
