@@ -7,7 +7,7 @@
 # (share FETCH_SHARE), and per count warmed (AFF_WARM) with the pool built with LT_AFFINITY=1 (each thread computing
 # first the chunks it warmed); then `bench/vs_llamacpp.py` on the decode rows (tg64 at depth 0, all-GPU and -ncmoe 20) at the
 # fastest row, among 96_rows_short.sh's too where it ran on this machine (ROUTES=none or FETCH=none leaves those
-# rows out).
+# rows out). ROUTE_CFLAGS (pool builds, ';' between them) adds builds to the route rows' process.
 source "$(dirname "$0")/env.sh"
 [ -x /tmp/llbuild/cmake/bin/llama-bench ] || bash "$(dirname "$0")/17_llamacpp_build.sh"
 start_q35
@@ -29,7 +29,8 @@ rows() {  # $1: the JSON's name; the rest: cold_cpu_share.py's row options
     || echo "$name rc=$?"
   grep -E "share" "$OUT/$name.log" | sed 's/, same tokens as the first row//; s/ (cuda_graph)//' | cut -c1-260 || true
 }
-[ "${ROUTES:-side,main}" = "none" ] || rows route_rows --shares ${SHARES:-0.6,0.7} --prefetch 0 --warm ${WARM:-4,5,6} --routes ${ROUTES:-side,main}
+[ "${ROUTES:-side,main}" = "none" ] || rows route_rows --shares ${SHARES:-0.6,0.7} --prefetch 0 --warm ${WARM:-4,5,6} --routes ${ROUTES:-side,main} \
+  ${ROUTE_CFLAGS:+--cflags "$ROUTE_CFLAGS"}
 [ "${AFF_WARM:-4,6,8}" = "none" ] || rows affinity_rows --cflags "-DLT_AFFINITY=1" --shares ${AFF_SHARES:-0.6} \
   --prefetch 0 --warm ${AFF_WARM:-4,6,8} --routes main
 [ "${FETCH:-1,2}" = "none" ] || rows fetch_rows --shares ${FETCH_SHARE:-0.6} --prefetch ${FETCH:-1,2} --warm ${FETCH_WARM:-4} --routes main \
