@@ -30,10 +30,10 @@ rows() {  # $1: the JSON's name; the rest: cold_cpu_share.py's row options
   grep -E "share" "$OUT/$name.log" | sed 's/, same tokens as the first row//; s/ (cuda_graph)//' | cut -c1-260 || true
 }
 [ "${ROUTES:-side,main}" = "none" ] || rows route_rows --shares ${SHARES:-0.6,0.7} --prefetch 0 --warm ${WARM:-4,5,6} --routes ${ROUTES:-side,main} \
-  ${ROUTE_CFLAGS:+--cflags "$ROUTE_CFLAGS"}
-[ "${AFF_WARM:-4,6,8}" = "none" ] || rows affinity_rows --cflags "-DLT_AFFINITY=1" --shares ${AFF_SHARES:-0.6} \
+  ${ROUTE_CFLAGS:+--cflags=$ROUTE_CFLAGS}
+[ "${AFF_WARM:-4,6,8}" = "none" ] || rows affinity_rows --cflags=-DLT_AFFINITY=1 --shares ${AFF_SHARES:-0.6} \
   --prefetch 0 --warm ${AFF_WARM:-4,6,8} --routes main
-[ "${FETCH:-1,2}" = "none" ] || rows fetch_rows --shares ${FETCH_SHARE:-0.6} --prefetch ${FETCH:-1,2} --warm ${FETCH_WARM:-4} --routes main \
+[ "${FETCH:-1,2}" = "none" ] || rows fetch_rows --shares ${FETCH_SHARE:-0.6} --prefetch ${FETCH:-1,2} --warm ${FETCH_WARM:-4} --routes main ${FETCH_CFLAGS:+--cflags=$FETCH_CFLAGS} \
   --fetch-programs ${PROGRAMS:-8,32}
 read -r SHARE F W R P C < <(python3 -c "
 import glob, json
