@@ -444,7 +444,7 @@ class HybridExperts:
         self._predictors: list[torch.Tensor] | None = None  # a router with the norms folded in, a layer
         self._ahead_predictors: list[torch.Tensor | None] = []  # the same from the layer before's input
         self.ahead_route = _env_choice(AHEAD_ROUTE_ENV, AHEAD_ROUTES)
-        self.fetch_programs = _env_prefetch(FETCH_PROGRAMS_ENV, FETCH_PROGRAMS_MAX) or None
+        self.fetch_programs = _env_programs() or None
         # (layer, fetched ids or None, warmed ids or None, event): for the layer's split
         self._fetch: tuple[int, torch.Tensor | None, torch.Tensor | None, Any] | None = None
         with torch.inference_mode(False):
@@ -559,9 +559,11 @@ class HybridExperts:
         ``"side"`` on one H100 host: docs/benchmarks.md, twentieth round), ``"side"`` on the second stream in a
         few programs beside the layer's kernels (the eighteenth round's 54 us a launch there: it waits for their
         SMs). ``programs`` (None: as set, at first
-        ``LUCE_TUNE_FETCH_PROGRAMS`` or 0; 0: one program a block): the bus's fetch ahead in at most that many
-        programs looping over the blocks (``gather_stacks(programs=)``), so that it holds a few SMs beside the
-        layer rather than queueing in front of its kernels. Only where experts are read from changes, never what
+        ``LUCE_TUNE_FETCH_PROGRAMS`` or ``FETCH_PROGRAMS_DEFAULT``; 0: one program a block): the bus's fetch ahead
+        in at most that many programs looping over the blocks (``gather_stacks(programs=)``), so that it holds a few
+        SMs beside the layer rather than queueing in front of its kernels (8 programs: half-cold decode 4% faster
+        with one expert fetched than with none, where one program a block and 32 programs lost: docs/benchmarks.md,
+        twenty-first round). Only where experts are read from changes, never what
         is computed. Captured steps made before a change no longer match: the engine captures again."""
         warm = self.cold_warm if warm is None else warm
         for what, v, top in (("fetched", n, PREFETCH_MAX), ("warmed", warm, WARM_MAX)):
@@ -1060,6 +1062,7 @@ AHEAD_ROUTE_ENV = "LUCE_TUNE_AHEAD_ROUTE"  # where the predicting router runs (`
 AHEAD_ROUTES = ("main", "side")  # the first is the default (docs/benchmarks.md, twentieth round)
 FETCH_PROGRAMS_ENV = "LUCE_TUNE_FETCH_PROGRAMS"  # programs of the bus's fetch ahead (``set_cold_prefetch(programs=)``)
 FETCH_PROGRAMS_MAX = 1024
+FETCH_PROGRAMS_DEFAULT = 8  # the fastest bound measured (2, 4, 8, 32 and one a block: twenty-first round)
 
 
 def _env_flag(name: str) -> bool:
@@ -1095,6 +1098,12 @@ def _env_prefetch(name: str, top: int = PREFETCH_MAX) -> int:
     if not text.isdigit() or int(text) > top:
         raise ConfigError(f"{name} must be a whole number from 0 to {top}, got {text!r}")
     return int(text)
+
+
+def _env_programs() -> int:
+    if not os.environ.get(FETCH_PROGRAMS_ENV, "").strip():
+        return FETCH_PROGRAMS_DEFAULT
+    return _env_prefetch(FETCH_PROGRAMS_ENV, FETCH_PROGRAMS_MAX)
 
 
 def _env_unit() -> str:

@@ -72,7 +72,8 @@ class HardwareConfig:
 ENGINE_FORMATS = ("dense", "quantized")
 COLD_DEVICES = ("cpu", "gpu")
 PLACEMENT_UNITS = ("expert", "layer", "alternate")  # engine.placement.PLACEMENT_UNITS
-PREFETCH_MAX = 4  # engine.hybrid.PREFETCH_MAX: cold experts fetched or warmed ahead a layer, at most
+PREFETCH_MAX = 4  # engine.hybrid.PREFETCH_MAX: cold experts fetched ahead a layer, at most
+WARM_MAX = 8  # engine.kernels.host_experts.WARM_MAX: cold experts warmed ahead a layer, at most
 
 
 @dataclass(frozen=True)
@@ -148,11 +149,10 @@ class SearchConfig:
         lo, hi = self.cold_cpu_share
         if not 0.0 <= lo <= hi <= 1.0:
             raise ValueError(f"cold_cpu_share: expected [low, high] with 0 <= low <= high <= 1, found [{lo}, {hi}]")
-        for name in ("cold_prefetch", "cold_warm"):
+        for name, top in (("cold_prefetch", PREFETCH_MAX), ("cold_warm", WARM_MAX)):
             lo, hi = getattr(self, name)
-            if not 0 <= lo <= hi <= PREFETCH_MAX:
-                raise ValueError(f"{name}: expected [low, high] with 0 <= low <= high <= {PREFETCH_MAX}, "
-                                 f"found [{lo}, {hi}]")
+            if not 0 <= lo <= hi <= top:
+                raise ValueError(f"{name}: expected [low, high] with 0 <= low <= high <= {top}, found [{lo}, {hi}]")
         units = self.placement_unit
         if not units or len(set(units)) != len(units) or any(u not in PLACEMENT_UNITS for u in units):
             raise ValueError(f"placement_unit: expected distinct names among {', '.join(PLACEMENT_UNITS)}, "

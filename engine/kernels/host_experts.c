@@ -23,12 +23,13 @@
    get (engine/kernels/hybrid_split.py). Threads with no job then fetch those experts' blocks into their
    caches, in chunks taken as they come (a third work word), and leave off at once when a job arrives, so
    that the job's rows come from the caches rather than from memory. A warm-up never changes a result.
-   With LT_AFFINITY=1 a warm-up and a job are cut alike, and a thread computes first the chunks it warmed: in a
+   With LT_AFFINITY=1 (the default: half-cold decode 3-15% faster on an H100 host, docs/benchmarks.md, twenty-first
+   round) a warm-up and a job are cut alike, and a thread computes first the chunks it warmed: in a
    warm-up each thread fetches only the gate/up rows (chunks of LT_CHUNK1 rows of an expert) and down rows (chunks of
    LT_CHUNK2 output rows) that it owns, into its own core's caches; in a job each thread first claims the chunks it
-   owns, then any left (a flag a chunk, so that a thread scheduled late has its chunks taken by the others). Without
-   it the warm-up's chunks go to whichever thread takes them, and a job's chunk read by another core than the one
-   that fetched it comes from that core's cache. The sums are the same bits either way.
+   owns, then any left (a flag a chunk, so that a thread scheduled late has its chunks taken by the others). With
+   -DLT_AFFINITY=0 the warm-up's chunks go to whichever thread takes them, and a job's chunk read by another core
+   than the one that fetched it comes from that core's cache. The sums are the same bits either way.
    The reply: [0] sequence, [1] status (0 ok; LT_ERR_* otherwise), [16 ..) y float32 [max_tokens * hidden]. */
 
 #define _GNU_SOURCE
@@ -85,7 +86,7 @@
 #define LT_CHUNK2 64  /* output rows a thread takes at a time */
 #endif
 #ifndef LT_AFFINITY
-#define LT_AFFINITY 0  /* 1: warm-ups and jobs cut alike, each thread computing first the chunks it warmed (above) */
+#define LT_AFFINITY 1  /* warm-ups and jobs cut alike, each thread computing first the chunks it warmed (above) */
 #endif
 #ifndef LT_PIN
 #define LT_PIN 0  /* 1: thread i runs on the i-th CPU of the process's affinity mask */

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from engine.errors import ConfigError  # noqa: E402
 from engine.gguf.reader import GGUFFile  # noqa: E402
 from engine.hybrid import (AHEAD_ROUTE_ENV, COLD_AHEAD_ENV, COLD_PREFETCH_ENV, FETCH_PROGRAMS_ENV,  # noqa: E402
-                           FETCH_PROGRAMS_MAX, PREFETCH_MAX, WARM_MAX, attach_hybrid)
+                           FETCH_PROGRAMS_DEFAULT, FETCH_PROGRAMS_MAX, PREFETCH_MAX, WARM_MAX, attach_hybrid)
 from engine.kernels import host_experts  # noqa: E402
 from engine.kernels.host_experts import HostShareError  # noqa: E402
 from engine.model.qwen35moe import Qwen35MoE  # noqa: E402
@@ -295,7 +295,7 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
         for bad in (-1, FETCH_PROGRAMS_MAX + 1, 2.0, True):
             with pytest.raises(ConfigError, match="fetch's programs"):
                 hybrid.set_cold_prefetch(1, programs=bad)
-        assert hybrid.ahead_route == "main" and hybrid.fetch_programs is None  # the defaults
+        assert hybrid.ahead_route == "main" and hybrid.fetch_programs == FETCH_PROGRAMS_DEFAULT == 8  # the defaults
         hybrid.set_cold_prefetch(1, route="side", programs=16)
         assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 16
         hybrid.set_cold_prefetch(1, programs=0)
@@ -319,6 +319,12 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
     _, hybrid = attach(qfile, 0.0)
     try:
         assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 12
+    finally:
+        hybrid.close()
+    monkeypatch.setenv(FETCH_PROGRAMS_ENV, "0")  # one program a block
+    _, hybrid = attach(qfile, 0.0)
+    try:
+        assert hybrid.fetch_programs is None
     finally:
         hybrid.close()
     monkeypatch.setenv(COLD_AHEAD_ENV, "yes")
@@ -351,7 +357,8 @@ def test_every_layer_starts_with_the_executors_hook(qfile):
     (1, 0, "expert", "main", 0), (2, 0, "expert", "side", 0), (PREFETCH_MAX, 0, "expert", "main", 0),
     (0, 1, "expert", "main", 0), (1, 1, "expert", "side", 0), (1, 1, "alternate", "main", 0),
     (1, 1, "alternate", "side", 0), (2, 2, "alternate", "main", 3), (0, WARM_MAX, "alternate", "main", 0),
-    (PREFETCH_MAX, 4, "alternate", "main", 0), (PREFETCH_MAX, 4, "alternate", "side", 5)])
+    (PREFETCH_MAX, 4, "alternate", "main", 0), (PREFETCH_MAX, 4, "alternate", "side", 5),
+    (1, 6, "alternate", "main", 8)])
 def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm, unit, route, programs):
     """Half the experts cold, half of those on the threads (float32 activations), ``fetch`` cold experts a
     layer fetched ahead by the bus and ``warm`` more warmed by the threads: the captured step follows the

@@ -57,6 +57,8 @@ def test_minimal_config_takes_defaults(tmp_path):
     ("[search]\nspec_lookup = [0, 2.5]\n", r"search\.spec_lookup: expected a list of integers, found \[0, 2.5\]$"),
     ("[search]\npflash_keep_ratio = [0.0, 0.5]\n", r"search\.pflash_keep_ratio: .*0 < low"),
     ("[search]\ncold_cpu_share = [0.5, 1.2]\n", r"search\.cold_cpu_share: .*0 <= low <= high <= 1"),
+    ("[search]\ncold_prefetch = [0, 5]\n", r"search\.cold_prefetch: .*0 <= low <= high <= 4, found \[0, 5\]"),
+    ("[search]\ncold_warm = [0, 9]\n", r"search\.cold_warm: .*0 <= low <= high <= 8, found \[0, 9\]"),
     ("[search]\nplacement_unit = [\"expert\", \"block\"]\n", r"search\.placement_unit: .*among expert, layer"),
     ("[search]\nplacement_unit = []\n", r"search\.placement_unit: expected distinct names"),
     ("[search]\nplacement_unit = \"layer\"\n", r"search\.placement_unit: .*a list of names"),

@@ -288,16 +288,16 @@ def test_cold_experts_ahead_are_searched_beside_the_cpu_share(tmp_path):
         assert all(p.cold_prefetch is None and p.cold_warm is None for p, _ in _sample(off, 5))
     from tuner.config import ConfigError
 
-    for bad in ("[2, 1]", "[0, 5]", "[-1, 1]"):
+    for bad in ("[2, 1]", "[0, 9]", "[-1, 1]"):
         with pytest.raises(ConfigError, match="search.cold_warm: expected"):
             _config(tmp_path, f"[search]\ncold_warm = {bad}\n")
 
 
-def test_the_tuner_knows_the_engine_prefetch_bound():
-    from engine.hybrid import PREFETCH_MAX
-    from tuner.config import PREFETCH_MAX as CONFIG_MAX
+def test_the_tuner_knows_the_engine_prefetch_bounds():
+    from engine.hybrid import PREFETCH_MAX, WARM_MAX
+    from tuner.config import PREFETCH_MAX as CONFIG_MAX, WARM_MAX as CONFIG_WARM_MAX
 
-    assert CONFIG_MAX == PREFETCH_MAX
+    assert (CONFIG_MAX, CONFIG_WARM_MAX) == (PREFETCH_MAX, WARM_MAX)
 
 
 def test_spec_lookup_is_chosen_only_with_a_draft(tmp_path):

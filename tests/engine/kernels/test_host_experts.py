@@ -58,15 +58,15 @@ def layer(qtype, layout, experts, hidden, ffn, seed):
 
 
 # the builds: the machine's widest vectors, and the narrower paths forced off (skipped where the first
-# already is one of them); the prefetch off too
+# already is one of them); the prefetch off too; chunks taken by any thread (the default build keeps each thread's own)
 BUILDS = {"native": None, "avx2": ["-mno-avx512f"], "portable": ["-mno-avx2", "-mno-avx512f"], "no-prefetch": ["-DLT_PF=0"],
-          "affinity": ["-DLT_AFFINITY=1"]}
+          "any-thread": ["-DLT_AFFINITY=0"]}
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
 @pytest.mark.parametrize("layout", ["ggml", "split"])
 @pytest.mark.parametrize("threads,build", [(1, "native"), (3, "native"), (2, "avx2"), (2, "portable"),
-                                           (1, "no-prefetch"), (3, "affinity"), (1, "affinity")])
+                                           (1, "no-prefetch"), (3, "any-thread"), (1, "any-thread")])
 def test_threads_sum_their_pairs_as_the_reference(qtype, layout, threads, build):
     hidden, ffn, experts, k = 96, 64, 7, 3
     layers = [layer(qtype, layout, experts, hidden, ffn, seed=10 * i) for i in range(2)]
@@ -134,13 +134,13 @@ def test_more_tokens_than_the_mailbox_holds_are_refused():
 # chunks of gate/up rows that are not whole 32-blocks of h, and short chunks of output rows, prefetching in the
 # 8-bit loop: the small jobs' settings that the benchmarks try (bench/host_share_pool.py --cflags)
 FINE = ["-DLT_CHUNK1=8", "-DLT_CHUNK2=16", "-DLT_PF8=1024"]
-AFFINITY = ["-DLT_AFFINITY=1"]
+ANY_THREAD = ["-DLT_AFFINITY=0"]
 
 
-@pytest.mark.parametrize("int8,cflags", [(False, None), (True, None), (True, FINE), (False, AFFINITY),
-                                         (True, AFFINITY + FINE)])
+@pytest.mark.parametrize("int8,cflags", [(False, None), (True, None), (True, FINE), (False, ANY_THREAD),
+                                         (True, ANY_THREAD + FINE)])
 def test_any_thread_count_gives_the_same_bits_over_many_jobs(int8, cflags):
-    """Chunks go to whichever thread takes them (with ``LT_AFFINITY``, its owner's first, then any left), and each
+    """Each thread takes its own chunks first, then any left (with ``LT_AFFINITY=0``, whichever chunk comes), and each
     output row is still summed in pair order: 1 and 6 threads (more threads than some jobs have chunks) give
     identical sums over 60 back-to-back jobs. In 8-bit mode each thread rounds h itself for the pairs its output
     rows need: the same codes whoever makes them."""
@@ -267,16 +267,16 @@ def test_int8_threads_sum_as_the_quantized_reference(qtype, layout, hidden, ffn,
 @pytest.mark.parametrize("int8,affinity", [(False, False), (True, False), (False, True), (True, True)])
 def test_warm_ups_are_fetched_and_change_no_sum(int8, affinity):
     """A warm-up names experts of a layer: idle threads fetch every chunk of their three matrices (16 KiB
-    chunks: ceil(bytes / 16384) each; with ``LT_AFFINITY`` the job's chunks, 32 gate/up rows and 64 output rows,
-    each by its owner), bad names are ignored, and jobs published between warm-ups of the experts they use, before
-    or after them, sum the same bits as with no warm-up at all."""
+    chunks: ceil(bytes / 16384) each with ``LT_AFFINITY=0``; by default the job's chunks, 32 gate/up rows and 64
+    output rows, each by its owner), bad names are ignored, and jobs published between warm-ups of the experts they
+    use, before or after them, sum the same bits as with no warm-up at all."""
     import time
 
     hidden, ffn, experts, k = 96, 96, 6, 3
     layers = [layer(Q.Q4_0, "ggml", experts, hidden, ffn, seed=70 + i)[0] for i in range(2)]
     plain = HostShare(layers, hidden=hidden, ffn=ffn, threads=2, device="cpu", max_tokens=2, max_pairs=8, int8=int8)
     warmed = HostShare(layers, hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=2, max_pairs=8, int8=int8,
-                       cflags=AFFINITY if affinity else None)
+                       cflags=None if affinity else ANY_THREAD)
     try:
         per_expert = (-(-ffn // 32) - (-hidden // 64) if affinity  # 3 gate/up chunks and 2 of output rows
                       else sum(-(-b.shape[1] * b.shape[2] // WARM_CHUNK) for b, *_ in layers[0]))
