@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import commit, machine, spread  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from engine.engine import Engine, blocking_wait_setting  # noqa: E402
 from engine.kernels.host_experts import CFLAGS_ENV  # noqa: E402
 
 
@@ -154,7 +154,7 @@ def main() -> None:
                "fetch_programs": eng.hybrid.fetch_programs or 0,
                "prefetched": sent, "prefetch_served_pairs": served,
                "cold_pairs": cold_pairs,
-               "cflags": build if share else None,
+               "cflags": build if share else None, "blocking_wait": blocking_wait_setting(),
                "decode_tok_s": spread(rates), "runs": rates, "greedy_decode_tok_s": greedy, "pool_job_us": job_us,
                "prefill_tokens": args.prefill, "prefill_tok_s": prefill,
                "same_tokens_as_first": same,

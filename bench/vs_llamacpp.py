@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -40,9 +41,10 @@ from decode_floor import active_bytes, copy_bandwidth
 from llamacpp import (BenchTest, LlamaCppError, bench_command, build_llama_bench, cuda_visible_entry, fetch_sdist,
                       llama_source, plan_build, probe_features, run_llama_bench)
 
-from engine.engine import Engine, resolve_device
+from engine.engine import Engine, blocking_wait_setting, resolve_device
 from engine.errors import ConfigError, EngineError
 from engine.hybrid import PREFETCH_MAX, WARM_MAX
+from engine.kernels.host_experts import CFLAGS_ENV
 from engine.placement import MB
 
 
@@ -295,7 +297,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                "cold_warm": eng.hybrid.cold_warm,
                                                                "cold_ahead": eng.hybrid.cold_ahead,
                                                                "ahead_route": eng.hybrid.ahead_route,
-                                                               "fetch_programs": eng.hybrid.fetch_programs or 0}
+                                                               "fetch_programs": eng.hybrid.fetch_programs or 0,
+                                                               "pool_cflags": os.environ.get(CFLAGS_ENV, ""),
+                                                               "blocking_wait": blocking_wait_setting()}
         for test in tests_for(args, ncmoe):
             ours = time_ours(eng, test, args.repeats, gen)
             rows[test.name]["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}

@@ -38,6 +38,7 @@ MAX_PREFILL_GRAPHS = 11
 # tokens per chunk of an eager prefill (Engine.prefill_chunk): the benchmarks' 8K prompt stays one forward;
 # LUCE_TUNE_PREFILL_CHUNK sets another size, 0 prefills every prompt in one forward
 PREFILL_CHUNK = 8192
+BLOCKING_WAIT_ENV = "LUCE_TUNE_BLOCKING_WAIT"  # 1: the decode loop's wait for a token sleeps (blocking_wait_setting)
 
 
 def prefill_chunk_setting() -> int | None:
@@ -48,6 +49,17 @@ def prefill_chunk_setting() -> int | None:
     if not text.strip().isdigit():
         raise ConfigError(f"LUCE_TUNE_PREFILL_CHUNK must be a whole number of tokens (0: no chunks), got {text!r}")
     return int(text) or None
+
+
+def blocking_wait_setting() -> bool:
+    """Whether the decode loop's wait for a token sleeps (``LUCE_TUNE_BLOCKING_WAIT=1``) rather than spins (0, the
+    default, CUDA's own schedule with one context: the process's thread holds a core while the step runs). A
+    sleeping wait leaves that core to the CPU share's threads; the loop waits one step behind the device, so a
+    wake-up's latency is hidden behind the next step."""
+    text = os.environ.get(BLOCKING_WAIT_ENV, "").strip() or "0"
+    if text not in ("0", "1"):
+        raise ConfigError(f"{BLOCKING_WAIT_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def graph_capacity(tokens: int) -> int:
@@ -426,6 +438,7 @@ class Engine:
             raise ConfigError(f"feed holds {len(feed)} tokens for {max_new_tokens} new tokens")
         if feed is not None and (bad := [t for t in feed[:max_new_tokens] if not 0 <= t < self.config.vocab]):
             raise ConfigError(f"feed holds token ids outside the vocabulary of {self.config.vocab}: {bad[:4]}")
+        blocking = blocking_wait_setting()  # before the prefill
         if pflash_keep_ratio is None:
             pflash_keep_ratio = self.defaults.get("pflash_keep_ratio")
         if spec_len is None and self.draft is not None:
@@ -515,7 +528,7 @@ class Engine:
         # Each step is launched before the token of the step before is read back: the device never
         # waits on the host's reading, streaming and stop checks. A generation that stops at an
         # end-of-sequence token or a stop string has launched one step more, whose token is dropped.
-        reader = _TokenReader(self.device)
+        reader = _TokenReader(self.device, blocking=blocking)
         pending = None  # the slot of a token launched and not yet read
         while reason is None and len(new) + (pending is not None) < max_new_tokens:
             if decoder is not None:
@@ -725,12 +738,14 @@ class _TextStream:
 class _TokenReader:
     """Sampled token ids copied to the host without waiting: ``put`` queues the copy of a device token into
     one of two pinned buffers (on CUDA) and returns its slot, ``get`` waits for that copy alone and reads
-    it. Two slots: a decode loop reads each token after it has queued the next step."""
+    it. Two slots: a decode loop reads each token after it has queued the next step. ``blocking``: the wait
+    sleeps until the copy is done rather than spinning (``torch.cuda.Event(blocking=True)``)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, blocking: bool = False) -> None:
         self.cuda = device.type == "cuda"
+        self.blocking = blocking and self.cuda
         self.bufs = [torch.empty((), dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
-        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.events = [torch.cuda.Event(blocking=self.blocking) if self.cuda else None for _ in range(2)]
         self.next = 0
 
     def put(self, token: torch.Tensor) -> int:

@@ -150,6 +150,29 @@ def test_token_reader_returns_each_slot_it_was_given():
     assert reader.put(torch.tensor(3)) == a and reader.get(a) == 3
 
 
+def test_blocking_wait_is_a_checked_setting(monkeypatch, eng):
+    """``LUCE_TUNE_BLOCKING_WAIT``: off when unset or empty, 0 or 1, anything else refused by name before the
+    prefill; on the CPU there is nothing to wait for, so the tokens are the same either way."""
+    from engine.engine import BLOCKING_WAIT_ENV, _TokenReader, blocking_wait_setting
+
+    monkeypatch.delenv(BLOCKING_WAIT_ENV, raising=False)
+    assert blocking_wait_setting() is False
+    ids = eng.tokenizer.encode("import os\n")
+    plain = eng.generate(ids, 6, ignore_eos=True).ids
+    monkeypatch.setenv(BLOCKING_WAIT_ENV, "1")
+    assert blocking_wait_setting() is True and eng.generate(ids, 6, ignore_eos=True).ids == plain
+    assert _TokenReader(torch.device("cpu"), blocking=True).blocking is False  # no events on the CPU
+    monkeypatch.setenv(BLOCKING_WAIT_ENV, " ")
+    assert blocking_wait_setting() is False
+    prefills = []
+    monkeypatch.setattr(eng, "_prefill_chunked", lambda *a, **k: prefills.append(1))
+    for bad in ("yes", "2"):
+        monkeypatch.setenv(BLOCKING_WAIT_ENV, bad)
+        with pytest.raises(ConfigError, match=BLOCKING_WAIT_ENV):
+            eng.generate(ids, 2, ignore_eos=True)
+    assert prefills == []
+
+
 def test_timings_are_measured(eng):
     g = eng.generate(eng.tokenizer.encode("timing"), 8, ignore_eos=True)
     t = g.timings

@@ -248,3 +248,24 @@ def test_cuda_graph_tokens_are_the_same_with_the_loads_before_the_wait_and_witho
         assert out.timings.extra["decode_path"] == "cuda_graph", out.timings.extra.get("decode_graph_blocker")
         runs[name] = out.ids
     assert runs["prefetch"] == runs["after the wait"] == runs["no PDL"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_blocking_wait_decodes_the_same_tokens(monkeypatch, tmp_path):
+    """``LUCE_TUNE_BLOCKING_WAIT=1``: the captured decode loop's wait for each token sleeps on a blocking event
+    instead of spinning, and the tokens are the ones the spinning wait reads."""
+    from engine.engine import BLOCKING_WAIT_ENV, _TokenReader
+
+    path = make_model(tmp_path / "tiny.gguf", "tiny", seed=8, n_layers=8, quant="q8_0")
+    eng = Engine.from_gguf(path, device="cuda", dtype="float32", weights="quantized", cuda_graph=True)
+    ids = eng.tokenizer.encode("def merge(a, b):\n")
+    monkeypatch.delenv(BLOCKING_WAIT_ENV, raising=False)
+    spin = eng.generate(ids, 40, ignore_eos=True)
+    monkeypatch.setenv(BLOCKING_WAIT_ENV, "1")
+    sleep = eng.generate(ids, 40, ignore_eos=True)
+    assert spin.timings.extra["decode_path"] == sleep.timings.extra["decode_path"] == "cuda_graph"
+    assert sleep.ids == spin.ids
+    reader = _TokenReader(torch.device("cuda"), blocking=True)
+    slot = reader.put(torch.tensor(11, device="cuda") * 3)
+    assert reader.blocking and reader.get(slot) == 33
