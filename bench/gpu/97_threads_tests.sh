@@ -8,7 +8,7 @@ source "$(dirname "$0")/env.sh"
 start_q35
 prefetch_tests ${TESTS_S:-90}
 timeout ${KTESTS_S:-60} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
-  tests/engine/kernels/test_host_experts.py -k "any_thread or warm or sum_their" \
+  tests/engine/kernels/test_host_experts.py -k "any_thread or warm or sum_their or blocking_wait" \
   "tests/engine/test_engine_decode_graph.py::test_cuda_blocking_wait_decodes_the_same_tokens" \
   > "$OUT/tests_pool.log" 2>&1 || echo "pool and wait tests rc=$?"
 grep -E "passed|failed" "$OUT/tests_pool.log" | tail -1 || true
