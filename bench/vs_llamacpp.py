@@ -298,6 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                "cold_ahead": eng.hybrid.cold_ahead,
                                                                "ahead_route": eng.hybrid.ahead_route,
                                                                "fetch_programs": eng.hybrid.fetch_programs or 0,
+                                                               "fetch_copier": eng.hybrid.fetch_copier,
                                                                "pool_cflags": os.environ.get(CFLAGS_ENV, ""),
                                                                "blocking_wait": blocking_wait_setting()}
         for test in tests_for(args, ncmoe):

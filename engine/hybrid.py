@@ -445,8 +445,10 @@ class HybridExperts:
         self._ahead_predictors: list[torch.Tensor | None] = []  # the same from the layer before's input
         self.ahead_route = _env_choice(AHEAD_ROUTE_ENV, AHEAD_ROUTES)
         self.fetch_programs = _env_programs() or None
-        # (layer, fetched ids or None, warmed ids or None, event): for the layer's split
-        self._fetch: tuple[int, torch.Tensor | None, torch.Tensor | None, Any] | None = None
+        self.fetch_copier = _env_choice(FETCH_COPIER_ENV, FETCH_COPIERS)
+        self._buses: dict[Any, Any] = {}  # engine.kernels.host_experts.HostBus per stage layout, made on first use
+        # (layer, fetched ids or None, warmed ids or None, event, the copier or None): for the layer's split
+        self._fetch: tuple[int, torch.Tensor | None, torch.Tensor | None, Any, Any] | None = None
         with torch.inference_mode(False):
             # cold pairs served from experts fetched ahead, and experts fetched ahead, per layer
             self._fetch_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
@@ -543,7 +545,7 @@ class HybridExperts:
         self._ahead_predictors = ahead_predictors(layers, device=self.device)
 
     def set_cold_prefetch(self, n: int, *, warm: int | None = None, ahead: bool | None = None,
-                          route: str | None = None, programs: int | None = None) -> None:
+                          route: str | None = None, programs: int | None = None, copier: str | None = None) -> None:
         """Fetch up to ``n`` (0 to ``PREFETCH_MAX``) cold experts a layer ahead of its router in decode steps
         of one token on the staged path with a CPU share (``_staged_moe``): at the layer's start the routing
         is predicted from the mixer's input (``set_predictors``), and the bus copies its first ``n`` cold
@@ -563,7 +565,11 @@ class HybridExperts:
         in at most that many programs looping over the blocks (``gather_stacks(programs=)``), so that it holds a few
         SMs beside the layer rather than queueing in front of its kernels (8 programs: half-cold decode 4% faster
         with one expert fetched than with none, where one program a block and 32 programs lost: docs/benchmarks.md,
-        twenty-first round). Only where experts are read from changes, never what
+        twenty-first round). ``copier`` (None: as set, at first ``LUCE_TUNE_FETCH_COPIER`` or ``"kernel"``): what
+        copies the fetch, ``"kernel"`` that copy launch, ``"engine"`` the device's copy engine queued by a host
+        thread (``engine.kernels.host_experts.HostBus``) that the select launch names the experts to, which takes
+        no SM and reads pinned memory at the bus's full rate; the stage's expert launch waits for its copies.
+        Only where experts are read from changes, never what
         is computed. Captured steps made before a change no longer match: the engine captures again."""
         warm = self.cold_warm if warm is None else warm
         for what, v, top in (("fetched", n, PREFETCH_MAX), ("warmed", warm, WARM_MAX)):
@@ -577,6 +583,8 @@ class HybridExperts:
                                      or not 0 <= programs <= FETCH_PROGRAMS_MAX):
             raise ConfigError(f"the fetch's programs must be a whole number from 0 to {FETCH_PROGRAMS_MAX}, "
                               f"got {programs!r}")
+        if copier is not None and copier not in FETCH_COPIERS:
+            raise ConfigError(f"the fetch's copier is one of {', '.join(FETCH_COPIERS)}, got {copier!r}")
         self.cold_prefetch, self.cold_warm = n, warm
         if ahead is not None:
             self.cold_ahead = ahead
@@ -584,6 +592,8 @@ class HybridExperts:
             self.ahead_route = route
         if programs is not None:
             self.fetch_programs = programs or None
+        if copier is not None:
+            self.fetch_copier = copier
         self.placement_version += 1
 
     def set_budget(self, budget_mb: float, unit: str | None = None) -> Placement:
@@ -738,6 +748,7 @@ class HybridExperts:
         warmed = torch.empty(mw, dtype=torch.int32, device=x.device) if mw else None
         buffers = self._stream_buffers(layer)
         sources = tuple(t.raw if isinstance(t, QuantExperts) else t for t in layer.mapped)
+        bus = self._bus(layer, buffers) if m and self.fetch_copier == "engine" else None
         main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
         on_main = self.ahead_route == "main"
         if on_main:  # a few microseconds of the whole device before the layer's own kernels
@@ -748,15 +759,15 @@ class HybridExperts:
             if not on_main:
                 ids, _ = route_triton(x, router, self.min_hot, side=True)
             select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[target:target + 1],
-                            warmed=warmed, share=self._host_share, layer=target)
+                            warmed=warmed, share=self._host_share, layer=target, bus=bus)
             picked.record(side)
-            if m:
+            if m and bus is None:
                 gather_stacks(sources, tuple(b[STREAM_EXPERTS:STREAM_EXPERTS + m] for b in buffers), fetched,
                               programs=self.fetch_programs)
         for t in (x, fetched, warmed, ids):  # read there: their blocks are not handed out again before it is done
             if t is not None:
                 t.record_stream(side)
-        self._fetch = (target, fetched, warmed, picked)
+        self._fetch = (target, fetched, warmed, picked, bus)
 
     def prefetch_target(self, layer_idx: int) -> int | None:
         """The layer whose cold experts are fetched and warmed at ``layer_idx``'s start, or None: the next layer
@@ -770,11 +781,34 @@ class HybridExperts:
 
     def _join_fetch(self) -> None:
         """A fetch ahead that its layer's experts did not take (the call went another path): the compute
-        stream waits for the second stream, so no copy outlives its step or a graph's capture."""
+        stream waits for the second stream (and that for the copier's copies), so no copy outlives its step or a
+        graph's capture."""
         if self._fetch is not None:
-            device = self.device
-            torch.cuda.current_stream(device).wait_stream(self._side_stream(device))
+            device, bus = self.device, self._fetch[4]
+            side = self._side_stream(device)
+            if bus is not None:
+                from engine.kernels.host_share_triton import bus_wait
+
+                with torch.cuda.stream(side):
+                    bus_wait(bus)
+            torch.cuda.current_stream(device).wait_stream(side)
             self._fetch = None
+
+    def _bus(self, layer: _LayerTiers, buffers: tuple[torch.Tensor, ...]) -> Any:
+        """The copier filling ``buffers``' rows after ``STREAM_EXPERTS`` from the host blocks of every layer of
+        ``layer``'s layout (``HostBus``), started on first use."""
+        key = (layer.host.dtype, layer.host.expert_shapes)
+        if key not in self._buses:
+            from engine.kernels.host_experts import HostBus
+
+            if not isinstance(layer.host, QuantizedExperts) or layer.host.blocks is None:
+                raise ConfigError("the copy engine's fetch needs quantized experts held as host blocks "
+                                  "(cold_format='quantized' with cold_device='gpu')")
+            same = [lt.host.blocks if (isinstance(lt.host, QuantizedExperts) and lt.host.blocks is not None
+                                       and (lt.host.dtype, lt.host.expert_shapes) == key) else None
+                    for lt in self._layers]
+            self._buses[key] = HostBus(same, tuple(b[STREAM_EXPERTS:] for b in buffers), device=self.device)
+        return self._buses[key]
 
     def moe_with_shared(self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                         shared: "SharedExpertWeights") -> torch.Tensor | None:
@@ -828,7 +862,7 @@ class HybridExperts:
                 or not isinstance(shared.gate_up, QuantMatrix) or not isinstance(shared.down, QuantMatrix)):
             return None
         from engine.kernels.gather import gather_stacks
-        from engine.kernels.host_share_triton import collect_into
+        from engine.kernels.host_share_triton import bus_wait, collect_into
         from engine.kernels.hybrid_split import split_pairs
         from engine.kernels.quant.triton import QuantKernelConfig, quantized_moe_triton, shared_fits
         from engine.kernels.quant.words import stage_fits
@@ -858,8 +892,9 @@ class HybridExperts:
             stage_codes = torch.empty((T, k), dtype=torch.int32, device=x.device)
             main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
             fetched = {}
+            bus = None
             if fetch is not None:  # the bus's copies fetched ahead (their pairs read those rows), the threads' warmed
-                _, ahead, warm, picked = fetch
+                _, ahead, warm, picked, bus = fetch
                 main.wait_event(picked)
                 fetched = dict(fetched=ahead, fetched_row=STREAM_EXPERTS, warmed=warm,
                                fetched_hits=self._fetch_hits[layer_idx:layer_idx + 1])
@@ -870,6 +905,8 @@ class HybridExperts:
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 gather_stacks(sources, stacks, stage_ids)
+                if bus is not None:  # the copier's copies landed before the stage's launch reads their rows
+                    bus_wait(bus)
                 staged = quantized_moe_triton(x, gate, up, down, stage_codes, w, stage=tuple(stage),
                                               out_dtype=torch.float32)
             hot = quantized_moe_triton(x, gate, up, down, codes, w, shared=args, out_dtype=torch.float32)
@@ -1038,9 +1075,11 @@ class HybridExperts:
         self._host_pairs = [a + b for a, b in zip(self._host_pairs, delta)]
 
     def check_cpu_share(self) -> None:
-        """Raise where the CPU share failed a call (reads host memory: no device synchronisation)."""
+        """Raise where the CPU share or the copier failed a call (reads host memory: no device synchronisation)."""
         if self._host_share is not None:
             self._host_share.check()
+        for bus in self._buses.values():
+            bus.check()
 
     def close(self) -> None:
         """Stop the CPU threads and close the GGUF file, if any (the executor cannot run afterwards)."""
@@ -1048,6 +1087,9 @@ class HybridExperts:
         if self._host_share is not None:
             self._host_share.close()
             self._host_share = None
+        for bus in self._buses.values():
+            bus.close()
+        self._buses.clear()
         if self._gguf_file is not None:
             self._gguf_file.close()
 
@@ -1063,6 +1105,8 @@ AHEAD_ROUTES = ("main", "side")  # the first is the default (docs/benchmarks.md,
 FETCH_PROGRAMS_ENV = "LUCE_TUNE_FETCH_PROGRAMS"  # programs of the bus's fetch ahead (``set_cold_prefetch(programs=)``)
 FETCH_PROGRAMS_MAX = 1024
 FETCH_PROGRAMS_DEFAULT = 8  # the fastest bound measured (2, 4, 8, 32 and one a block: twenty-first round)
+FETCH_COPIER_ENV = "LUCE_TUNE_FETCH_COPIER"  # what copies the fetch ahead (``set_cold_prefetch(copier=)``)
+FETCH_COPIERS = ("kernel", "engine")  # the first is the default
 
 
 def _env_flag(name: str) -> bool:

@@ -898,3 +898,180 @@ void lt_stop(void *pool) {
     for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
     free(p->mats); free(p->h); free(p->threads); free(p->claims[0]); free(p->claims[1]); free(p);
 }
+
+/* The bus's copier: a thread that has the GPU's copy engine fetch cold experts ahead of their layer.
+
+   The device names the experts it predicts a layer will route to (engine/kernels/hybrid_split.py's select launch)
+   in a mailbox of its own in pinned host memory: [0] sequence, [1] layer, [2] count, [8 ..) expert ids (-1: none).
+   This thread, spinning on the sequence number, queues one host -> device copy a matrix (gate, up, down) of each
+   named expert into that expert's stage rows on a stream of its own, then one 4-byte copy of the sequence number
+   into a word of device memory. The stream runs its copies in order, so the word holds the number once every
+   expert's bytes are there; the device's expert launch that reads the rows first waits for it
+   (engine/kernels/host_share_triton.py's bus_wait). The copy engine reads pinned memory at the bus's full rate
+   without taking any SM from the kernels beside it. The copy function is the driver's cuMemcpyHtoDAsync_v2 (its
+   address handed in, so this library links nothing of CUDA); the tests hand in lt_copy_host, which copies at once.
+   Status word [3]: 0, or LT_ERR_* for a job this thread could not run (then it still writes the number, so the
+   device never waits past its bound for a job that failed; the host's check raises). */
+
+#define BUS_SEQ 0
+#define BUS_LAYER 1
+#define BUS_N 2
+#define BUS_STATUS 3
+#define BUS_IDS 8
+#define BUS_MAX 8
+#define BUS_RING 16   /* [BUS_RING ..): the numbers the flag copies read, one slot a job in turn */
+#define BUS_SLOTS 64
+
+typedef int (*lt_copy_fn)(uint64_t dst, const void *src, size_t n, void *stream);
+typedef int (*lt_ctx_fn)(void *ctx);
+
+typedef struct {
+    volatile int32_t *mb;
+    lt_copy_fn copy;
+    lt_ctx_fn set_ctx;
+    void *ctx, *stream;
+    uint64_t flag;                 /* the device word the last copy of a job writes */
+    uint64_t dst[3];               /* the stage rows of fetched expert 0 per matrix */
+    int64_t dst_row[3];            /* bytes from one fetched expert's rows to the next's */
+    int dst_rows;                  /* fetched experts the stage holds */
+    const uint8_t **src;           /* [nlayers * 3] */
+    int64_t *slab;                 /* [nlayers * 3]: bytes of one expert's matrix */
+    int *experts;                  /* [nlayers] */
+    int nlayers, started;
+    int32_t start_seq;
+    int64_t jobs, copies;
+    volatile int stop;
+    pthread_t thread;
+} bus_t;
+
+/* A synchronous stand-in for cuMemcpyHtoDAsync_v2 where "device" memory is host memory (the CPU tests). */
+int lt_copy_host(uint64_t dst, const void *src, size_t n, void *stream) {
+    (void)stream;
+    memcpy((void *)(uintptr_t)dst, src, n);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    return 0;
+}
+
+static int bus_job(bus_t *b, int32_t seq) {
+    const int layer = b->mb[BUS_LAYER], n = b->mb[BUS_N];
+    int status = 0;
+    if (layer < 0 || layer >= b->nlayers || !b->src[3 * layer]) status = LT_ERR_LAYER;
+    else if (n < 0 || n > BUS_MAX || n > b->dst_rows) status = LT_ERR_SHAPE;
+    for (int j = 0; !status && j < n; j++) {
+        const int e = b->mb[BUS_IDS + j];
+        if (e < 0) continue;
+        if (e >= b->experts[layer]) { status = LT_ERR_SHAPE; break; }
+        for (int i = 0; i < 3; i++) {
+            const int64_t slab = b->slab[3 * layer + i];
+            if (b->copy(b->dst[i] + (uint64_t)(j * b->dst_row[i]), b->src[3 * layer + i] + (int64_t)e * slab,
+                        (size_t)slab, b->stream) != 0) { status = -2; break; }
+            b->copies++;
+        }
+    }
+    if (status) __atomic_store_n(&b->mb[BUS_STATUS], status, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&b->jobs, 1, __ATOMIC_RELEASE);  /* before the number lands: a device that saw it sees this */
+    volatile int32_t *slot = &b->mb[BUS_RING + (int)((uint32_t)seq % BUS_SLOTS)];
+    *slot = seq;
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    if (b->copy(b->flag, (const void *)slot, sizeof(int32_t), b->stream) != 0) {
+        __atomic_store_n(&b->mb[BUS_STATUS], -2, __ATOMIC_RELEASE);
+        return -2;
+    }
+    return status;
+}
+
+static void *bus_main(void *arg) {
+    bus_t *b = (bus_t *)arg;
+    if (b->set_ctx && b->set_ctx(b->ctx) != 0) {
+        __atomic_store_n(&b->mb[BUS_STATUS], -3, __ATOMIC_RELEASE);
+        return NULL;
+    }
+    int32_t last = b->start_seq;
+    int64_t idle_since = now_ns();
+    unsigned spins = 0;
+    while (!b->stop) {
+        const int32_t seq = __atomic_load_n(&b->mb[BUS_SEQ], __ATOMIC_ACQUIRE);
+        if (seq == last) {
+            CPU_RELAX();
+            if (++spins % 4096 == 0) {
+                const int64_t idle = now_ns() - idle_since;
+                if (idle > IDLE_NS) {
+                    struct timespec t = {0, idle > DEEP_IDLE_NS ? 1000000 : 50000};
+                    nanosleep(&t, NULL);
+                    spins = 4095;
+                }
+            }
+            continue;
+        }
+        last = seq;
+        bus_job(b, seq);
+        idle_since = now_ns();
+        spins = 0;
+    }
+    return NULL;
+}
+
+/* A copier for nlayers layers over the mailbox mb; copy is cuMemcpyHtoDAsync_v2 (or lt_copy_host), set_ctx
+   cuCtxSetCurrent with ctx (or NULL), stream the CUstream its copies go on, flag the device word of the numbers.
+   Matrices and stage rows are registered next (lt_bus_src, lt_bus_dst), then lt_bus_go starts the thread. */
+void *lt_bus_start(int32_t *mb, int nlayers, void *copy, void *set_ctx, void *ctx, void *stream, uint64_t flag) {
+    if (!mb || nlayers < 1 || !copy || !flag) return NULL;
+    bus_t *b = (bus_t *)calloc(1, sizeof(bus_t));
+    if (!b) return NULL;
+    b->mb = mb; b->nlayers = nlayers; b->copy = (lt_copy_fn)copy; b->set_ctx = (lt_ctx_fn)set_ctx;
+    b->ctx = ctx; b->stream = stream; b->flag = flag;
+    b->src = (const uint8_t **)calloc((size_t)nlayers * 3, sizeof(*b->src));
+    b->slab = (int64_t *)calloc((size_t)nlayers * 3, sizeof(int64_t));
+    b->experts = (int *)calloc((size_t)nlayers, sizeof(int));
+    if (!b->src || !b->slab || !b->experts) {
+        free(b->src); free(b->slab); free(b->experts); free(b);
+        return NULL;
+    }
+    return b;
+}
+
+/* One layer's matrix (0 gate, 1 up, 2 down): experts of slab bytes each from base. 0, or -1 for a bad argument
+   (every matrix of a layer must name the same number of experts; none after lt_bus_go). */
+int lt_bus_src(void *bus, int layer, int which, const uint8_t *base, int experts, int64_t slab) {
+    bus_t *b = (bus_t *)bus;
+    if (!b || b->started || layer < 0 || layer >= b->nlayers || which < 0 || which > 2 || !base || experts < 1
+        || slab < 1 || (b->experts[layer] && b->experts[layer] != experts))
+        return -1;
+    b->src[3 * layer + which] = base; b->slab[3 * layer + which] = slab; b->experts[layer] = experts;
+    return 0;
+}
+
+/* The stage's rows of matrix which: fetched expert j's go to base + j * row_bytes, rows of them. 0 or -1. */
+int lt_bus_dst(void *bus, int which, uint64_t base, int64_t row_bytes, int rows) {
+    bus_t *b = (bus_t *)bus;
+    if (!b || b->started || which < 0 || which > 2 || !base || row_bytes < 1 || rows < 1) return -1;
+    b->dst[which] = base; b->dst_row[which] = row_bytes;
+    b->dst_rows = which == 0 || rows < b->dst_rows ? rows : b->dst_rows;
+    return 0;
+}
+
+/* Starts the thread once every layer's three matrices fit the stage's rows: 0, -1 for a matrix missing or too
+   large, -2 where the thread could not start. */
+int lt_bus_go(void *bus) {
+    bus_t *b = (bus_t *)bus;
+    if (!b || b->started || !b->dst[0] || !b->dst[1] || !b->dst[2]) return -1;
+    for (int l = 0; l < b->nlayers; l++) {
+        if (!b->src[3 * l] && !b->src[3 * l + 1] && !b->src[3 * l + 2]) continue;  /* a layer never fetched */
+        for (int i = 0; i < 3; i++)
+            if (!b->src[3 * l + i] || b->slab[3 * l + i] > b->dst_row[i]) return -1;
+    }
+    b->start_seq = __atomic_load_n(&b->mb[BUS_SEQ], __ATOMIC_ACQUIRE);
+    if (pthread_create(&b->thread, NULL, bus_main, b) != 0) return -2;
+    b->started = 1;
+    return 0;
+}
+
+int64_t lt_bus_jobs(void *bus) { return __atomic_load_n(&((bus_t *)bus)->jobs, __ATOMIC_ACQUIRE); }
+
+void lt_bus_stop(void *bus) {
+    bus_t *b = (bus_t *)bus;
+    if (!b) return;
+    b->stop = 1;
+    if (b->started) pthread_join(b->thread, NULL);
+    free(b->src); free(b->slab); free(b->experts); free(b);
+}

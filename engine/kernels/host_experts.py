@@ -56,6 +56,11 @@ TIMEOUT_SPINS = 1 << 24  # acquire loads over the bus (about 1 us each) before c
 WAIT_TIMEOUT_S = 30.0  # the host path's wait for a reply
 STATUS_TEXT = {1: "a layer with no matrices registered", 2: "more tokens or pairs than the mailbox holds",
                -1: "the CPU threads did not answer within the device's wait"}
+# the bus copier's mailbox (host_experts.c): number, layer, count, status, expert ids, then the ring of numbers
+BUS_SEQ, BUS_LAYER, BUS_N, BUS_STATUS, BUS_IDS, BUS_MAX, BUS_RING, BUS_SLOTS = 0, 1, 2, 3, 8, 8, 16, 64
+BUS_STATUS_TEXT = {1: "a layer whose experts were not registered", 2: "more experts than the stage holds, or an "
+                   "expert id out of range", -1: "the copies did not land within the device's wait",
+                   -2: "the driver refused a copy", -3: "the copier's thread could not take the device's context"}
 
 
 class HostShareError(EngineError):
@@ -119,6 +124,18 @@ def library(cflags: Sequence[str] | None = None) -> ctypes.CDLL:
     lib.lt_stats.restype = ctypes.c_int
     lib.lt_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double)]
     lib.lt_stop.argtypes = [ctypes.c_void_p]
+    lib.lt_bus_start.restype = ctypes.c_void_p
+    lib.lt_bus_start.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_uint64]
+    lib.lt_bus_src.restype = ctypes.c_int
+    lib.lt_bus_src.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                               ctypes.c_int64]
+    lib.lt_bus_dst.restype = ctypes.c_int
+    lib.lt_bus_dst.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int]
+    lib.lt_bus_go.restype = ctypes.c_int
+    lib.lt_bus_go.argtypes = [ctypes.c_void_p]
+    lib.lt_bus_jobs.restype = ctypes.c_int64
+    lib.lt_bus_jobs.argtypes = [ctypes.c_void_p]
+    lib.lt_bus_stop.argtypes = [ctypes.c_void_p]
     _LIBS[tuple(extra)] = lib
     return lib
 
@@ -301,6 +318,141 @@ class HostShare:
                 torch.cuda.synchronize(self.device)
             self._lib.lt_stop(self._pool)
             self._pool = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class HostBus:
+    """The bus's copier: a native thread that has the device's copy engine fetch cold experts ahead.
+
+    ``layers``: per layer the (gate, up, down) host blocks [E, ...] (pinned on CUDA), or None for a layer
+    never fetched; ``stage``: the three device tensors whose rows 0, 1, ... take the fetched experts' slabs
+    (each row at least a slab). The device names a layer's experts in the mailbox
+    (``hybrid_split.select_prefetch(bus=)``) and waits for them before reading the rows
+    (``host_share_triton.bus_wait``); the thread queues a host -> device copy a matrix on a stream of its own and
+    then one of the job's number into ``flag``. The copy engine reads pinned memory at the bus's rate and takes no
+    SM from the kernels beside it, where a copy kernel reading mapped memory holds SMs and reached about half that
+    rate beside a layer (docs/benchmarks.md, twenty-first round). On a CPU device (the tests) the same thread
+    copies with ``memcpy`` and ``fetch``/``wait`` stand in for the device's launches. The blocks and the stage
+    must outlive the copier."""
+
+    def __init__(self, layers: Sequence[Sequence[torch.Tensor] | None], stage: Sequence[torch.Tensor], *,
+                 device: torch.device | str, cflags: Sequence[str] | None = None):
+        self.device = torch.device(device)
+        self._bus = None
+        if len(stage) != 3:
+            raise ConfigError(f"the bus's copier fills three stage tensors (gate, up, down), got {len(stage)}")
+        cuda = self.device.type == "cuda"
+        for t in stage:
+            if t.device.type != self.device.type or not t.is_contiguous():
+                raise ConfigError(f"the copier's stage must be contiguous {self.device.type} tensors, got "
+                                  f"{t.device} {tuple(t.shape)}")
+        self.rows = min(min(t.shape[0] for t in stage), BUS_MAX)
+        self.mailbox = torch.zeros(BUS_RING + BUS_SLOTS, dtype=torch.int32, pin_memory=cuda)
+        self.flag = torch.zeros(1, dtype=torch.int32, device=self.device)  # the last number whose copies landed
+        self.seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the last number published
+        self._host_seq = 0
+        self._mb_np = self.mailbox.numpy()
+        lib = library(cflags)
+        self._lib = lib
+        self._keep = [list(stage)]
+        if cuda:
+            torch.cuda.init()
+            with torch.cuda.device(self.device):
+                torch.cuda.current_stream(self.device).synchronize()  # the context exists and is current here
+                self._stream = torch.cuda.Stream(self.device)
+            driver = ctypes.CDLL("libcuda.so.1")
+            ctx = ctypes.c_void_p()
+            with torch.cuda.device(self.device):
+                if driver.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+                    raise ConfigError("the bus's copier found no current CUDA context")
+            copy = ctypes.cast(driver.cuMemcpyHtoDAsync_v2, ctypes.c_void_p).value
+            set_ctx = ctypes.cast(driver.cuCtxSetCurrent, ctypes.c_void_p).value
+            args = (copy, set_ctx, ctx.value, self._stream.cuda_stream)
+            self._keep.append(driver)
+            self.mailbox_dev = mapped_view(self.mailbox, self.device)
+        else:
+            args = (ctypes.cast(lib.lt_copy_host, ctypes.c_void_p).value, None, None, None)
+        self._bus = lib.lt_bus_start(self.mailbox.data_ptr(), len(layers), *args, self.flag.data_ptr())
+        if not self._bus:
+            raise ConfigError(f"the bus's copier did not start ({len(layers)} layers)")
+        try:
+            for which, t in enumerate(stage):
+                row = t[0].numel() * t.element_size()
+                if lib.lt_bus_dst(self._bus, which, t.data_ptr(), row, self.rows) != 0:
+                    raise ConfigError(f"stage {which} ({tuple(t.shape)}) does not take fetched experts")
+            for i, mats in enumerate(layers):
+                if mats is None:
+                    continue
+                if len(mats) != 3:
+                    raise ConfigError(f"layer {i}: the copier fetches (gate, up, down), got {len(mats)} matrices")
+                for which, (blocks, t) in enumerate(zip(mats, stage)):
+                    if (not blocks.is_contiguous() or blocks.device.type != "cpu" or (cuda and not blocks.is_pinned())
+                            or blocks.dtype != t.dtype or blocks.shape[1:] != t.shape[1:]):
+                        raise ConfigError(f"layer {i}: matrix {('gate', 'up', 'down')[which]} must be contiguous "
+                                          f"{'pinned ' if cuda else ''}host blocks of the stage's dtype and expert "
+                                          f"shape {t.dtype} {tuple(t.shape[1:])}, got {blocks.dtype} "
+                                          f"{tuple(blocks.shape)}")
+                    slab = blocks[0].numel() * blocks.element_size()
+                    if lib.lt_bus_src(self._bus, i, which, blocks.data_ptr(), blocks.shape[0], slab) != 0:
+                        raise ConfigError(f"layer {i}: matrix {which} does not fit the copier")
+                    self._keep.append(blocks)
+            if lib.lt_bus_go(self._bus) != 0:
+                raise ConfigError("the bus's copier could not start its thread (a layer's matrices missing, or "
+                                  "larger than the stage's rows)")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def jobs(self) -> int:
+        """Fetches the thread has queued."""
+        return int(self._lib.lt_bus_jobs(self._bus)) if self._bus else 0
+
+    def fetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Name up to ``rows`` experts of ``layer`` (-1: none) for stage rows 0, 1, ... from the host; on CUDA
+        the device's select launch writes these words (``hybrid_split.select_prefetch(bus=)``)."""
+        if not 0 <= len(experts) <= self.rows:
+            raise ValueError(f"a fetch names 0 to {self.rows} experts, got {len(experts)}")
+        mb = self._mb_np
+        mb[BUS_LAYER], mb[BUS_N] = layer, len(experts)
+        mb[BUS_IDS:BUS_IDS + len(experts)] = list(experts)
+        self._host_seq = (self._host_seq + 1) & 0x7FFFFFFF
+        mb[BUS_SEQ] = self._host_seq  # after the names (the host's stores stay in order for this)
+
+    def wait(self, timeout_s: float = WAIT_TIMEOUT_S) -> None:
+        """Until the copies of the last ``fetch`` have landed (on CUDA: the stream's work done)."""
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            if self.device.type == "cuda":
+                self._stream.synchronize()
+            if int(self.flag[0]) == self._host_seq:
+                break
+            self.check()
+            if time.perf_counter() > deadline:
+                raise HostShareError(f"the bus's copier did not answer within {timeout_s:.0f} s")
+            time.sleep(0)
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``HostShareError`` if a fetch failed or the device's wait gave up (reads host memory)."""
+        status = int(self._mb_np[BUS_STATUS])
+        if status:
+            raise HostShareError(f"the bus's copier failed: {BUS_STATUS_TEXT.get(status, f'status {status}')}")
+
+    def close(self) -> None:
+        """Stop the thread (the device's work is synchronised first, so no copy is left in flight)."""
+        if getattr(self, "_bus", None):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._lib.lt_bus_stop(self._bus)
+            if self.device.type == "cuda":
+                self._stream.synchronize()
+            self._bus = None
 
     def __del__(self) -> None:
         try:

@@ -11,10 +11,10 @@ import triton
 import triton.language as tl
 
 from engine.kernels import host_experts
-from engine.kernels.host_experts import HEADER, REPLY_HEADER
+from engine.kernels.host_experts import BUS_STATUS, HEADER, REPLY_HEADER
 
 if TYPE_CHECKING:
-    from engine.kernels.host_experts import HostShare
+    from engine.kernels.host_experts import HostBus, HostShare
 
 BLOCK = 1024
 
@@ -108,6 +108,27 @@ def _collect_into_kernel(reply_i, reply_f, seq_ptr, pending_ptr, acc_ptr, acc2_p
         if pending != 0:
             y += tl.load(reply_f + REPLY_HEADER + o, mask=m, other=0.0, cache_modifier=".cv")
         tl.store(dst_ptr + o, y.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _bus_wait_kernel(flag_ptr, seq_ptr, bus_i, SPINS: tl.constexpr, BUS_STATUS: tl.constexpr):
+    """Acquire loads of the device word the copier's last copy writes until it holds the last number published,
+    at most ``SPINS``; past them the copier's status marks a timeout (the host's check raises)."""
+    s = tl.load(seq_ptr)
+    d = _load_acquire_sys(flag_ptr)
+    i = 0
+    while (d != s) & (i < SPINS):
+        d = _load_acquire_sys(flag_ptr)
+        i += 1
+    if d != s:
+        tl.store(bus_i + BUS_STATUS, -1)
+
+
+def bus_wait(bus: "HostBus") -> None:
+    """One launch on the current stream that returns once the copies of the copier's last job have landed
+    (``hybrid_split.select_prefetch(bus=)`` published it): the expert launches after it read the stage's rows."""
+    _bus_wait_kernel[(1,)](bus.flag, bus.seq, bus.mailbox_dev, SPINS=host_experts.TIMEOUT_SPINS,
+                           BUS_STATUS=BUS_STATUS, num_warps=1)
 
 
 def publish(share: "HostShare", layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

@@ -33,11 +33,12 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import check_device
-from engine.kernels.host_experts import HEADER, WARM_IDS, WARM_LAYER, WARM_MAX, WARM_N, WARM_SEQ
+from engine.kernels.host_experts import (BUS_IDS, BUS_LAYER, BUS_N, HEADER, WARM_IDS, WARM_LAYER, WARM_MAX, WARM_N,
+                                        WARM_SEQ)
 from engine.kernels.host_share_triton import _fence_sys, _store_release_sys
 
 if TYPE_CHECKING:
-    from engine.kernels.host_experts import HostShare
+    from engine.kernels.host_experts import HostBus, HostShare
 
 BLOCK = 1024  # token-row floats a loop step of the mailbox's copy
 
@@ -166,9 +167,10 @@ def _nth(e, cold, rank, j):
 
 
 @triton.jit
-def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, warm_ptr, mb_i, wseq_ptr, layer, K: tl.constexpr,
-                   M: tl.constexpr, MW: tl.constexpr, PUBLISH: tl.constexpr, BLOCK_K: tl.constexpr,
-                   WARM_SEQ: tl.constexpr, WARM_LAYER: tl.constexpr, WARM_N: tl.constexpr, WARM_IDS: tl.constexpr):
+def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, warm_ptr, mb_i, wseq_ptr, bus_i, bseq_ptr, layer,
+                   K: tl.constexpr, M: tl.constexpr, MW: tl.constexpr, PUBLISH: tl.constexpr, BUS: tl.constexpr,
+                   BLOCK_K: tl.constexpr, WARM_SEQ: tl.constexpr, WARM_LAYER: tl.constexpr, WARM_N: tl.constexpr,
+                   WARM_IDS: tl.constexpr, BUS_LAYER: tl.constexpr, BUS_N: tl.constexpr, BUS_IDS: tl.constexpr):
     o = tl.arange(0, BLOCK_K)
     m = o < K
     e = tl.load(pred_ptr + o, mask=m, other=-1)
@@ -177,7 +179,10 @@ def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, warm_ptr, mb_i, wseq_p
     rank = tl.cumsum(cold, axis=0) - cold  # cold predictions before this one
     n = tl.sum(cold, axis=0)
     for j in tl.static_range(M):
-        tl.store(out_ptr + j, _nth(e, cold, rank, j))
+        v = _nth(e, cold, rank, j)
+        tl.store(out_ptr + j, v)
+        if BUS:
+            tl.store(bus_i + BUS_IDS + j, v)
     for j in tl.static_range(MW):
         v = _nth(e, cold, rank, M + j)
         tl.store(warm_ptr + j, v)
@@ -195,12 +200,24 @@ def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, warm_ptr, mb_i, wseq_p
             tl.debug_barrier()
             tl.store(wseq_ptr, s)
             _store_release_sys(mb_i + WARM_SEQ, s)
+    if BUS:  # the copier's job (host_experts.HostBus): its names, then its number, every time (it always answers)
+        b = tl.load(bseq_ptr) + 1
+        b = tl.where(b < 0, 1, b)
+        tl.store(bus_i + BUS_LAYER, layer)
+        tl.store(bus_i + BUS_N, M)
+        _fence_sys(b)
+        tl.debug_barrier()
+        tl.store(bseq_ptr, b)
+        _store_release_sys(bus_i, b)
 
 
 def select_prefetch(predicted: torch.Tensor, slot_of: torch.Tensor, out: torch.Tensor | None, sent: torch.Tensor, *,
-                    warmed: torch.Tensor | None = None, share: "HostShare | None" = None, layer: int = 0) -> None:
+                    warmed: torch.Tensor | None = None, share: "HostShare | None" = None, layer: int = 0,
+                    bus: "HostBus | None" = None) -> None:
     """``out`` [M] int32: the first ``M`` cold experts (``slot_of`` -1) of ``predicted`` [k] (a token's
-    predicted routing, most likely first), -1 past the cold ones there are; for the bus to fetch ahead.
+    predicted routing, most likely first), -1 past the cold ones there are; for the bus to fetch ahead, named
+    with ``bus`` (CUDA) to its copier for ``layer`` (``HostBus``'s words, written and released from the device;
+    its rows 0 .. M-1 take them and ``host_share_triton.bus_wait`` waits for them).
     ``warmed`` [MW] int32: the next ``MW`` cold ones, which ``share``'s threads (CUDA) are told to warm for
     ``layer`` (``HostShare.warm``'s words, written and released from the device) when there is one. ``sent``
     (int64 [1]) gains how many were picked."""
@@ -215,10 +232,15 @@ def select_prefetch(predicted: torch.Tensor, slot_of: torch.Tensor, out: torch.T
                          f"{sent.dtype}")
     if MW > WARM_MAX:
         raise ValueError(f"the threads warm up to {WARM_MAX} experts at a time, got {MW}")
+    if bus is not None and not 1 <= M <= bus.rows:
+        raise ValueError(f"the copier fetches 1 to {bus.rows} experts, got {M}")
     k = predicted.numel()
     publish = share is not None and MW > 0
     mb = share.mailbox_dev if publish else sent
+    bus_mb = bus.mailbox_dev if bus is not None else sent
     _select_kernel[(1,)](predicted.contiguous(), slot_of, out if M else sent, sent, warmed if MW else sent, mb,
-                         share.warm_seq if publish else sent, layer, K=k, M=M, MW=MW, PUBLISH=publish,
+                         share.warm_seq if publish else sent, bus_mb, bus.seq if bus is not None else sent, layer,
+                         K=k, M=M, MW=MW, PUBLISH=publish, BUS=bus is not None,
                          BLOCK_K=triton.next_power_of_2(max(k, 2)), WARM_SEQ=WARM_SEQ, WARM_LAYER=WARM_LAYER,
-                         WARM_N=WARM_N, WARM_IDS=WARM_IDS, num_warps=1)
+                         WARM_N=WARM_N, WARM_IDS=WARM_IDS, BUS_LAYER=BUS_LAYER, BUS_N=BUS_N, BUS_IDS=BUS_IDS,
+                         num_warps=1)

@@ -20,8 +20,9 @@ if not torch.cuda.is_available():
 
 from engine.errors import ConfigError  # noqa: E402
 from engine.gguf.reader import GGUFFile  # noqa: E402
-from engine.hybrid import (AHEAD_ROUTE_ENV, COLD_AHEAD_ENV, COLD_PREFETCH_ENV, FETCH_PROGRAMS_ENV,  # noqa: E402
-                           FETCH_PROGRAMS_DEFAULT, FETCH_PROGRAMS_MAX, PREFETCH_MAX, WARM_MAX, attach_hybrid)
+from engine.hybrid import (AHEAD_ROUTE_ENV, COLD_AHEAD_ENV, COLD_PREFETCH_ENV, FETCH_COPIER_ENV,  # noqa: E402
+                           FETCH_PROGRAMS_DEFAULT, FETCH_PROGRAMS_ENV, FETCH_PROGRAMS_MAX, PREFETCH_MAX, WARM_MAX,
+                           attach_hybrid)
 from engine.kernels import host_experts  # noqa: E402
 from engine.kernels.host_experts import HostShareError  # noqa: E402
 from engine.model.qwen35moe import Qwen35MoE  # noqa: E402
@@ -295,7 +296,13 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
         for bad in (-1, FETCH_PROGRAMS_MAX + 1, 2.0, True):
             with pytest.raises(ConfigError, match="fetch's programs"):
                 hybrid.set_cold_prefetch(1, programs=bad)
+        for bad in ("dma", 1, None.__class__):
+            with pytest.raises(ConfigError, match="fetch's copier"):
+                hybrid.set_cold_prefetch(1, copier=bad)
         assert hybrid.ahead_route == "main" and hybrid.fetch_programs == FETCH_PROGRAMS_DEFAULT == 8  # the defaults
+        assert hybrid.fetch_copier == "kernel"
+        hybrid.set_cold_prefetch(1, copier="engine")
+        assert hybrid.fetch_copier == "engine" and hybrid.fetch_programs == 8
         hybrid.set_cold_prefetch(1, route="side", programs=16)
         assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 16
         hybrid.set_cold_prefetch(1, programs=0)
@@ -309,16 +316,18 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
     with pytest.raises(ConfigError, match=COLD_PREFETCH_ENV):
         attach(qfile, 0.0)
     monkeypatch.delenv(COLD_PREFETCH_ENV)
-    for name, bad in ((AHEAD_ROUTE_ENV, "gpu"), (FETCH_PROGRAMS_ENV, "-3"), (FETCH_PROGRAMS_ENV, "2000")):
+    for name, bad in ((AHEAD_ROUTE_ENV, "gpu"), (FETCH_PROGRAMS_ENV, "-3"), (FETCH_PROGRAMS_ENV, "2000"),
+                      (FETCH_COPIER_ENV, "dma")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ConfigError, match=name):
             attach(qfile, 0.0)
         monkeypatch.delenv(name)
     monkeypatch.setenv(AHEAD_ROUTE_ENV, "side")
     monkeypatch.setenv(FETCH_PROGRAMS_ENV, "12")
+    monkeypatch.setenv(FETCH_COPIER_ENV, "engine")
     _, hybrid = attach(qfile, 0.0)
     try:
-        assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 12
+        assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 12 and hybrid.fetch_copier == "engine"
     finally:
         hybrid.close()
     monkeypatch.setenv(FETCH_PROGRAMS_ENV, "0")  # one program a block
@@ -353,26 +362,33 @@ def test_every_layer_starts_with_the_executors_hook(qfile):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fetch,warm,unit,route,programs", [
-    (1, 0, "expert", "main", 0), (2, 0, "expert", "side", 0), (PREFETCH_MAX, 0, "expert", "main", 0),
-    (0, 1, "expert", "main", 0), (1, 1, "expert", "side", 0), (1, 1, "alternate", "main", 0),
-    (1, 1, "alternate", "side", 0), (2, 2, "alternate", "main", 3), (0, WARM_MAX, "alternate", "main", 0),
-    (PREFETCH_MAX, 4, "alternate", "main", 0), (PREFETCH_MAX, 4, "alternate", "side", 5),
-    (1, 6, "alternate", "main", 8)])
-def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm, unit, route, programs):
+@pytest.mark.parametrize("fetch,warm,unit,route,programs,copier", [
+    (1, 0, "expert", "main", 0, "kernel"), (2, 0, "expert", "side", 0, "kernel"),
+    (PREFETCH_MAX, 0, "expert", "main", 0, "kernel"), (0, 1, "expert", "main", 0, "kernel"),
+    (1, 1, "expert", "side", 0, "kernel"), (1, 1, "alternate", "main", 0, "kernel"),
+    (1, 1, "alternate", "side", 0, "kernel"), (2, 2, "alternate", "main", 3, "kernel"),
+    (0, WARM_MAX, "alternate", "main", 0, "kernel"), (PREFETCH_MAX, 4, "alternate", "main", 0, "kernel"),
+    (PREFETCH_MAX, 4, "alternate", "side", 5, "kernel"), (1, 6, "alternate", "main", 8, "kernel"),
+    (1, 6, "alternate", "main", 8, "engine"), (2, 0, "expert", "side", 0, "engine"),
+    (2, 5, "alternate", "main", 8, "engine"), (PREFETCH_MAX, 4, "alternate", "side", 0, "engine")])
+def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm, unit, route, programs, copier):
     """Half the experts cold, half of those on the threads (float32 activations), ``fetch`` cold experts a
     layer fetched ahead by the bus and ``warm`` more warmed by the threads: the captured step follows the
     all-on-device model teacher-forced, as it does without them, and they served pairs (the tiny random
     model routes alike before and after its mixers); the threads fetched chunks for the warm-ups. With
     placement ``"alternate"`` each cold layer but the first is predicted at the hot layer before it. The
     predicting router on the step's stream or the second one, the fetch in one program a block or a few
-    looping."""
+    looping, or by the copy engine from the copier's thread (which then queued a fetch a cold layer a step)."""
     plain = load(qfile, "cuda", quantized=True)
     model, hybrid = attach(qfile, 0.5, device="cuda", quantized=True, cpu_int8=False, cold_prefetch=fetch,
                            cold_warm=warm, unit=unit)
-    hybrid.set_cold_prefetch(fetch, route=route, programs=programs)
+    hybrid.set_cold_prefetch(fetch, route=route, programs=programs, copier=copier)
     try:
         follow_captured(plain, model, 1e-3, before=hybrid.reset_counters)
+        if copier == "engine":
+            assert len(hybrid._buses) == 1
+            bus = next(iter(hybrid._buses.values()))
+            assert bus.jobs > 0 and bus.jobs == int(bus.seq) == int(bus.flag)
         stats = hybrid.stats_snapshot()
         assert 0 < stats.prefetch_served <= stats.cold_hits
         assert 0 < stats.prefetched <= 12 * (fetch + warm) * model.cfg.n_layers

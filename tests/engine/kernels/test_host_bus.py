@@ -1,0 +1,113 @@
+"""The bus's copier (``engine.kernels.host_experts.HostBus``, ``host_experts.c``'s copier thread): named experts'
+slabs land in the stage's rows in the order named, nothing else is written, the job's number lands after its
+copies, a bad job is reported without a hang, and bad stages or blocks are refused when it starts. On the CPU the
+thread copies with ``memcpy`` into host tensors standing in for device memory; on CUDA with the copy engine
+(``cuMemcpyHtoDAsync_v2``), from pinned blocks into device rows."""
+
+import pytest
+import torch
+
+from engine.errors import ConfigError
+from engine.kernels.host_experts import HostBus, HostShareError
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = ((5, 18), (5, 18), (3, 34))  # gate, up, down: rows x row bytes, odd sizes
+
+
+def blocks(experts, seed, shapes=SHAPES):
+    g = torch.Generator().manual_seed(seed)
+    pin = DEVICE == "cuda"
+    return tuple(torch.randint(0, 256, (experts, *s), generator=g, dtype=torch.uint8).pin_memory() if pin
+                 else torch.randint(0, 256, (experts, *s), generator=g, dtype=torch.uint8) for s in shapes)
+
+
+def stage(rows=4, shapes=SHAPES):
+    return tuple(torch.full((rows, *s), 7, dtype=torch.uint8, device=DEVICE) for s in shapes)
+
+
+@pytest.fixture
+def bus():
+    layers = [blocks(11, 1), None, blocks(13, 3)]  # the middle layer is never fetched
+    rows = stage()
+    b = HostBus(layers, rows, device=DEVICE)
+    yield b, layers, rows
+    b.close()
+
+
+def test_named_experts_land_in_their_rows(bus):
+    b, layers, rows = bus
+    assert b.rows == 4
+    for n, (layer, named) in enumerate(((0, [3, 10]), (2, [12, -1, 0, 5]), (0, [-1]), (2, [4, 4, 1]))):
+        before = [r.clone() for r in rows]
+        b.fetch(layer, named)
+        b.wait()
+        assert b.jobs == n + 1 and int(b.flag) == n + 1
+        for which in range(3):
+            for j in range(4):
+                e = named[j] if j < len(named) else -1
+                want = layers[layer][which][e].to(DEVICE) if e >= 0 else before[which][j]
+                assert torch.equal(rows[which][j], want), (layer, named, which, j)
+    b.check()
+
+
+def test_many_jobs_back_to_back_each_land_before_their_number(bus):
+    """Each job's rows are complete when its number is seen, over jobs that overwrite the same rows."""
+    b, layers, rows = bus
+    g = torch.Generator().manual_seed(5)
+    for _ in range(40):
+        layer = (0, 2)[int(torch.randint(0, 2, (1,), generator=g))]
+        experts = layers[layer][0].shape[0]
+        named = torch.randint(0, experts, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+        b.fetch(layer, named)
+        b.wait()
+        for which in range(3):
+            for j, e in enumerate(named):
+                assert torch.equal(rows[which][j], layers[layer][which][e].to(DEVICE))
+    assert b.jobs == 40
+
+
+@pytest.mark.parametrize("layer,named,text", [(1, [0], "not registered"), (0, [11], "out of range"),
+                                              (5, [0], "not registered")])
+def test_a_bad_job_is_reported_and_its_number_still_lands(bus, layer, named, text):
+    b, layers, rows = bus
+    before = [r.clone() for r in rows]
+    b.fetch(layer, named)
+    with pytest.raises(HostShareError, match=text):
+        b.wait()
+    assert int(b.flag) == 1  # the device's wait ends: the number is written whatever the job's fate
+    for r, r0 in zip(rows, before):
+        assert torch.equal(r, r0)
+
+
+def test_more_experts_than_rows_are_refused_on_the_host():
+    b = HostBus([blocks(4, 2)], stage(rows=2), device=DEVICE)
+    try:
+        assert b.rows == 2
+        with pytest.raises(ValueError, match="0 to 2 experts"):
+            b.fetch(0, [0, 1, 2])
+    finally:
+        b.close()
+
+
+def test_bad_stages_and_blocks_are_refused():
+    with pytest.raises(ConfigError, match="three stage tensors"):
+        HostBus([blocks(4, 2)], stage()[:2], device=DEVICE)
+    small = (torch.zeros(4, 5, 18, dtype=torch.uint8, device=DEVICE),) * 2 + (
+        torch.zeros(4, 3, 30, dtype=torch.uint8, device=DEVICE),)
+    with pytest.raises(ConfigError, match="expert shape"):
+        HostBus([blocks(4, 2)], small, device=DEVICE)
+    with pytest.raises(ConfigError, match="expert shape"):
+        HostBus([blocks(4, 2, shapes=SHAPES[:2] + ((3, 17),))], stage(), device=DEVICE)
+    with pytest.raises(ConfigError, match="gate, up, down"):
+        HostBus([blocks(4, 2)[:2]], stage(), device=DEVICE)
+    with pytest.raises(ConfigError, match="at least one|layers"):
+        HostBus([], stage(), device=DEVICE)
+
+
+def test_close_twice_and_jobs_after_close():
+    b = HostBus([blocks(4, 2)], stage(), device=DEVICE)
+    b.fetch(0, [1])
+    b.wait()
+    b.close()
+    b.close()
+    assert b.jobs == 0
