@@ -594,6 +594,10 @@ class HybridExperts:
             self.fetch_programs = programs or None
         if copier is not None:
             self.fetch_copier = copier
+        if n and self.fetch_copier == "engine" and self.cold_device == "gpu" and self.device.type == "cuda":
+            for layer in self._layers:  # the copier starts now, not inside a step that a graph may be capturing
+                if isinstance(layer.host, QuantizedExperts) and layer.host.blocks is not None:
+                    self._bus(layer, self._stream_buffers(layer))
         self.placement_version += 1
 
     def set_budget(self, budget_mb: float, unit: str | None = None) -> Placement:
@@ -801,6 +805,9 @@ class HybridExperts:
         if key not in self._buses:
             from engine.kernels.host_experts import HostBus
 
+            if torch.cuda.is_current_stream_capturing():
+                raise ConfigError("the copy engine's copier must start before a CUDA graph's capture "
+                                  "(set_cold_prefetch starts it)")
             if not isinstance(layer.host, QuantizedExperts) or layer.host.blocks is None:
                 raise ConfigError("the copy engine's fetch needs quantized experts held as host blocks "
                                   "(cold_format='quantized' with cold_device='gpu')")
