@@ -8,7 +8,7 @@
 # core of the process's main thread to the copier's); with TIMELINE=1 the fastest row's captured step in device order;
 # then `bench/vs_llamacpp.py` on the decode rows at the fastest (VS=0: not).
 source "$(dirname "$0")/env.sh"
-[ -x /tmp/llbuild/cmake/bin/llama-bench ] || bash "$(dirname "$0")/17_llamacpp_build.sh"
+[ "${VS:-1}" = 0 ] || [ -x /tmp/llbuild/cmake/bin/llama-bench ] || bash "$(dirname "$0")/17_llamacpp_build.sh"
 start_q35
 t0=$(date +%s)
 timeout ${KTESTS_S:-60} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
@@ -25,8 +25,10 @@ timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cach
 tests_summary $t0
 [ -z "$maker" ] || wait $maker
 echo "35B file there after $SECONDS s"
-for _ in $(seq ${WAIT_S:-300}); do [ -x /tmp/llbuild/cmake/bin/llama-bench ] && break; sleep 1; done
-echo "llama-bench there after $SECONDS s"; tail -1 /tmp/llbuild/build.log || true
+if [ "${VS:-1}" = 1 ]; then
+  for _ in $(seq ${WAIT_S:-300}); do [ -x /tmp/llbuild/cmake/bin/llama-bench ] && break; sleep 1; done
+  echo "llama-bench there after $SECONDS s"; tail -1 /tmp/llbuild/build.log || true
+fi
 WAIT=${WAIT:-1}
 LUCE_TUNE_BLOCKING_WAIT=$WAIT timeout ${ROWS_S:-200} python3 bench/cold_cpu_share.py --model /tmp/q35.gguf \
   --new-tokens 64 --repeats 3 --placement-units alternate --shares ${SHARE:-0.45} --routes main \
