@@ -55,7 +55,7 @@ from engine.engine import Engine, blocking_wait_setting  # noqa: E402
 from engine.kernels.host_experts import CFLAGS_ENV  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--budget-mb", type=float, default=8640.0, help="device MB for routed experts (8640: half at the 35B shapes)")
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--fetch-copiers", default="", help="kernel, engine or both: what copies the bus's fetch ahead "
                     "(a copy launch, or the copy engine queued by a host thread; default: the engine's)")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     fetches = [int(n) for n in args.prefetch.split(",") if n] or [None]
     warms = [int(n) for n in args.warm.split(",") if n] or [None]
     aheads = [n == "1" for n in args.ahead.split(",") if n] or [None]
@@ -97,8 +97,10 @@ def main() -> None:
     ways = [(r, g, c) for r in routes for g in programs for c in copiers]
     shares = [float(s) for s in args.shares.split(",")]
     t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()  # off CUDA (the tests' tiny model) the same rows run eagerly, fetching nothing
     eng = Engine.from_gguf(args.model, weights="quantized", cold_format="quantized", hot_format="quantized",
-                           cold_device="gpu", expert_budget_mb=args.budget_mb, cuda_graph=True)
+                           cold_device="gpu", expert_budget_mb=args.budget_mb, cuda_graph=cuda,
+                           device="cuda" if cuda else "cpu")
     print(f"loaded in {time.perf_counter() - t0:.1f} s; {eng.hybrid.placement.hot_count} hot / "
           f"{eng.hybrid.placement.cold_count} cold experts", flush=True)
     ids = eng.tokenizer.encode(args.prompt)

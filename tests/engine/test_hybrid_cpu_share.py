@@ -421,6 +421,10 @@ def test_engine_and_cli_take_the_count(qfile, capsys):
         assert out.timings.extra["cold_warm"] == 1
         eng.set_cold_prefetch(0)  # the warm count as set
         assert eng.hybrid.cold_prefetch == 0 and eng.hybrid.cold_warm == 1
+        eng.set_cold_prefetch(0, route="side", programs=4, copier="engine")  # every setting reaches the executor
+        assert (eng.hybrid.ahead_route, eng.hybrid.fetch_programs, eng.hybrid.fetch_copier) == ("side", 4, "engine")
+        with pytest.raises(ConfigError, match="fetch's copier"):
+            eng.set_cold_prefetch(0, copier="dma")
         assert eng.generate([3, 17, 5], 4).ids == out.ids
         with pytest.raises(ConfigError, match="fetched ahead"):
             eng.set_cold_prefetch(PREFETCH_MAX + 1)

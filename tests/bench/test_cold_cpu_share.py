@@ -1,0 +1,38 @@
+"""``bench/cold_cpu_share.py`` end to end on a tiny random model on the CPU: every row setting reaches the engine
+and is recorded (a share, the fetch and warm counts, the route, the programs, the copier), every row decodes the
+first row's greedy tokens, and a bad setting fails before any row with the engine's error."""
+
+import json
+
+import pytest
+
+from bench.cold_cpu_share import main
+from engine.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from engine.gguf.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("share") / "tiny.gguf", "tiny", n_expert=16, quant="q4_0", seed=5)
+
+
+def test_rows_take_every_setting(tiny, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    main(["--model", str(tiny), "--budget-mb", "0.05", "--shares", "0,0.5", "--threads", "2", "--new-tokens", "3",
+          "--repeats", "1", "--prefetch", "1,2", "--warm", "1", "--routes", "side", "--fetch-programs", "4",
+          "--fetch-copiers", "kernel,engine", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["share"], r["cold_prefetch"], r["fetch_copier"]) for r in rows] == [
+        (0.0, 0, "kernel"), (0.5, 1, "kernel"), (0.5, 1, "engine"), (0.5, 2, "kernel"), (0.5, 2, "engine")]
+    assert all(r["cold_warm"] == 1 and r["ahead_route"] == "side" and r["fetch_programs"] == 4 and r["threads"] == 2
+               for r in rows[1:])
+    assert all(r["same_tokens_as_first"] and r["decode_tok_s"]["median"] > 0 for r in rows)
+    assert capsys.readouterr().out.count("tok/s") == 5
+
+
+def test_a_bad_copier_fails_before_any_row(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="fetch's copier"):
+        main(["--model", str(tiny), "--budget-mb", "0.05", "--shares", "0.5", "--threads", "1", "--new-tokens", "2",
+              "--repeats", "1", "--prefetch", "1", "--fetch-copiers", "dma", "--json", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
