@@ -1,7 +1,7 @@
 """How well a layer's routing is predicted at the layer's start, before its mixer has run: the measure behind
 fetching and warming cold experts ahead of the router (``HybridExperts.set_cold_prefetch``).
 
-    python bench/route_prediction.py --model /tmp/q35.gguf [--tokens 32] [--cold 0.5] [--text FILE] [--ahead]
+    python bench/route_prediction.py --model /tmp/q35.gguf [--tokens 32] [--cold 0.5] [--text FILE] [--ahead [N]]
                                      [--json out.json]
 
 The model runs one forward over ``--tokens`` tokens (random ids, as llama-bench feeds them, or the start of
@@ -11,7 +11,8 @@ than its other weights). At each layer's start
 the executor's ``begin_layer`` hook sees the mixer's input x; the prediction is the top-k of the router over
 ``x * post / attn`` (``HybridExperts.set_predictors``), and the truth is the routing the layer then takes; with
 ``--ahead`` each layer but the first is predicted a layer earlier, from the layer before's mixer input (its
-``attn`` under this layer's ``post``), as ``HybridExperts.set_cold_prefetch(ahead=True)`` does.
+``attn`` under this layer's ``post``), as ``HybridExperts.set_cold_prefetch(ahead=True)`` does; ``--ahead N``
+N layers earlier, from the mixer input of the layer N before (the first N layers at their own start).
 Each layer gets a cold set of ``--cold`` of its experts (seeded, as a placement with uniform routing counts
 would leave them). Reported per layer and overall:
 
@@ -81,10 +82,11 @@ class RecordingExecutor:
         self.actual: dict[int, torch.Tensor] = {}
 
     def begin_layer(self, layer_idx: int, x: torch.Tensor) -> None:
-        if layer_idx == 0 or self.ahead is None:  # the first layer has no layer before it
+        by = 0 if self.ahead is None else sum(p is None for p in self.ahead)  # layers ahead
+        if layer_idx < by or self.ahead is None:  # no layer that far before it
             self.predicted[layer_idx] = self._top(self.predictors[layer_idx], x)
-        if self.ahead is not None and layer_idx + 1 < len(self.ahead):  # the next layer, from this one's input
-            self.predicted[layer_idx + 1] = self._top(self.ahead[layer_idx + 1], x)
+        if self.ahead is not None and layer_idx + by < len(self.ahead):  # that layer, from this one's input
+            self.predicted[layer_idx + by] = self._top(self.ahead[layer_idx + by], x)
 
     def _top(self, predictor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return (x.float() @ predictor.to(x.device).T).topk(self.k, dim=-1).indices.cpu()
@@ -97,8 +99,8 @@ class RecordingExecutor:
 def measure(model: Any, predictors: list[torch.Tensor], ids: torch.Tensor, cold_share: float,
             seed: int = 0, ahead: list[Any] | None = None) -> dict[str, Any]:
     """One forward of ``model`` (a ``Qwen35MoE``) over ``ids`` with its routing recorded; the table. With
-    ``ahead`` (a predictor a layer from the layer before's mixer input, None for the first) every layer
-    but the first is predicted at the layer before's start."""
+    ``ahead`` (a predictor a layer from the mixer input of the layer N before, None for the first N) every layer
+    but the first N is predicted at the start of the layer N before."""
     cfg = model.cfg
     inner = model.executor
     rec = RecordingExecutor(inner, predictors, cfg.n_expert_used, ahead)
@@ -136,12 +138,13 @@ def main() -> None:
     ap.add_argument("--cold", type=float, default=0.5, help="share of each layer's experts taken as cold")
     ap.add_argument("--text", type=Path, default=None, help="tokens from the start of this file (default: random)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ahead", action="store_true", help="predict each layer at the layer before's start "
-                    "(HybridExperts.set_cold_prefetch(ahead=True)) rather than at its own")
+    ap.add_argument("--ahead", type=int, nargs="?", const=1, default=0, help="predict each layer at the start of "
+                    "the layer this many before (1 without a number: HybridExperts.set_cold_prefetch(ahead=True)) "
+                    "rather than at its own")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    if args.tokens < 1 or not 0 < args.cold <= 1:
-        ap.error("--tokens must be at least 1 and --cold in (0, 1]")
+    if args.tokens < 1 or not 0 < args.cold <= 1 or args.ahead < 0:
+        ap.error("--tokens must be at least 1, --cold in (0, 1] and --ahead at least 0")
     from engine.gguf.reader import GGUFFile
     from engine.hybrid import ahead_predictors, routing_predictor
     from engine.model.qwen35moe import Qwen35MoE
@@ -155,7 +158,7 @@ def main() -> None:
     layers = model.weights.layers
     norms = [(layer.moe.router, layer.attn_norm, layer.post_norm) for layer in layers]
     predictors = [routing_predictor(*layer, device="cpu") for layer in norms]
-    ahead = ahead_predictors(norms, device="cpu") if args.ahead else None
+    ahead = ahead_predictors(norms, device="cpu", by=args.ahead) if args.ahead else None
     if args.text is not None:
         ids = Tokenizer.from_gguf(args.model).encode(args.text.read_text(errors="replace"))[:args.tokens]
     else:
@@ -163,7 +166,7 @@ def main() -> None:
     ids = torch.as_tensor(ids, dtype=torch.long)
     table = measure(model, predictors, ids, args.cold, args.seed, ahead)
     print(f"{args.model.name}: {len(ids)} tokens ({'text' if args.text else 'random'}), "
-          f"{'a layer ahead' if args.ahead else 'at the layer start'}, "
+          f"{f'{args.ahead} layer(s) ahead' if args.ahead else 'at the layer start'}, "
           f"{round(args.cold * cfg.n_expert)} of {cfg.n_expert} experts cold a layer")
     print(f"{'layer':>5} {'overlap':>8} " + " ".join(f"{f'hit[{m}]':>7}" for m in range(1, MAX_FETCH + 1))
           + f" {'distinct':>9}")

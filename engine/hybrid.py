@@ -361,12 +361,14 @@ def routing_predictor(router: torch.Tensor, attn: torch.Tensor, post: torch.Tens
 
 
 def ahead_predictors(layers: "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]", *,
-                     device: torch.device | str) -> list[torch.Tensor | None]:
-    """Per layer (router, attn norm, post norm), each layer's ``routing_predictor`` from the layer before's mixer
-    input (``HybridExperts.set_cold_prefetch(ahead=True)``): the layer before's ``attn`` under this layer's
-    ``post``, both mixers and the experts between left out; None for the first layer."""
-    return [None] + [routing_predictor(router, before[1], post, device=device)
-                     for before, (router, _, post) in zip(layers, layers[1:])]
+                     device: torch.device | str, by: int = 1) -> list[torch.Tensor | None]:
+    """Per layer (router, attn norm, post norm), each layer's ``routing_predictor`` from the mixer input of the
+    layer ``by`` before it (``HybridExperts.set_cold_prefetch(ahead=True)`` takes ``by`` 1): that layer's ``attn``
+    under this layer's ``post``, the mixers and the experts between left out; None for the first ``by`` layers."""
+    if by < 1:
+        raise ValueError(f"a prediction ahead is at least a layer before, got {by}")
+    return [None] * min(by, len(layers)) + [routing_predictor(router, before[1], post, device=device)
+                                            for before, (router, _, post) in zip(layers, layers[by:])]
 
 
 class HybridExperts:

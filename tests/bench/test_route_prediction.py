@@ -1,6 +1,7 @@
 """``bench/route_prediction.py``: the routing predicted at a layer's start against the routing taken, on a tiny
 random model; exact where the mixers add nothing; the experts read from the file's blocks as the model's own."""
 
+import pytest
 import torch
 
 from bench.route_prediction import BlockExperts, cold_hits, measure
@@ -40,3 +41,33 @@ def test_prediction_is_exact_where_the_mixers_add_nothing(tmp_path):
         (layer.mixer.o if hasattr(layer.mixer, "o") else layer.mixer.out).zero_()
     exact = measure(model, predictors, ids, 0.5)["overall"]
     assert exact["overlap"] == 1.0 and all(h == 1.0 for h in exact["hit"] if h is not None)
+
+
+def test_predictions_some_layers_ahead_come_from_that_layers_input(tmp_path):
+    """``ahead_predictors(by=N)``: None for the first N layers, then layer i's router under the norms of layer i - N's
+    mixer input; ``measure`` then predicts every layer (the first N at their own start), and a prediction from
+    further back names no more of the routed experts on this model than one from nearer."""
+    from engine.gguf.make_model import make_model
+    from engine.hybrid import ahead_predictors
+
+    path = make_model(tmp_path / "tiny.gguf", "tiny", n_expert=16, quant="q8_0", seed=4)
+    gguf = GGUFFile(path)
+    model = Qwen35MoE.from_gguf(gguf, device="cpu", dtype=torch.float32, expert_device="meta")
+    model.set_expert_executor(BlockExperts(raw_experts(gguf, model.cfg)))
+    norms = [(layer.moe.router, layer.attn_norm, layer.post_norm) for layer in model.weights.layers]
+    n = len(norms)
+    for by in (1, 2):
+        ahead = ahead_predictors(norms, device="cpu", by=by)
+        assert len(ahead) == n and all(p is None for p in ahead[:by])
+        for i in range(by, n):
+            router, _, post = norms[i]
+            assert torch.equal(ahead[i], routing_predictor(router, norms[i - by][1], post, device="cpu"))
+    with pytest.raises(ValueError, match="at least a layer"):
+        ahead_predictors(norms, device="cpu", by=0)
+    predictors = [routing_predictor(*layer, device="cpu") for layer in norms]
+    ids = torch.randint(0, model.cfg.vocab, (48,), generator=torch.Generator().manual_seed(2))
+    tables = [measure(model, predictors, ids, 0.5, ahead=ahead_predictors(norms, device="cpu", by=by) if by else None)
+              for by in (0, 1, 2)]
+    assert all(len(t["layers"]) == n for t in tables)
+    overlaps = [t["overall"]["overlap"] for t in tables]
+    assert 0 < overlaps[2] <= overlaps[1] <= overlaps[0] <= 1
