@@ -111,23 +111,29 @@ def _collect_into_kernel(reply_i, reply_f, seq_ptr, pending_ptr, acc_ptr, acc2_p
 
 
 @triton.jit
-def _bus_wait_kernel(flag_ptr, seq_ptr, bus_i, SPINS: tl.constexpr, BUS_STATUS: tl.constexpr):
-    """Acquire loads of the device word the copier's last copy writes until it holds the last number published,
-    at most ``SPINS``; past them the copier's status marks a timeout (the host's check raises)."""
-    s = tl.load(seq_ptr)
+def _bus_wait_kernel(flag_ptr, expect_ptr, bus_i, SPINS: tl.constexpr, BUS_STATUS: tl.constexpr):
+    """Acquire loads of the device word the copier's last copy writes until it holds the region's job's number or
+    the next one (the copier runs its jobs in order, and at most one later job is published before a region's
+    reader: a fetch two layers ahead), at most ``SPINS``; past them the copier's status marks a timeout (the host's
+    check raises)."""
+    s = tl.load(expect_ptr)
+    n = tl.where(s + 1 < 0, 1, s + 1)
     d = _load_acquire_sys(flag_ptr)
     i = 0
-    while (d != s) & (i < SPINS):
+    while (d != s) & (d != n) & (i < SPINS):
         d = _load_acquire_sys(flag_ptr)
         i += 1
-    if d != s:
+    if (d != s) & (d != n):
         tl.store(bus_i + BUS_STATUS, -1)
 
 
-def bus_wait(bus: "HostBus") -> None:
-    """One launch on the current stream that returns once the copies of the copier's last job have landed
-    (``hybrid_split.select_prefetch(bus=)`` published it): the expert launches after it read the stage's rows."""
-    _bus_wait_kernel[(1,)](bus.flag, bus.seq, bus.mailbox_dev, SPINS=host_experts.TIMEOUT_SPINS,
+def bus_wait(bus: "HostBus", region: int = 0) -> None:
+    """One launch on the current stream that returns once the copies of the copier's last job for ``region`` have
+    landed (``hybrid_split.select_prefetch(bus=, region=)`` published it): the expert launches after it read the
+    stage's rows."""
+    if not 0 <= region < bus.expect.numel():
+        raise ValueError(f"the copier keeps {bus.expect.numel()} regions' numbers, got region {region}")
+    _bus_wait_kernel[(1,)](bus.flag, bus.expect[region:], bus.mailbox_dev, SPINS=host_experts.TIMEOUT_SPINS,
                            BUS_STATUS=BUS_STATUS, num_warps=1)
 
 
