@@ -71,6 +71,7 @@ STAGED_ENV = "LUCE_TUNE_HYBRID_STAGED"  # 0: decode-sized calls with cold expert
 OVERLAP_ENV = "LUCE_TUNE_HYBRID_OVERLAP"  # 0: the staged path's bus copies on the compute stream, one expert launch
 COLD_GATHER_ENV = "LUCE_TUNE_COLD_GATHER"  # 0: decode-sized calls read the cold experts in place
 PREFETCH_MAX = 4  # cold experts a layer's bus may fetch ahead of its router (``set_cold_prefetch``)
+PREFETCH_REGIONS = 3  # the stage's regions of PREFETCH_MAX rows for fetches ahead: a layer ahead, two ahead in turn
 # None: decode-sized calls gather the cold experts on CUDA (unless LUCE_TUNE_COLD_GATHER=0); True: off CUDA
 # too (tests, with TRITON_INTERPRET=1); False: never.
 COLD_GATHER: bool | None = None
@@ -448,9 +449,16 @@ class HybridExperts:
         self.ahead_route = _env_choice(AHEAD_ROUTE_ENV, AHEAD_ROUTES)
         self.fetch_programs = _env_programs() or None
         self.fetch_copier = _env_choice(FETCH_COPIER_ENV, FETCH_COPIERS)
+        self.copier_ahead = _env_copier_ahead()
         self._buses: dict[Any, Any] = {}  # engine.kernels.host_experts.HostBus per stage layout, made on first use
-        # (layer, fetched ids or None, warmed ids or None, event, the copier or None): for the layer's split
-        self._fetch: tuple[int, torch.Tensor | None, torch.Tensor | None, Any, Any] | None = None
+        # (layer, fetched ids or None, warmed ids or None, event, the copier or None, the stage's region): for the
+        # layer's split
+        self._fetch: tuple[int, torch.Tensor | None, torch.Tensor | None, Any, Any, int] | None = None
+        # (layer, fetched ids, region, event, the copier): the copier's fetch two layers ahead, until that layer's
+        # prediction a layer ahead takes it
+        self._far: tuple[int, torch.Tensor, int, Any, Any] | None = None
+        self._far_region = 1
+        self._far_predictors: list[torch.Tensor | None] = []  # a layer's router from the input two layers before
         with torch.inference_mode(False):
             # cold pairs served from experts fetched ahead, and experts fetched ahead, per layer
             self._fetch_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
@@ -545,9 +553,11 @@ class HybridExperts:
             raise ValueError(f"{len(layers)} layers of predictors for {len(self._layers)} layers of experts")
         self._predictors = [routing_predictor(*layer, device=self.device) for layer in layers]
         self._ahead_predictors = ahead_predictors(layers, device=self.device)
+        self._far_predictors = ahead_predictors(layers, device=self.device, by=2)
 
     def set_cold_prefetch(self, n: int, *, warm: int | None = None, ahead: bool | None = None,
-                          route: str | None = None, programs: int | None = None, copier: str | None = None) -> None:
+                          route: str | None = None, programs: int | None = None, copier: str | None = None,
+                          copier_ahead: int | None = None) -> None:
         """Fetch up to ``n`` (0 to ``PREFETCH_MAX``) cold experts a layer ahead of its router in decode steps
         of one token on the staged path with a CPU share (``_staged_moe``): at the layer's start the routing
         is predicted from the mixer's input (``set_predictors``), and the bus copies its first ``n`` cold
@@ -571,6 +581,11 @@ class HybridExperts:
         copies the fetch, ``"kernel"`` that copy launch, ``"engine"`` the device's copy engine queued by a host
         thread (``engine.kernels.host_experts.HostBus``) that the select launch names the experts to, which takes
         no SM and reads pinned memory at the bus's full rate; the stage's expert launch waits for its copies.
+        ``copier_ahead`` (None: as set, at first ``LUCE_TUNE_COPIER_AHEAD`` or 1): with 2 and the copier, the
+        fetch for a cold layer after an all-hot one is issued at the layer before that one, from the routing
+        predicted two layers ahead (``far_target``), so that the copy engine has both layers' time; the threads'
+        warm-ups still come from the prediction a layer ahead (on the shipped target two layers ahead name 63% of
+        the routed experts, a layer ahead 67%: docs/benchmarks.md, twenty-second round). Not yet timed.
         Only where experts are read from changes, never what
         is computed. Captured steps made before a change no longer match: the engine captures again."""
         warm = self.cold_warm if warm is None else warm
@@ -587,6 +602,8 @@ class HybridExperts:
                               f"got {programs!r}")
         if copier is not None and copier not in FETCH_COPIERS:
             raise ConfigError(f"the fetch's copier is one of {', '.join(FETCH_COPIERS)}, got {copier!r}")
+        if copier_ahead is not None and (isinstance(copier_ahead, bool) or copier_ahead not in (1, 2)):
+            raise ConfigError(f"the copier fetches 1 or 2 layers ahead, got {copier_ahead!r}")
         self.cold_prefetch, self.cold_warm = n, warm
         if ahead is not None:
             self.cold_ahead = ahead
@@ -596,6 +613,8 @@ class HybridExperts:
             self.fetch_programs = programs or None
         if copier is not None:
             self.fetch_copier = copier
+        if copier_ahead is not None:
+            self.copier_ahead = copier_ahead
         if n and self.fetch_copier == "engine" and self.cold_device == "gpu" and self.device.type == "cuda":
             for layer in self._layers:  # the copier starts now, not inside a step that a graph may be capturing
                 if isinstance(layer.host, QuantizedExperts) and layer.host.blocks is not None:
@@ -732,16 +751,26 @@ class HybridExperts:
         first ``cold_prefetch`` cold experts into the stage's rows after ``STREAM_EXPERTS`` and name the next
         ``cold_warm`` to the CPU threads, on the second stream while this layer runs; the target layer's split
         waits for the prediction (not the copies) and serves their pairs from there (``_staged_moe``). A layer
-        predicted at the layer before leaves its fetch be."""
+        predicted at the layer before leaves its fetch be. With the copier two layers ahead (``copier_ahead`` 2)
+        the copier's fetch for the layer ``far_target`` names is issued here too, from a prediction two layers
+        ahead, into a region of the stage of its own; that layer's prediction a layer ahead then names only the
+        threads' warm-ups, skipping what the copier fetches."""
+        if layer_idx == 0:
+            self._far_region = 1  # a step's fetches two layers ahead take regions 1 and 2 in turn
+        if self._far is not None and self._far[0] < layer_idx:
+            self._join_far()  # its layer went another way
+        far_target = self.far_target(layer_idx) if self._prefetching(x) else None
+        if far_target is not None:
+            self._fetch_far(far_target, x)
         if self._fetch is not None and self._fetch[0] == layer_idx:
             return  # predicted at the layer before (``cold_ahead``)
         self._join_fetch()
-        if (not (self.cold_prefetch or self.cold_warm) or self._predictors is None or not x.is_cuda or x.shape[0] != 1
-                or not self.cpu_share or self._host_share is None or self.min_hot & (self.min_hot - 1)):
+        if not self._prefetching(x):
             return
         target = self.prefetch_target(layer_idx)
         if target is None:
             return
+        far = self._far if self._far is not None and self._far[0] == target else None
         predictors = self._predictors if target == layer_idx else self._ahead_predictors
         from engine.kernels.gather import gather_stacks
         from engine.kernels.hybrid_split import select_prefetch
@@ -749,12 +778,20 @@ class HybridExperts:
 
         layer = self._layers[target]
         router = predictors[target]
-        m, mw = self.cold_prefetch, self.cold_warm
+        m, mw = (self.cold_prefetch if far is None else 0), self.cold_warm
+        region = 0 if far is None else far[2]
         fetched = torch.empty(m, dtype=torch.int32, device=x.device) if m else None
         warmed = torch.empty(mw, dtype=torch.int32, device=x.device) if mw else None
+        if far is not None:
+            self._far = None  # taken: its layer's split reads its rows and waits for its number
+            fetched, bus = far[1], far[4]
+            if not mw:
+                self._fetch = (target, fetched, None, far[3], bus, region)
+                return
         buffers = self._stream_buffers(layer)
         sources = tuple(t.raw if isinstance(t, QuantExperts) else t for t in layer.mapped)
-        bus = self._bus(layer, buffers) if m and self.fetch_copier == "engine" else None
+        if far is None:
+            bus = self._bus(layer, buffers) if m and self.fetch_copier == "engine" else None
         main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
         on_main = self.ahead_route == "main"
         if on_main:  # a few microseconds of the whole device before the layer's own kernels
@@ -764,8 +801,9 @@ class HybridExperts:
         with torch.cuda.stream(side):
             if not on_main:
                 ids, _ = route_triton(x, router, self.min_hot, side=True)
-            select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[target:target + 1],
-                            warmed=warmed, share=self._host_share, layer=target, bus=bus)
+            select_prefetch(ids.view(-1), layer.slot_of, fetched if far is None else None,
+                            self._fetch_sent[target:target + 1], warmed=warmed, share=self._host_share,
+                            layer=target, bus=bus if far is None else None, skip=None if far is None else fetched)
             picked.record(side)
             if m and bus is None:
                 gather_stacks(sources, tuple(b[STREAM_EXPERTS:STREAM_EXPERTS + m] for b in buffers), fetched,
@@ -773,7 +811,64 @@ class HybridExperts:
         for t in (x, fetched, warmed, ids):  # read there: their blocks are not handed out again before it is done
             if t is not None:
                 t.record_stream(side)
-        self._fetch = (target, fetched, warmed, picked, bus)
+        self._fetch = (target, fetched, warmed, picked, bus, region)
+
+    def _prefetching(self, x: torch.Tensor) -> bool:
+        """Whether this call of a layer predicts and fetches ahead at all (``begin_layer``)."""
+        return bool((self.cold_prefetch or self.cold_warm) and self._predictors is not None and x.is_cuda
+                    and x.shape[0] == 1 and self.cpu_share and self._host_share is not None
+                    and not self.min_hot & (self.min_hot - 1))
+
+    def far_target(self, layer_idx: int) -> int | None:
+        """The layer whose copier fetch is issued at ``layer_idx``'s start with ``copier_ahead`` 2, or None: the
+        layer two after it, where the one between has every expert hot (``prefetch_target`` of it is then that
+        layer) and that layer's last one-token call took the staged path's two streams."""
+        t = layer_idx + 2
+        if (self.copier_ahead != 2 or self.fetch_copier != "engine" or not self.cold_prefetch or not self.cold_ahead
+                or not self._far_predictors or t >= len(self._layers) or not self._two_streams[t]
+                or self._layers[layer_idx + 1].n_hot != self._layers[layer_idx + 1].n_expert):
+            return None
+        return t
+
+    def _fetch_far(self, target: int, x: torch.Tensor) -> None:
+        """The copier's fetch for ``target`` from its routing predicted two layers ahead (``far_target``), into
+        region 1 or 2 of the stage in turn, on the second stream."""
+        from engine.kernels.hybrid_split import select_prefetch
+        from engine.kernels.moe_gate import route_triton
+
+        layer = self._layers[target]
+        bus = self._bus(layer, self._stream_buffers(layer))
+        region = self._far_region
+        self._far_region = 3 - region
+        router = self._far_predictors[target]
+        fetched = torch.empty(self.cold_prefetch, dtype=torch.int32, device=x.device)
+        main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
+        on_main = self.ahead_route == "main"
+        if on_main:
+            ids, _ = route_triton(x, router, self.min_hot, ahead=True)
+        side.wait_stream(main)
+        picked = torch.cuda.Event()
+        with torch.cuda.stream(side):
+            if not on_main:
+                ids, _ = route_triton(x, router, self.min_hot, side=True)
+            select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[target:target + 1], layer=target,
+                            bus=bus, region=region, row0=region * PREFETCH_MAX)
+            picked.record(side)
+        for t in (x, fetched, ids):
+            t.record_stream(side)
+        self._far = (target, fetched, region, picked, bus)
+
+    def _join_far(self) -> None:
+        """A fetch two layers ahead that its layer did not take: the second stream waits for its copies and the
+        compute stream for the second stream."""
+        from engine.kernels.host_share_triton import bus_wait
+
+        _, _, region, _, bus = self._far
+        side = self._side_stream(self.device)
+        with torch.cuda.stream(side):
+            bus_wait(bus, region)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._far = None
 
     def prefetch_target(self, layer_idx: int) -> int | None:
         """The layer whose cold experts are fetched and warmed at ``layer_idx``'s start, or None: the next layer
@@ -790,13 +885,13 @@ class HybridExperts:
         stream waits for the second stream (and that for the copier's copies), so no copy outlives its step or a
         graph's capture."""
         if self._fetch is not None:
-            device, bus = self.device, self._fetch[4]
+            device, bus, region = self.device, self._fetch[4], self._fetch[5]
             side = self._side_stream(device)
             if bus is not None:
                 from engine.kernels.host_share_triton import bus_wait
 
                 with torch.cuda.stream(side):
-                    bus_wait(bus)
+                    bus_wait(bus, region)
             torch.cuda.current_stream(device).wait_stream(side)
             self._fetch = None
 
@@ -883,7 +978,7 @@ class HybridExperts:
         sources = tuple(m.raw if isinstance(m, QuantExperts) else m for m in layer.mapped)
         if any(src.dtype != b.dtype or src.shape[1:] != b.shape[1:] for src, b in zip(sources, buffers)):
             return None
-        rows = STREAM_EXPERTS + PREFETCH_MAX if fetch is not None and fetch[1] is not None else T * k  # rows read
+        rows = STREAM_EXPERTS + PREFETCH_REGIONS * PREFETCH_MAX if fetch is not None and fetch[1] is not None else T * k
         stage = layer.host.as_experts(tuple(b[:rows] for b in buffers))
         if not all(isinstance(st, QuantExperts) and stage_fits(sl, st) for sl, st in zip(layer.slot_experts, stage)):
             return None
@@ -901,11 +996,11 @@ class HybridExperts:
             stage_codes = torch.empty((T, k), dtype=torch.int32, device=x.device)
             main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
             fetched = {}
-            bus = None
+            bus, region = None, 0
             if fetch is not None:  # the bus's copies fetched ahead (their pairs read those rows), the threads' warmed
-                _, ahead, warm, picked, bus = fetch
+                _, ahead, warm, picked, bus, region = fetch
                 main.wait_event(picked)
-                fetched = dict(fetched=ahead, fetched_row=STREAM_EXPERTS, warmed=warm,
+                fetched = dict(fetched=ahead, fetched_row=STREAM_EXPERTS + region * PREFETCH_MAX, warmed=warm,
                                fetched_hits=self._fetch_hits[layer_idx:layer_idx + 1])
                 self._fetch = None  # joined below with the second stream
             split_pairs(ids, layer.slot_of, self._hot_hits[layer_idx:layer_idx + 1], codes, stage_ids, share=pool,
@@ -915,7 +1010,7 @@ class HybridExperts:
             with torch.cuda.stream(side):
                 gather_stacks(sources, stacks, stage_ids)
                 if bus is not None:  # the copier's copies landed before the stage's launch reads their rows
-                    bus_wait(bus)
+                    bus_wait(bus, region)
                 staged = quantized_moe_triton(x, gate, up, down, stage_codes, w, stage=tuple(stage),
                                               out_dtype=torch.float32)
             hot = quantized_moe_triton(x, gate, up, down, codes, w, shared=args, out_dtype=torch.float32)
@@ -1034,7 +1129,8 @@ class HybridExperts:
         key = (layer.host.dtype, layer.host.expert_shapes)
         if key not in self._stream_buffers_by_layout:
             self._stream_buffers_by_layout[key] = tuple(  # then the rows of the experts fetched ahead
-                torch.empty((STREAM_EXPERTS + PREFETCH_MAX, *shape), dtype=layer.host.dtype, device=self.device)
+                torch.empty((STREAM_EXPERTS + PREFETCH_REGIONS * PREFETCH_MAX, *shape), dtype=layer.host.dtype,
+                            device=self.device)
                 for shape in layer.host.expert_shapes)
         return self._stream_buffers_by_layout[key]
 
@@ -1116,6 +1212,7 @@ FETCH_PROGRAMS_MAX = 1024
 FETCH_PROGRAMS_DEFAULT = 8  # the fastest bound measured (2, 4, 8, 32 and one a block: twenty-first round)
 FETCH_COPIER_ENV = "LUCE_TUNE_FETCH_COPIER"  # what copies the fetch ahead (``set_cold_prefetch(copier=)``)
 FETCH_COPIERS = ("kernel", "engine")  # the first is the default
+COPIER_AHEAD_ENV = "LUCE_TUNE_COPIER_AHEAD"  # 2: the copier's fetch two layers ahead (``set_cold_prefetch(copier_ahead=)``)
 
 
 def _env_flag(name: str) -> bool:
@@ -1157,6 +1254,13 @@ def _env_programs() -> int:
     if not os.environ.get(FETCH_PROGRAMS_ENV, "").strip():
         return FETCH_PROGRAMS_DEFAULT
     return _env_prefetch(FETCH_PROGRAMS_ENV, FETCH_PROGRAMS_MAX)
+
+
+def _env_copier_ahead() -> int:
+    text = os.environ.get(COPIER_AHEAD_ENV, "").strip()
+    if text not in ("", "1", "2"):
+        raise ConfigError(f"{COPIER_AHEAD_ENV} must be 1 or 2, got {text!r}")
+    return int(text or 1)
 
 
 def _env_unit() -> str:
