@@ -978,7 +978,7 @@ class HybridExperts:
         sources = tuple(m.raw if isinstance(m, QuantExperts) else m for m in layer.mapped)
         if any(src.dtype != b.dtype or src.shape[1:] != b.shape[1:] for src, b in zip(sources, buffers)):
             return None
-        rows = STREAM_EXPERTS + PREFETCH_REGIONS * PREFETCH_MAX if fetch is not None and fetch[1] is not None else T * k
+        rows = buffers[0].shape[0] if fetch is not None and fetch[1] is not None else T * k  # rows read
         stage = layer.host.as_experts(tuple(b[:rows] for b in buffers))
         if not all(isinstance(st, QuantExperts) and stage_fits(sl, st) for sl, st in zip(layer.slot_experts, stage)):
             return None
@@ -1125,12 +1125,18 @@ class HybridExperts:
         return self._pair_rows[key]
 
     def _stream_buffers(self, layer: _LayerTiers) -> tuple[torch.Tensor, ...]:
-        """Device buffers for ``STREAM_EXPERTS`` experts of ``layer``'s layout, shared by the layers."""
+        """Device buffers for ``STREAM_EXPERTS`` experts of ``layer``'s layout, shared by the layers, then the rows
+        of the experts fetched ahead: one region of ``PREFETCH_MAX``, three with the copier two layers ahead
+        (made larger when that is set, with a new copier for them)."""
         key = (layer.host.dtype, layer.host.expert_shapes)
-        if key not in self._stream_buffers_by_layout:
-            self._stream_buffers_by_layout[key] = tuple(  # then the rows of the experts fetched ahead
-                torch.empty((STREAM_EXPERTS + PREFETCH_REGIONS * PREFETCH_MAX, *shape), dtype=layer.host.dtype,
-                            device=self.device)
+        regions = PREFETCH_REGIONS if self.copier_ahead == 2 and self.fetch_copier == "engine" else 1
+        rows = STREAM_EXPERTS + regions * PREFETCH_MAX
+        held = self._stream_buffers_by_layout.get(key)
+        if held is None or held[0].shape[0] < rows:
+            if key in self._buses:  # it fills the old buffers' rows
+                self._buses.pop(key).close()
+            self._stream_buffers_by_layout[key] = tuple(
+                torch.empty((rows, *shape), dtype=layer.host.dtype, device=self.device)
                 for shape in layer.host.expert_shapes)
         return self._stream_buffers_by_layout[key]
 
