@@ -11,7 +11,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from engine.kernels.gather import gather_stacks  # noqa: E402
+from engine.kernels.host_share_triton import BUS_AHEAD, _distance  # noqa: E402
 from engine.kernels.hybrid_split import select_prefetch, split_pairs  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -308,17 +311,40 @@ def test_cuda_select_names_experts_to_the_copier_by_region():
         first, second = (torch.empty(2, dtype=torch.int32, device="cuda") for _ in range(2))
         select_prefetch(torch.tensor([0, 6, 3, 2], device="cuda"), slot_of, first, sent, bus=bus, region=1, row0=4)
         select_prefetch(torch.tensor([2, 1, 0, 0], device="cuda"), slot_of, second, sent, bus=bus, region=2, row0=8)
-        bus_wait(bus, 1)
+        third = torch.empty(1, dtype=torch.int32, device="cuda")
+        select_prefetch(torch.tensor([7, 0, 0, 0], device="cuda"), slot_of, third, sent, bus=bus)  # region 0
+        bus_wait(bus, 1)  # two later jobs published before it
         bus_wait(bus, 2)
+        bus_wait(bus, 0)
         torch.cuda.synchronize()
         bus.check()
-        assert first.tolist() == [6, 3] and second.tolist() == [1, -1] and bus.expect[1:].tolist() == [1, 2]
+        assert first.tolist() == [6, 3] and second.tolist() == [1, -1] and bus.expect.tolist() == [3, 1, 2]
+        assert all(torch.equal(t[0].cpu(), b[7]) for t, b in zip(stage, blocks[0]))
         for t, b in zip(stage, blocks[0]):
             assert torch.equal(t[4].cpu(), b[6]) and torch.equal(t[5].cpu(), b[3]) and torch.equal(t[8].cpu(), b[1])
-            assert not t[9].any() and not t[:4].any()
+            assert not t[9].any() and not t[1:4].any()
         with pytest.raises(ValueError, match="regions"):
             select_prefetch(torch.tensor([0, 6, 3, 2], device="cuda"), slot_of, first, sent, bus=bus, region=3)
         with pytest.raises(ValueError, match="regions"):
             select_prefetch(torch.tensor([0, 6, 3, 2], device="cuda"), slot_of, first, sent, bus=bus, row0=11)
     finally:
         bus.close()
+
+
+@triton.jit
+def _distances(s_ptr, d_ptr, out_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(out_ptr + o, _distance(tl.load(s_ptr + o), tl.load(d_ptr + o)))
+
+
+def test_the_copier_waits_distance_runs_along_its_numbers():
+    """``bus_wait`` takes a region's job as done when the copier's word holds its number or one of the next
+    ``BUS_AHEAD``: the distance along 1 .. 2^31 - 1 (then 1 again, as the device numbers its jobs), large where the
+    word is still before the number (0 before the first job)."""
+    top = 2**31 - 1
+    pairs = [(5, 5, 0), (5, 7, 2), (7, 5, top - 2), (1, 0, top - 1), (top, 1, 1), (top - 1, 2, 3), (3, top, top - 3)]
+    s, d = (torch.tensor([p[i] for p in pairs] + [0], dtype=torch.int32, device=DEVICE) for i in (0, 1))
+    out = torch.empty(8, dtype=torch.int32, device=DEVICE)
+    _distances[(1,)](s, d, out, N=8)
+    assert out.cpu().tolist()[:7] == [p[2] for p in pairs]
+    assert BUS_AHEAD < top - 3  # a word before the number is never taken as past it
