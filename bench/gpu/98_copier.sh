@@ -19,7 +19,7 @@ timeout ${KTESTS_S:-60} python3 -m pytest -o addopts="" -q --tb=short -p no:cach
 grep -E "passed|failed" "$OUT/tests_bus.log" | tail -1 || true
 grep -E "^(FAILED|ERROR)|^E " "$OUT/tests_bus.log" | head -8 || true
 t0=$(date +%s)
-timeout ${TESTS_S:-150} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
+timeout ${TESTS_S:-200} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
   $(for c in q4_0-1-6-alternate-main-8-kernel-1 {q4_0,q8_0}-{1-6-alternate-main-8,2-0-expert-side-0,2-5-alternate-main-8,4-4-alternate-side-0}-engine-1 \
       {q4_0,q8_0}-{1-6-alternate-main-8,2-5-alternate-main-8,4-4-alternate-side-0,2-0-alternate-main-0}-engine-2; do
     echo "tests/engine/test_hybrid_cpu_share.py::test_cuda_captured_step_with_fetches_follows_the_device_model[$c]"; done) \
@@ -34,7 +34,7 @@ if [ "${VS:-1}" = 1 ]; then
   echo "llama-bench there after $SECONDS s"; tail -1 /tmp/llbuild/build.log || true
 fi
 WAIT=${WAIT:-1}
-LUCE_TUNE_BLOCKING_WAIT=$WAIT timeout ${ROWS_S:-200} python3 bench/cold_cpu_share.py --model /tmp/q35.gguf \
+LUCE_TUNE_BLOCKING_WAIT=$WAIT timeout ${ROWS_S:-260} python3 bench/cold_cpu_share.py --model /tmp/q35.gguf \
   --new-tokens 64 --repeats 3 --placement-units alternate --shares ${SHARE:-0.45} --routes main \
   --prefetch ${FETCH:-1,2,3} --warm ${WARM:-6,5} --fetch-copiers ${COPIERS:-kernel,engine} --copier-ahead ${AHEADS:-1,2} \
   ${THREADS:+--threads $THREADS} \
