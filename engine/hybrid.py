@@ -774,7 +774,6 @@ class HybridExperts:
         predictors = self._predictors if target == layer_idx else self._ahead_predictors
         from engine.kernels.gather import gather_stacks
         from engine.kernels.hybrid_split import select_prefetch
-        from engine.kernels.moe_gate import route_triton
 
         layer = self._layers[target]
         router = predictors[target]
@@ -792,15 +791,9 @@ class HybridExperts:
         sources = tuple(t.raw if isinstance(t, QuantExperts) else t for t in layer.mapped)
         if far is None:
             bus = self._bus(layer, buffers) if m and self.fetch_copier == "engine" else None
-        main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
-        on_main = self.ahead_route == "main"
-        if on_main:  # a few microseconds of the whole device before the layer's own kernels
-            ids, _ = route_triton(x, router, self.min_hot, ahead=True)
-        side.wait_stream(main)
+        ids, side = self._predict(x, router)
         picked = torch.cuda.Event()
         with torch.cuda.stream(side):
-            if not on_main:
-                ids, _ = route_triton(x, router, self.min_hot, side=True)
             select_prefetch(ids.view(-1), layer.slot_of, fetched if far is None else None,
                             self._fetch_sent[target:target + 1], warmed=warmed, share=self._host_share,
                             layer=target, bus=bus if far is None else None, skip=None if far is None else fetched)
@@ -812,6 +805,22 @@ class HybridExperts:
             if t is not None:
                 t.record_stream(side)
         self._fetch = (target, fetched, warmed, picked, bus, region)
+
+    def _predict(self, x: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Stream]:
+        """The top-k ``router`` (a predictor) gives ``x``, and the second stream, which is ordered after it: on the
+        step's own stream (``ahead_route`` "main": a few microseconds of the whole device before the layer's own
+        kernels) or on the second stream."""
+        from engine.kernels.moe_gate import route_triton
+
+        main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
+        if self.ahead_route == "main":
+            ids, _ = route_triton(x, router, self.min_hot, ahead=True)
+            side.wait_stream(main)
+        else:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                ids, _ = route_triton(x, router, self.min_hot, side=True)
+        return ids, side
 
     def _prefetching(self, x: torch.Tensor) -> bool:
         """Whether this call of a layer predicts and fetches ahead at all (``begin_layer``)."""
@@ -834,7 +843,6 @@ class HybridExperts:
         """The copier's fetch for ``target`` from its routing predicted two layers ahead (``far_target``), into
         region 1 or 2 of the stage in turn, on the second stream."""
         from engine.kernels.hybrid_split import select_prefetch
-        from engine.kernels.moe_gate import route_triton
 
         layer = self._layers[target]
         bus = self._bus(layer, self._stream_buffers(layer))
@@ -842,15 +850,9 @@ class HybridExperts:
         self._far_region = 3 - region
         router = self._far_predictors[target]
         fetched = torch.empty(self.cold_prefetch, dtype=torch.int32, device=x.device)
-        main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
-        on_main = self.ahead_route == "main"
-        if on_main:
-            ids, _ = route_triton(x, router, self.min_hot, ahead=True)
-        side.wait_stream(main)
+        ids, side = self._predict(x, router)
         picked = torch.cuda.Event()
         with torch.cuda.stream(side):
-            if not on_main:
-                ids, _ = route_triton(x, router, self.min_hot, side=True)
             select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[target:target + 1], layer=target,
                             bus=bus, region=region, row0=region * PREFETCH_MAX)
             picked.record(side)
