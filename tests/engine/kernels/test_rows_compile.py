@@ -339,13 +339,24 @@ def test_word_gate_up_waits_before_the_down_launch_may_start(wait_first, tmp_pat
       "M": 2, "MW": 2}),
     ("_select_kernel", "engine.kernels.hybrid_split",
      {"pred_ptr": "*i64", "slot_ptr": "*i64", "out_ptr": "*i32", "sent_ptr": "*i64", "warm_ptr": "*i32",
-      "mb_i": "*i32", "wseq_ptr": "*i32"},
-     {"K": 8, "M": 1, "MW": 2, "PUBLISH": True, "BLOCK_K": 8, "WARM_SEQ": 20, "WARM_LAYER": 21, "WARM_N": 22,
-      "WARM_IDS": 24}),
-], ids=["collect_into", "collect", "split_publish", "select_warm"])
+      "mb_i": "*i32", "wseq_ptr": "*i32", "bus_i": "*i32", "bseq_ptr": "*i32", "expect_ptr": "*i32",
+      "skip_ptr": "*i32"},
+     {"K": 8, "M": 1, "MW": 2, "MS": 0, "PUBLISH": True, "BUS": False, "BLOCK_K": 8, "WARM_SEQ": 20,
+      "WARM_LAYER": 21, "WARM_N": 22, "WARM_IDS": 24, "BUS_LAYER": 1, "BUS_N": 2, "BUS_ROW0": 4, "BUS_IDS": 8}),
+    ("_select_kernel", "engine.kernels.hybrid_split",
+     {"pred_ptr": "*i64", "slot_ptr": "*i64", "out_ptr": "*i32", "sent_ptr": "*i64", "warm_ptr": "*i32",
+      "mb_i": "*i32", "wseq_ptr": "*i32", "bus_i": "*i32", "bseq_ptr": "*i32", "expect_ptr": "*i32",
+      "skip_ptr": "*i32"},
+     {"K": 8, "M": 2, "MW": 2, "MS": 2, "PUBLISH": True, "BUS": True, "BLOCK_K": 8, "WARM_SEQ": 20,
+      "WARM_LAYER": 21, "WARM_N": 22, "WARM_IDS": 24, "BUS_LAYER": 1, "BUS_N": 2, "BUS_ROW0": 4, "BUS_IDS": 8}),
+    ("_bus_wait_kernel", "engine.kernels.host_share_triton",
+     {"flag_ptr": "*i32", "expect_ptr": "*i32", "bus_i": "*i32"},
+     {"SPINS": 1 << 24, "BUS_STATUS": 3, "AHEAD": 1 << 16}),
+], ids=["collect_into", "collect", "split_publish", "select_warm", "select_copier", "copier_wait"])
 def test_host_share_launches_compile_with_system_scope_accesses(name, module, types, consts, tmp_path):
-    """The launches that talk to the CPU threads build for sm_90 (they run only on CUDA): the wait's acquire
-    loads and the publications' fence and release store at system scope (a job's, a warm-up's), in the PTX."""
+    """The launches that talk to the CPU threads and the copier build for sm_90 (they run only on CUDA): the waits'
+    acquire loads and the publications' fence and release store at system scope (a job's, a warm-up's, a copier
+    job's), in the PTX."""
     out = _sass(name, types, consts, 4, tmp_path, module=module, ptx=True)
     if name in ("_split_kernel", "_select_kernel"):
         assert "fence.sc.sys" in out and "st.release.sys" in out
