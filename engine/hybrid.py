@@ -49,7 +49,7 @@ from gguf import GGML_QUANT_SIZES
 from engine.errors import ConfigError
 from engine.gguf import quants
 from engine.kernels.cpu_quant import CpuQuantMatrix
-from engine.kernels.host_experts import WARM_MAX  # cold experts a layer's CPU threads may warm ahead
+from engine.kernels.host_experts import BUS_WAITS, WARM_MAX  # the copier's regions; the warm-ups' bound
 from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
 from engine.kernels.quant.reference import (SPLIT_QTYPES, QuantExperts, QuantMatrix, join_rows, row_bytes,
                                             split_layout_on, split_rows)
@@ -71,7 +71,7 @@ STAGED_ENV = "LUCE_TUNE_HYBRID_STAGED"  # 0: decode-sized calls with cold expert
 OVERLAP_ENV = "LUCE_TUNE_HYBRID_OVERLAP"  # 0: the staged path's bus copies on the compute stream, one expert launch
 COLD_GATHER_ENV = "LUCE_TUNE_COLD_GATHER"  # 0: decode-sized calls read the cold experts in place
 PREFETCH_MAX = 4  # cold experts a layer's bus may fetch ahead of its router (``set_cold_prefetch``)
-PREFETCH_REGIONS = 3  # the stage's regions of PREFETCH_MAX rows for fetches ahead: a layer ahead, two ahead in turn
+PREFETCH_REGIONS = BUS_WAITS  # the stage's regions of PREFETCH_MAX rows for fetches ahead: a layer ahead, two in turn
 # None: decode-sized calls gather the cold experts on CUDA (unless LUCE_TUNE_COLD_GATHER=0); True: off CUDA
 # too (tests, with TRITON_INTERPRET=1); False: never.
 COLD_GATHER: bool | None = None
@@ -449,7 +449,7 @@ class HybridExperts:
         self.ahead_route = _env_choice(AHEAD_ROUTE_ENV, AHEAD_ROUTES)
         self.fetch_programs = _env_programs() or None
         self.fetch_copier = _env_choice(FETCH_COPIER_ENV, FETCH_COPIERS)
-        self.copier_ahead = _env_copier_ahead()
+        self.copier_ahead = int(_env_choice(COPIER_AHEAD_ENV, ("1", "2")))
         self._buses: dict[Any, Any] = {}  # engine.kernels.host_experts.HostBus per stage layout, made on first use
         # (layer, fetched ids or None, warmed ids or None, event, the copier or None, the stage's region): for the
         # layer's split
@@ -861,16 +861,20 @@ class HybridExperts:
         self._far = (target, fetched, region, picked, bus)
 
     def _join_far(self) -> None:
-        """A fetch two layers ahead that its layer did not take: the second stream waits for its copies and the
-        compute stream for the second stream."""
-        from engine.kernels.host_share_triton import bus_wait
-
-        _, _, region, _, bus = self._far
-        side = self._side_stream(self.device)
-        with torch.cuda.stream(side):
-            bus_wait(bus, region)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        """A fetch two layers ahead that its layer did not take (``_join_side``)."""
+        self._join_side(self._far[4], self._far[2])
         self._far = None
+
+    def _join_side(self, bus: Any, region: int) -> None:
+        """The compute stream waits for the second stream, and that for the copier's copies into ``region`` where
+        ``bus`` is one, so that no copy outlives its step or a graph's capture."""
+        side = self._side_stream(self.device)
+        if bus is not None:
+            from engine.kernels.host_share_triton import bus_wait
+
+            with torch.cuda.stream(side):
+                bus_wait(bus, region)
+        torch.cuda.current_stream(self.device).wait_stream(side)
 
     def prefetch_target(self, layer_idx: int) -> int | None:
         """The layer whose cold experts are fetched and warmed at ``layer_idx``'s start, or None: the next layer
@@ -887,14 +891,7 @@ class HybridExperts:
         stream waits for the second stream (and that for the copier's copies), so no copy outlives its step or a
         graph's capture."""
         if self._fetch is not None:
-            device, bus, region = self.device, self._fetch[4], self._fetch[5]
-            side = self._side_stream(device)
-            if bus is not None:
-                from engine.kernels.host_share_triton import bus_wait
-
-                with torch.cuda.stream(side):
-                    bus_wait(bus, region)
-            torch.cuda.current_stream(device).wait_stream(side)
+            self._join_side(self._fetch[4], self._fetch[5])
             self._fetch = None
 
     def _bus(self, layer: _LayerTiers, buffers: tuple[torch.Tensor, ...]) -> Any:
@@ -1262,13 +1259,6 @@ def _env_programs() -> int:
     if not os.environ.get(FETCH_PROGRAMS_ENV, "").strip():
         return FETCH_PROGRAMS_DEFAULT
     return _env_prefetch(FETCH_PROGRAMS_ENV, FETCH_PROGRAMS_MAX)
-
-
-def _env_copier_ahead() -> int:
-    text = os.environ.get(COPIER_AHEAD_ENV, "").strip()
-    if text not in ("", "1", "2"):
-        raise ConfigError(f"{COPIER_AHEAD_ENV} must be 1 or 2, got {text!r}")
-    return int(text or 1)
 
 
 def _env_unit() -> str:

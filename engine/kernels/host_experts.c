@@ -941,7 +941,7 @@ typedef struct {
     int *experts;                  /* [nlayers] */
     int nlayers, started;
     int32_t start_seq;
-    int64_t jobs, copies;
+    int64_t jobs;
     volatile int stop;
     pthread_t thread;
 } bus_t;
@@ -967,7 +967,6 @@ static int bus_job(bus_t *b, int32_t seq) {
             const int64_t slab = b->slab[3 * layer + i];
             if (b->copy(b->dst[i] + (uint64_t)((row0 + j) * b->dst_row[i]), b->src[3 * layer + i] + (int64_t)e * slab,
                         (size_t)slab, b->stream) != 0) { status = -2; break; }
-            b->copies++;
         }
     }
     if (status) __atomic_store_n(&b->mb[BUS_STATUS], status, __ATOMIC_RELEASE);

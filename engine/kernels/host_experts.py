@@ -56,7 +56,8 @@ TIMEOUT_SPINS = 1 << 24  # acquire loads over the bus (about 1 us each) before c
 WAIT_TIMEOUT_S = 30.0  # the host path's wait for a reply
 STATUS_TEXT = {1: "a layer with no matrices registered", 2: "more tokens or pairs than the mailbox holds",
                -1: "the CPU threads did not answer within the device's wait"}
-# the bus copier's mailbox (host_experts.c): number, layer, count, status, expert ids, then the ring of numbers
+# the bus copier's mailbox (host_experts.c): number, layer, count, status, first stage row, expert ids, then the
+# ring of numbers
 BUS_SEQ, BUS_LAYER, BUS_N, BUS_STATUS, BUS_ROW0, BUS_IDS, BUS_MAX, BUS_RING, BUS_SLOTS = 0, 1, 2, 3, 4, 8, 16, 32, 64
 BUS_WAITS = 3  # the jobs whose numbers the device keeps apart (``HostBus.expect``): one a region of the stage
 BUS_STATUS_TEXT = {1: "a layer whose experts were not registered", 2: "more experts than the stage holds, or an "
