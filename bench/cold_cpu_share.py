@@ -5,7 +5,6 @@
                                    [--placement-units expert,layer] [--feed random|greedy] [--also-greedy]
                                    [--timeline] [--prefetch 0,1,2] [--warm 0,2] [--ahead 0,1]
                                    [--routes main,side] [--fetch-programs 0,8,16] [--fetch-copiers kernel,engine]
-                                   [--copier-ahead 1,2]
                                    [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_CHUNK1=16"]
                                    [--json out.json]
 
@@ -33,9 +32,8 @@ layer the bus fetches ahead of its router (``Engine.set_cold_prefetch``), ``--wa
 warm ahead, ``--ahead`` per way of predicting a cold layer after an all-hot one (at that layer's start, or at its own),
 and each such row reports how many were fetched or warmed and how many of the cold pairs they served;
 ``--routes`` per place of the predicting router (the step's stream or the second one), ``--fetch-programs`` per
-bound on the bus's fetch's programs (0: one a block), ``--fetch-copiers`` per copier of that fetch (a copy
-launch, or the copy engine queued by a host thread) and ``--copier-ahead`` per number of layers ahead the copier's
-fetch is issued.
+bound on the bus's fetch's programs (0: one a block) and ``--fetch-copiers`` per copier of that fetch (a copy
+launch, or the copy engine queued by a host thread).
 """
 
 from __future__ import annotations
@@ -88,8 +86,6 @@ def main(argv: list[str] | None = None) -> None:
                     "(comma-separated; 0: one a block; default: the engine's)")
     ap.add_argument("--fetch-copiers", default="", help="kernel, engine or both: what copies the bus's fetch ahead "
                     "(a copy launch, or the copy engine queued by a host thread; default: the engine's)")
-    ap.add_argument("--copier-ahead", default="", help="1, 2 or both: layers ahead the copier's fetch is issued "
-                    "(default: the engine's)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     fetches = [int(n) for n in args.prefetch.split(",") if n] or [None]
@@ -98,9 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     routes = [r for r in args.routes.split(",") if r] or [None]
     programs = [int(n) for n in args.fetch_programs.split(",") if n] or [None]
     copiers = [c for c in args.fetch_copiers.split(",") if c] or [None]
-    fars = [int(n) for n in args.copier_ahead.split(",") if n] or [None]
-    ways = [(r, g, c, a) for r in routes for g in programs for c in copiers for a in fars
-            if not (c == "kernel" and a == 2)]  # two layers ahead is the copier's alone: the same row as 1
+    ways = [(r, g, c) for r in routes for g in programs for c in copiers]
     shares = [float(s) for s in args.shares.split(",")]
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()  # off CUDA (the tests' tiny model) the same rows run eagerly, fetching nothing
@@ -116,12 +110,12 @@ def main(argv: list[str] | None = None) -> None:
     counts = [int(t) for t in args.threads.split(",") if t] or [None]
     builds = args.cflags.split(";") if args.cflags is not None else [os.environ.get(CFLAGS_ENV, "")]
     units = args.placement_units.split(",")
-    runs = [(u, share, act, None, builds[0], None, None, None, (None, None, None, None)) for u in units for share in shares
+    runs = [(u, share, act, None, builds[0], None, None, None, (None, None, None)) for u in units for share in shares
             if not share for act in acts[:1]]  # no threads: one row
     runs += [(u, share, act, n, b, f, wm, a, way) for u in units for b in builds for n in counts for act in acts
              for share in shares for f in fetches for wm in warms for a in aheads for way in ways if share]
     runs.sort(key=lambda r: units.index(r[0]))  # one placement after the other
-    for unit, share, act, n, build, fetch, warm_n, ahead, (route, progs, copier, far) in runs:
+    for unit, share, act, n, build, fetch, warm_n, ahead, (route, progs, copier) in runs:
         if unit != eng.hybrid.unit:
             eng.set_expert_budget(args.budget_mb, unit=unit)
         if build != os.environ.get(CFLAGS_ENV, "") and eng.hybrid._host_share is not None:
@@ -134,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             eng.set_cold_prefetch(0, warm=0)
         else:
             eng.set_cold_prefetch(eng.hybrid.cold_prefetch if fetch is None else fetch, warm=warm_n, ahead=ahead,
-                                  route=route, programs=progs, copier=copier, copier_ahead=far)
+                                  route=route, programs=progs, copier=copier)
         warm = eng.generate(ids, 16, ignore_eos=True)
         pool = eng.hybrid._host_share
         before = pool.stats() if share and pool is not None else None
@@ -164,7 +158,6 @@ def main(argv: list[str] | None = None) -> None:
                "cold_prefetch": eng.hybrid.cold_prefetch, "cold_warm": eng.hybrid.cold_warm,
                "cold_ahead": eng.hybrid.cold_ahead, "ahead_route": eng.hybrid.ahead_route,
                "fetch_programs": eng.hybrid.fetch_programs or 0, "fetch_copier": eng.hybrid.fetch_copier,
-               "copier_ahead": eng.hybrid.copier_ahead,
                "prefetched": sent, "prefetch_served_pairs": served,
                "cold_pairs": cold_pairs,
                "cflags": build if share else None, "blocking_wait": blocking_wait_setting(),
@@ -183,7 +176,6 @@ def main(argv: list[str] | None = None) -> None:
               + (f"route {row['ahead_route']} " if len(routes) > 1 else "")
               + (f"programs {row['fetch_programs']} " if len(programs) > 1 else "")
               + (f"copier {row['fetch_copier']} " if len(copiers) > 1 else "")
-              + (f"{row['copier_ahead']} ahead " if len(fars) > 1 else "")
               + f"share {share:.2f} {act if share else '':7s} {row['threads']:2d} threads: decode "
               f"{statistics.median(rates):7.1f} tok/s [{min(rates):.1f}-{max(rates):.1f}] ({row['decode_path']}), "
               f"step {step_ms:.2f} ms, same tokens as the first row: {same}, peak {out.timings.peak_mem_mb:,.0f} MB, "

@@ -299,7 +299,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                "ahead_route": eng.hybrid.ahead_route,
                                                                "fetch_programs": eng.hybrid.fetch_programs or 0,
                                                                "fetch_copier": eng.hybrid.fetch_copier,
-                                                               "copier_ahead": eng.hybrid.copier_ahead,
                                                                "pool_cflags": os.environ.get(CFLAGS_ENV, ""),
                                                                "blocking_wait": blocking_wait_setting()}
         for test in tests_for(args, ncmoe):

@@ -356,20 +356,17 @@ class Engine:
         self.hybrid.set_cpu_share(share, int8=int8, threads=threads)
 
     def set_cold_prefetch(self, n: int, *, warm: int | None = None, ahead: bool | None = None,
-                          route: str | None = None, programs: int | None = None, copier: str | None = None,
-                          copier_ahead: int | None = None) -> None:
+                          route: str | None = None, programs: int | None = None, copier: str | None = None) -> None:
         """Have the bus fetch up to ``n`` cold experts a layer ahead of its router, and the CPU threads warm
         ``warm`` more (None: as set), from its predicted routing (``HybridExperts.set_cold_prefetch``: one-token
         steps with a CPU share); 0 stops it. ``ahead`` (None: as set): a cold layer after an all-hot one is
         predicted at that layer's start; ``route`` and ``programs`` (None: as set): where the predicting router
         runs (``"main"`` or ``"side"``) and the programs of the bus's fetch (0: one a block); ``copier`` (None: as
-        set): what copies that fetch (``"kernel"`` or ``"engine"``, the copy engine from a host thread), and
-        ``copier_ahead`` (None: as set) how many layers ahead the copier's fetch is issued (1 or 2)."""
+        set): what copies that fetch (``"kernel"`` or ``"engine"``, the copy engine from a host thread)."""
         if self.hybrid is None:
             raise ConfigError("fetching cold experts ahead needs an expert budget (set_expert_budget first)")
         self._graphs.clear()  # captured with the old setting
-        self.hybrid.set_cold_prefetch(n, warm=warm, ahead=ahead, route=route, programs=programs, copier=copier,
-                                      copier_ahead=copier_ahead)
+        self.hybrid.set_cold_prefetch(n, warm=warm, ahead=ahead, route=route, programs=programs, copier=copier)
 
     def _ids_tensor(self, ids: Sequence[int]) -> torch.Tensor:
         if len(ids) == 0:

@@ -49,7 +49,7 @@ from gguf import GGML_QUANT_SIZES
 from engine.errors import ConfigError
 from engine.gguf import quants
 from engine.kernels.cpu_quant import CpuQuantMatrix
-from engine.kernels.host_experts import BUS_WAITS, WARM_MAX  # the copier's regions; the warm-ups' bound
+from engine.kernels.host_experts import WARM_MAX  # cold experts a layer's CPU threads may warm ahead
 from engine.kernels.moe import experts_sum, fused_moe, resolve_impl, routed_experts
 from engine.kernels.quant.reference import (SPLIT_QTYPES, QuantExperts, QuantMatrix, join_rows, row_bytes,
                                             split_layout_on, split_rows)
@@ -71,7 +71,6 @@ STAGED_ENV = "LUCE_TUNE_HYBRID_STAGED"  # 0: decode-sized calls with cold expert
 OVERLAP_ENV = "LUCE_TUNE_HYBRID_OVERLAP"  # 0: the staged path's bus copies on the compute stream, one expert launch
 COLD_GATHER_ENV = "LUCE_TUNE_COLD_GATHER"  # 0: decode-sized calls read the cold experts in place
 PREFETCH_MAX = 4  # cold experts a layer's bus may fetch ahead of its router (``set_cold_prefetch``)
-PREFETCH_REGIONS = BUS_WAITS  # the stage's regions of PREFETCH_MAX rows for fetches ahead: a layer ahead, two in turn
 # None: decode-sized calls gather the cold experts on CUDA (unless LUCE_TUNE_COLD_GATHER=0); True: off CUDA
 # too (tests, with TRITON_INTERPRET=1); False: never.
 COLD_GATHER: bool | None = None
@@ -449,16 +448,9 @@ class HybridExperts:
         self.ahead_route = _env_choice(AHEAD_ROUTE_ENV, AHEAD_ROUTES)
         self.fetch_programs = _env_programs() or None
         self.fetch_copier = _env_choice(FETCH_COPIER_ENV, FETCH_COPIERS)
-        self.copier_ahead = int(_env_choice(COPIER_AHEAD_ENV, ("1", "2")))
         self._buses: dict[Any, Any] = {}  # engine.kernels.host_experts.HostBus per stage layout, made on first use
-        # (layer, fetched ids or None, warmed ids or None, event, the copier or None, the stage's region): for the
-        # layer's split
-        self._fetch: tuple[int, torch.Tensor | None, torch.Tensor | None, Any, Any, int] | None = None
-        # (layer, fetched ids, region, event, the copier): the copier's fetch two layers ahead, until that layer's
-        # prediction a layer ahead takes it
-        self._far: tuple[int, torch.Tensor, int, Any, Any] | None = None
-        self._far_region = 1
-        self._far_predictors: list[torch.Tensor | None] = []  # a layer's router from the input two layers before
+        # (layer, fetched ids or None, warmed ids or None, event, the copier or None): for the layer's split
+        self._fetch: tuple[int, torch.Tensor | None, torch.Tensor | None, Any, Any] | None = None
         with torch.inference_mode(False):
             # cold pairs served from experts fetched ahead, and experts fetched ahead, per layer
             self._fetch_hits = torch.zeros(len(self._layers), dtype=torch.int64, device=self.device)
@@ -553,11 +545,9 @@ class HybridExperts:
             raise ValueError(f"{len(layers)} layers of predictors for {len(self._layers)} layers of experts")
         self._predictors = [routing_predictor(*layer, device=self.device) for layer in layers]
         self._ahead_predictors = ahead_predictors(layers, device=self.device)
-        self._far_predictors = ahead_predictors(layers, device=self.device, by=2)
 
     def set_cold_prefetch(self, n: int, *, warm: int | None = None, ahead: bool | None = None,
-                          route: str | None = None, programs: int | None = None, copier: str | None = None,
-                          copier_ahead: int | None = None) -> None:
+                          route: str | None = None, programs: int | None = None, copier: str | None = None) -> None:
         """Fetch up to ``n`` (0 to ``PREFETCH_MAX``) cold experts a layer ahead of its router in decode steps
         of one token on the staged path with a CPU share (``_staged_moe``): at the layer's start the routing
         is predicted from the mixer's input (``set_predictors``), and the bus copies its first ``n`` cold
@@ -580,14 +570,11 @@ class HybridExperts:
         twenty-first round). ``copier`` (None: as set, at first ``LUCE_TUNE_FETCH_COPIER`` or ``"kernel"``): what
         copies the fetch, ``"kernel"`` that copy launch, ``"engine"`` the device's copy engine queued by a host
         thread (``engine.kernels.host_experts.HostBus``) that the select launch names the experts to, which takes
-        no SM and reads pinned memory at the bus's full rate; the stage's expert launch waits for its copies.
-        ``copier_ahead`` (None: as set, at first ``LUCE_TUNE_COPIER_AHEAD`` or 1): with 2 and the copier, the
-        fetch for a cold layer after an all-hot one is issued at the layer before that one, from the routing
-        predicted two layers ahead (``far_target``), so that the copy engine has both layers' time; the threads'
-        warm-ups still come from the prediction a layer ahead (on the shipped target two layers ahead name 63% of
-        the routed experts, a layer ahead 67%: docs/benchmarks.md, twenty-second round). Not yet timed.
-        Only where experts are read from changes, never what
-        is computed. Captured steps made before a change no longer match: the engine captures again."""
+        no SM and reads pinned memory at the bus's full rate; the stage's expert launch waits for its copies
+        (half-cold decode on one H100 host: as fast as the copy launch with one expert fetched, 237.4 against 238.1
+        tok/s, and faster with two or three, where the launch's SMs cost more than its fetch saves:
+        docs/benchmarks.md, twenty-third round). Only where experts are read from changes, never what is computed.
+        Captured steps made before a change no longer match: the engine captures again."""
         warm = self.cold_warm if warm is None else warm
         for what, v, top in (("fetched", n, PREFETCH_MAX), ("warmed", warm, WARM_MAX)):
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= top:
@@ -602,8 +589,6 @@ class HybridExperts:
                               f"got {programs!r}")
         if copier is not None and copier not in FETCH_COPIERS:
             raise ConfigError(f"the fetch's copier is one of {', '.join(FETCH_COPIERS)}, got {copier!r}")
-        if copier_ahead is not None and (isinstance(copier_ahead, bool) or copier_ahead not in (1, 2)):
-            raise ConfigError(f"the copier fetches 1 or 2 layers ahead, got {copier_ahead!r}")
         self.cold_prefetch, self.cold_warm = n, warm
         if ahead is not None:
             self.cold_ahead = ahead
@@ -613,8 +598,6 @@ class HybridExperts:
             self.fetch_programs = programs or None
         if copier is not None:
             self.fetch_copier = copier
-        if copier_ahead is not None:
-            self.copier_ahead = copier_ahead
         if n and self.fetch_copier == "engine" and self.cold_device == "gpu" and self.device.type == "cuda":
             for layer in self._layers:  # the copier starts now, not inside a step that a graph may be capturing
                 if isinstance(layer.host, QuantizedExperts) and layer.host.blocks is not None:
@@ -751,17 +734,7 @@ class HybridExperts:
         first ``cold_prefetch`` cold experts into the stage's rows after ``STREAM_EXPERTS`` and name the next
         ``cold_warm`` to the CPU threads, on the second stream while this layer runs; the target layer's split
         waits for the prediction (not the copies) and serves their pairs from there (``_staged_moe``). A layer
-        predicted at the layer before leaves its fetch be. With the copier two layers ahead (``copier_ahead`` 2)
-        the copier's fetch for the layer ``far_target`` names is issued here too, from a prediction two layers
-        ahead, into a region of the stage of its own; that layer's prediction a layer ahead then names only the
-        threads' warm-ups, skipping what the copier fetches."""
-        if layer_idx == 0:
-            self._far_region = 1  # a step's fetches two layers ahead take regions 1 and 2 in turn
-        if self._far is not None and self._far[0] < layer_idx:
-            self._join_far()  # its layer went another way
-        far_target = self.far_target(layer_idx) if self._prefetching(x) else None
-        if far_target is not None:
-            self._fetch_far(far_target, x)
+        predicted at the layer before leaves its fetch be."""
         if self._fetch is not None and self._fetch[0] == layer_idx:
             return  # predicted at the layer before (``cold_ahead``)
         self._join_fetch()
@@ -770,33 +743,23 @@ class HybridExperts:
         target = self.prefetch_target(layer_idx)
         if target is None:
             return
-        far = self._far if self._far is not None and self._far[0] == target else None
         predictors = self._predictors if target == layer_idx else self._ahead_predictors
         from engine.kernels.gather import gather_stacks
         from engine.kernels.hybrid_split import select_prefetch
 
         layer = self._layers[target]
         router = predictors[target]
-        m, mw = (self.cold_prefetch if far is None else 0), self.cold_warm
-        region = 0 if far is None else far[2]
+        m, mw = self.cold_prefetch, self.cold_warm
         fetched = torch.empty(m, dtype=torch.int32, device=x.device) if m else None
         warmed = torch.empty(mw, dtype=torch.int32, device=x.device) if mw else None
-        if far is not None:
-            self._far = None  # taken: its layer's split reads its rows and waits for its number
-            fetched, bus = far[1], far[4]
-            if not mw:
-                self._fetch = (target, fetched, None, far[3], bus, region)
-                return
         buffers = self._stream_buffers(layer)
         sources = tuple(t.raw if isinstance(t, QuantExperts) else t for t in layer.mapped)
-        if far is None:
-            bus = self._bus(layer, buffers) if m and self.fetch_copier == "engine" else None
+        bus = self._bus(layer, buffers) if m and self.fetch_copier == "engine" else None
         ids, side = self._predict(x, router)
         picked = torch.cuda.Event()
         with torch.cuda.stream(side):
-            select_prefetch(ids.view(-1), layer.slot_of, fetched if far is None else None,
-                            self._fetch_sent[target:target + 1], warmed=warmed, share=self._host_share,
-                            layer=target, bus=bus if far is None else None, skip=None if far is None else fetched)
+            select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[target:target + 1],
+                            warmed=warmed, share=self._host_share, layer=target, bus=bus)
             picked.record(side)
             if m and bus is None:
                 gather_stacks(sources, tuple(b[STREAM_EXPERTS:STREAM_EXPERTS + m] for b in buffers), fetched,
@@ -804,7 +767,7 @@ class HybridExperts:
         for t in (x, fetched, warmed, ids):  # read there: their blocks are not handed out again before it is done
             if t is not None:
                 t.record_stream(side)
-        self._fetch = (target, fetched, warmed, picked, bus, region)
+        self._fetch = (target, fetched, warmed, picked, bus)
 
     def _predict(self, x: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Stream]:
         """The top-k ``router`` (a predictor) gives ``x``, and the second stream, which is ordered after it: on the
@@ -828,54 +791,6 @@ class HybridExperts:
                     and x.shape[0] == 1 and self.cpu_share and self._host_share is not None
                     and not self.min_hot & (self.min_hot - 1))
 
-    def far_target(self, layer_idx: int) -> int | None:
-        """The layer whose copier fetch is issued at ``layer_idx``'s start with ``copier_ahead`` 2, or None: the
-        layer two after it, where the one between has every expert hot (``prefetch_target`` of it is then that
-        layer) and that layer's last one-token call took the staged path's two streams."""
-        t = layer_idx + 2
-        if (self.copier_ahead != 2 or self.fetch_copier != "engine" or not self.cold_prefetch or not self.cold_ahead
-                or not self._far_predictors or t >= len(self._layers) or not self._two_streams[t]
-                or self._layers[layer_idx + 1].n_hot != self._layers[layer_idx + 1].n_expert):
-            return None
-        return t
-
-    def _fetch_far(self, target: int, x: torch.Tensor) -> None:
-        """The copier's fetch for ``target`` from its routing predicted two layers ahead (``far_target``), into
-        region 1 or 2 of the stage in turn, on the second stream."""
-        from engine.kernels.hybrid_split import select_prefetch
-
-        layer = self._layers[target]
-        bus = self._bus(layer, self._stream_buffers(layer))
-        region = self._far_region
-        self._far_region = 3 - region
-        router = self._far_predictors[target]
-        fetched = torch.empty(self.cold_prefetch, dtype=torch.int32, device=x.device)
-        ids, side = self._predict(x, router)
-        picked = torch.cuda.Event()
-        with torch.cuda.stream(side):
-            select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[target:target + 1], layer=target,
-                            bus=bus, region=region, row0=region * PREFETCH_MAX)
-            picked.record(side)
-        for t in (x, fetched, ids):
-            t.record_stream(side)
-        self._far = (target, fetched, region, picked, bus)
-
-    def _join_far(self) -> None:
-        """A fetch two layers ahead that its layer did not take (``_join_side``)."""
-        self._join_side(self._far[4], self._far[2])
-        self._far = None
-
-    def _join_side(self, bus: Any, region: int) -> None:
-        """The compute stream waits for the second stream, and that for the copier's copies into ``region`` where
-        ``bus`` is one, so that no copy outlives its step or a graph's capture."""
-        side = self._side_stream(self.device)
-        if bus is not None:
-            from engine.kernels.host_share_triton import bus_wait
-
-            with torch.cuda.stream(side):
-                bus_wait(bus, region)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-
     def prefetch_target(self, layer_idx: int) -> int | None:
         """The layer whose cold experts are fetched and warmed at ``layer_idx``'s start, or None: the next layer
         with ``cold_ahead`` where this one's experts are all hot and the next one's last one-token call took
@@ -891,7 +806,14 @@ class HybridExperts:
         stream waits for the second stream (and that for the copier's copies), so no copy outlives its step or a
         graph's capture."""
         if self._fetch is not None:
-            self._join_side(self._fetch[4], self._fetch[5])
+            device, bus = self.device, self._fetch[4]
+            side = self._side_stream(device)
+            if bus is not None:
+                from engine.kernels.host_share_triton import bus_wait
+
+                with torch.cuda.stream(side):
+                    bus_wait(bus)
+            torch.cuda.current_stream(device).wait_stream(side)
             self._fetch = None
 
     def _bus(self, layer: _LayerTiers, buffers: tuple[torch.Tensor, ...]) -> Any:
@@ -977,7 +899,7 @@ class HybridExperts:
         sources = tuple(m.raw if isinstance(m, QuantExperts) else m for m in layer.mapped)
         if any(src.dtype != b.dtype or src.shape[1:] != b.shape[1:] for src, b in zip(sources, buffers)):
             return None
-        rows = buffers[0].shape[0] if fetch is not None and fetch[1] is not None else T * k  # rows read
+        rows = STREAM_EXPERTS + PREFETCH_MAX if fetch is not None and fetch[1] is not None else T * k  # rows read
         stage = layer.host.as_experts(tuple(b[:rows] for b in buffers))
         if not all(isinstance(st, QuantExperts) and stage_fits(sl, st) for sl, st in zip(layer.slot_experts, stage)):
             return None
@@ -995,11 +917,11 @@ class HybridExperts:
             stage_codes = torch.empty((T, k), dtype=torch.int32, device=x.device)
             main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
             fetched = {}
-            bus, region = None, 0
+            bus = None
             if fetch is not None:  # the bus's copies fetched ahead (their pairs read those rows), the threads' warmed
-                _, ahead, warm, picked, bus, region = fetch
+                _, ahead, warm, picked, bus = fetch
                 main.wait_event(picked)
-                fetched = dict(fetched=ahead, fetched_row=STREAM_EXPERTS + region * PREFETCH_MAX, warmed=warm,
+                fetched = dict(fetched=ahead, fetched_row=STREAM_EXPERTS, warmed=warm,
                                fetched_hits=self._fetch_hits[layer_idx:layer_idx + 1])
                 self._fetch = None  # joined below with the second stream
             split_pairs(ids, layer.slot_of, self._hot_hits[layer_idx:layer_idx + 1], codes, stage_ids, share=pool,
@@ -1009,7 +931,7 @@ class HybridExperts:
             with torch.cuda.stream(side):
                 gather_stacks(sources, stacks, stage_ids)
                 if bus is not None:  # the copier's copies landed before the stage's launch reads their rows
-                    bus_wait(bus, region)
+                    bus_wait(bus)
                 staged = quantized_moe_triton(x, gate, up, down, stage_codes, w, stage=tuple(stage),
                                               out_dtype=torch.float32)
             hot = quantized_moe_triton(x, gate, up, down, codes, w, shared=args, out_dtype=torch.float32)
@@ -1124,18 +1046,11 @@ class HybridExperts:
         return self._pair_rows[key]
 
     def _stream_buffers(self, layer: _LayerTiers) -> tuple[torch.Tensor, ...]:
-        """Device buffers for ``STREAM_EXPERTS`` experts of ``layer``'s layout, shared by the layers, then the rows
-        of the experts fetched ahead: one region of ``PREFETCH_MAX``, three with the copier two layers ahead
-        (made larger when that is set, with a new copier for them)."""
+        """Device buffers for ``STREAM_EXPERTS`` experts of ``layer``'s layout, shared by the layers."""
         key = (layer.host.dtype, layer.host.expert_shapes)
-        regions = PREFETCH_REGIONS if self.copier_ahead == 2 and self.fetch_copier == "engine" else 1
-        rows = STREAM_EXPERTS + regions * PREFETCH_MAX
-        held = self._stream_buffers_by_layout.get(key)
-        if held is None or held[0].shape[0] < rows:
-            if key in self._buses:  # it fills the old buffers' rows
-                self._buses.pop(key).close()
-            self._stream_buffers_by_layout[key] = tuple(
-                torch.empty((rows, *shape), dtype=layer.host.dtype, device=self.device)
+        if key not in self._stream_buffers_by_layout:
+            self._stream_buffers_by_layout[key] = tuple(  # then the rows of the experts fetched ahead
+                torch.empty((STREAM_EXPERTS + PREFETCH_MAX, *shape), dtype=layer.host.dtype, device=self.device)
                 for shape in layer.host.expert_shapes)
         return self._stream_buffers_by_layout[key]
 
@@ -1217,7 +1132,6 @@ FETCH_PROGRAMS_MAX = 1024
 FETCH_PROGRAMS_DEFAULT = 8  # the fastest bound measured (2, 4, 8, 32 and one a block: twenty-first round)
 FETCH_COPIER_ENV = "LUCE_TUNE_FETCH_COPIER"  # what copies the fetch ahead (``set_cold_prefetch(copier=)``)
 FETCH_COPIERS = ("kernel", "engine")  # the first is the default
-COPIER_AHEAD_ENV = "LUCE_TUNE_COPIER_AHEAD"  # 2: the copier's fetch two layers ahead (``set_cold_prefetch(copier_ahead=)``)
 
 
 def _env_flag(name: str) -> bool:

@@ -902,10 +902,9 @@ void lt_stop(void *pool) {
 /* The bus's copier: a thread that has the GPU's copy engine fetch cold experts ahead of their layer.
 
    The device names the experts it predicts a layer will route to (engine/kernels/hybrid_split.py's select launch)
-   in a mailbox of its own in pinned host memory: [0] sequence, [1] layer, [2] count, [4] first stage row, [8 ..)
-   expert ids (-1: none). This thread, spinning on the sequence number, queues one host -> device copy a matrix (gate,
-   up, down) of each named expert into that expert's stage row (the first row, then the next, ...) on a stream of
-   its own, then one 4-byte copy of the sequence number
+   in a mailbox of its own in pinned host memory: [0] sequence, [1] layer, [2] count, [8 ..) expert ids (-1: none).
+   This thread, spinning on the sequence number, queues one host -> device copy a matrix (gate, up, down) of each
+   named expert into that expert's stage rows on a stream of its own, then one 4-byte copy of the sequence number
    into a word of device memory. The stream runs its copies in order, so the word holds the number once every
    expert's bytes are there; the device's expert launch that reads the rows first waits for it
    (engine/kernels/host_share_triton.py's bus_wait). The copy engine reads pinned memory at the bus's full rate
@@ -918,10 +917,9 @@ void lt_stop(void *pool) {
 #define BUS_LAYER 1
 #define BUS_N 2
 #define BUS_STATUS 3
-#define BUS_ROW0 4
 #define BUS_IDS 8
-#define BUS_MAX 16
-#define BUS_RING 32   /* [BUS_RING ..): the numbers the flag copies read, one slot a job in turn */
+#define BUS_MAX 8
+#define BUS_RING 16   /* [BUS_RING ..): the numbers the flag copies read, one slot a job in turn */
 #define BUS_SLOTS 64
 
 typedef int (*lt_copy_fn)(uint64_t dst, const void *src, size_t n, void *stream);
@@ -955,17 +953,17 @@ int lt_copy_host(uint64_t dst, const void *src, size_t n, void *stream) {
 }
 
 static int bus_job(bus_t *b, int32_t seq) {
-    const int layer = b->mb[BUS_LAYER], n = b->mb[BUS_N], row0 = b->mb[BUS_ROW0];
+    const int layer = b->mb[BUS_LAYER], n = b->mb[BUS_N];
     int status = 0;
     if (layer < 0 || layer >= b->nlayers || !b->src[3 * layer]) status = LT_ERR_LAYER;
-    else if (n < 0 || n > BUS_MAX || row0 < 0 || row0 + n > b->dst_rows) status = LT_ERR_SHAPE;
+    else if (n < 0 || n > BUS_MAX || n > b->dst_rows) status = LT_ERR_SHAPE;
     for (int j = 0; !status && j < n; j++) {
         const int e = b->mb[BUS_IDS + j];
         if (e < 0) continue;
         if (e >= b->experts[layer]) { status = LT_ERR_SHAPE; break; }
         for (int i = 0; i < 3; i++) {
             const int64_t slab = b->slab[3 * layer + i];
-            if (b->copy(b->dst[i] + (uint64_t)((row0 + j) * b->dst_row[i]), b->src[3 * layer + i] + (int64_t)e * slab,
+            if (b->copy(b->dst[i] + (uint64_t)(j * b->dst_row[i]), b->src[3 * layer + i] + (int64_t)e * slab,
                         (size_t)slab, b->stream) != 0) { status = -2; break; }
         }
     }

@@ -56,10 +56,8 @@ TIMEOUT_SPINS = 1 << 24  # acquire loads over the bus (about 1 us each) before c
 WAIT_TIMEOUT_S = 30.0  # the host path's wait for a reply
 STATUS_TEXT = {1: "a layer with no matrices registered", 2: "more tokens or pairs than the mailbox holds",
                -1: "the CPU threads did not answer within the device's wait"}
-# the bus copier's mailbox (host_experts.c): number, layer, count, status, first stage row, expert ids, then the
-# ring of numbers
-BUS_SEQ, BUS_LAYER, BUS_N, BUS_STATUS, BUS_ROW0, BUS_IDS, BUS_MAX, BUS_RING, BUS_SLOTS = 0, 1, 2, 3, 4, 8, 16, 32, 64
-BUS_WAITS = 3  # the jobs whose numbers the device keeps apart (``HostBus.expect``): one a region of the stage
+# the bus copier's mailbox (host_experts.c): number, layer, count, status, expert ids, then the ring of numbers
+BUS_SEQ, BUS_LAYER, BUS_N, BUS_STATUS, BUS_IDS, BUS_MAX, BUS_RING, BUS_SLOTS = 0, 1, 2, 3, 8, 8, 16, 64
 BUS_STATUS_TEXT = {1: "a layer whose experts were not registered", 2: "more experts than the stage holds, or an "
                    "expert id out of range", -1: "the copies did not land within the device's wait",
                    -2: "the driver refused a copy", -3: "the copier's thread could not take the device's context"}
@@ -357,7 +355,6 @@ class HostBus:
         self.mailbox = torch.zeros(BUS_RING + BUS_SLOTS, dtype=torch.int32, pin_memory=cuda)
         self.flag = torch.zeros(1, dtype=torch.int32, device=self.device)  # the last number whose copies landed
         self.seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the last number published
-        self.expect = torch.zeros(BUS_WAITS, dtype=torch.int32, device=self.device)  # the number of a region's job
         self._host_seq = 0
         self._mb_np = self.mailbox.numpy()
         lib = library(cflags)
@@ -416,14 +413,13 @@ class HostBus:
         """Fetches the thread has queued."""
         return int(self._lib.lt_bus_jobs(self._bus)) if self._bus else 0
 
-    def fetch(self, layer: int, experts: Sequence[int], row0: int = 0) -> None:
-        """Name up to ``rows - row0`` experts of ``layer`` (-1: none) for stage rows ``row0``, ``row0 + 1``, ... from
-        the host; on CUDA the device's select launch writes these words (``hybrid_split.select_prefetch(bus=)``)."""
-        if not 0 <= row0 or not 0 <= len(experts) <= self.rows - row0:
-            raise ValueError(f"a fetch names 0 to {self.rows} experts from row 0 on, got {len(experts)} from row "
-                             f"{row0}")
+    def fetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Name up to ``rows`` experts of ``layer`` (-1: none) for stage rows 0, 1, ... from the host; on CUDA
+        the device's select launch writes these words (``hybrid_split.select_prefetch(bus=)``)."""
+        if not 0 <= len(experts) <= self.rows:
+            raise ValueError(f"a fetch names 0 to {self.rows} experts, got {len(experts)}")
         mb = self._mb_np
-        mb[BUS_LAYER], mb[BUS_N], mb[BUS_ROW0] = layer, len(experts), row0
+        mb[BUS_LAYER], mb[BUS_N] = layer, len(experts)
         mb[BUS_IDS:BUS_IDS + len(experts)] = list(experts)
         self._host_seq = (self._host_seq + 1) & 0x7FFFFFFF
         mb[BUS_SEQ] = self._host_seq  # after the names (the host's stores stay in order for this)

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from engine.kernels.host_experts import HostBus, HostShare
 
 BLOCK = 1024
-BUS_AHEAD = 1 << 16  # copier jobs past a region's that its wait takes as done with it (bus_wait)
 
 
 @triton.jit
@@ -112,37 +111,24 @@ def _collect_into_kernel(reply_i, reply_f, seq_ptr, pending_ptr, acc_ptr, acc2_p
 
 
 @triton.jit
-def _distance(s, d):
-    """Jobs from number ``s`` to number ``d`` along 1 .. 2^31 - 1, 1, ...; a large number where ``d`` is before ``s``."""
-    diff = d - s
-    return tl.where(diff < 0, diff + 0x7FFFFFFF, diff)
-
-
-@triton.jit
-def _bus_wait_kernel(flag_ptr, expect_ptr, bus_i, SPINS: tl.constexpr, BUS_STATUS: tl.constexpr, AHEAD: tl.constexpr):
-    """Acquire loads of the device word the copier's last copy writes until it holds the region's job's number or
-    a later one (the copier runs its jobs in order, and later jobs may be published before a region's reader: the
-    fetches two layers ahead), at most ``SPINS``; past them the copier's status marks a timeout (the host's check
-    raises). Numbers run 1 .. 2^31 - 1 and then from 1 again, so "later" is a distance under ``AHEAD`` along them."""
-    s = tl.load(expect_ptr)
+def _bus_wait_kernel(flag_ptr, seq_ptr, bus_i, SPINS: tl.constexpr, BUS_STATUS: tl.constexpr):
+    """Acquire loads of the device word the copier's last copy writes until it holds the last number published,
+    at most ``SPINS``; past them the copier's status marks a timeout (the host's check raises)."""
+    s = tl.load(seq_ptr)
     d = _load_acquire_sys(flag_ptr)
     i = 0
-    while (_distance(s, d) >= AHEAD) & (i < SPINS):
+    while (d != s) & (i < SPINS):
         d = _load_acquire_sys(flag_ptr)
         i += 1
-    if _distance(s, d) >= AHEAD:
+    if d != s:
         tl.store(bus_i + BUS_STATUS, -1)
 
 
-
-def bus_wait(bus: "HostBus", region: int = 0) -> None:
-    """One launch on the current stream that returns once the copies of the copier's last job for ``region`` have
-    landed (``hybrid_split.select_prefetch(bus=, region=)`` published it): the expert launches after it read the
-    stage's rows."""
-    if not 0 <= region < bus.expect.numel():
-        raise ValueError(f"the copier keeps {bus.expect.numel()} regions' numbers, got region {region}")
-    _bus_wait_kernel[(1,)](bus.flag, bus.expect[region:], bus.mailbox_dev, SPINS=host_experts.TIMEOUT_SPINS,
-                           BUS_STATUS=BUS_STATUS, AHEAD=BUS_AHEAD, num_warps=1)
+def bus_wait(bus: "HostBus") -> None:
+    """One launch on the current stream that returns once the copies of the copier's last job have landed
+    (``hybrid_split.select_prefetch(bus=)`` published it): the expert launches after it read the stage's rows."""
+    _bus_wait_kernel[(1,)](bus.flag, bus.seq, bus.mailbox_dev, SPINS=host_experts.TIMEOUT_SPINS,
+                           BUS_STATUS=BUS_STATUS, num_warps=1)
 
 
 def publish(share: "HostShare", layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

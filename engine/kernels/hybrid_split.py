@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fused import check_device
-from engine.kernels.host_experts import (BUS_IDS, BUS_LAYER, BUS_N, BUS_ROW0, HEADER, WARM_IDS, WARM_LAYER, WARM_MAX,
-                                        WARM_N, WARM_SEQ)
+from engine.kernels.host_experts import (BUS_IDS, BUS_LAYER, BUS_N, HEADER, WARM_IDS, WARM_LAYER, WARM_MAX, WARM_N,
+                                        WARM_SEQ)
 from engine.kernels.host_share_triton import _fence_sys, _store_release_sys
 
 if TYPE_CHECKING:
@@ -167,19 +167,15 @@ def _nth(e, cold, rank, j):
 
 
 @triton.jit
-def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, warm_ptr, mb_i, wseq_ptr, bus_i, bseq_ptr, expect_ptr,
-                   skip_ptr, layer, row0, region, K: tl.constexpr, M: tl.constexpr, MW: tl.constexpr,
-                   MS: tl.constexpr, PUBLISH: tl.constexpr, BUS: tl.constexpr, BLOCK_K: tl.constexpr,
-                   WARM_SEQ: tl.constexpr, WARM_LAYER: tl.constexpr, WARM_N: tl.constexpr, WARM_IDS: tl.constexpr,
-                   BUS_LAYER: tl.constexpr, BUS_N: tl.constexpr, BUS_ROW0: tl.constexpr, BUS_IDS: tl.constexpr):
+def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, warm_ptr, mb_i, wseq_ptr, bus_i, bseq_ptr, layer,
+                   K: tl.constexpr, M: tl.constexpr, MW: tl.constexpr, PUBLISH: tl.constexpr, BUS: tl.constexpr,
+                   BLOCK_K: tl.constexpr, WARM_SEQ: tl.constexpr, WARM_LAYER: tl.constexpr, WARM_N: tl.constexpr,
+                   WARM_IDS: tl.constexpr, BUS_LAYER: tl.constexpr, BUS_N: tl.constexpr, BUS_IDS: tl.constexpr):
     o = tl.arange(0, BLOCK_K)
     m = o < K
     e = tl.load(pred_ptr + o, mask=m, other=-1)
     slot = tl.load(slot_ptr + tl.maximum(e, 0), mask=m & (e >= 0), other=0)
-    keep = m & (e >= 0) & (slot < 0)
-    for j in tl.static_range(MS):  # experts fetched already (a fetch two layers ahead): neither picked nor warmed
-        keep = keep & (e != tl.load(skip_ptr + j))
-    cold = keep.to(tl.int32)
+    cold = (m & (e >= 0) & (slot < 0)).to(tl.int32)
     rank = tl.cumsum(cold, axis=0) - cold  # cold predictions before this one
     n = tl.sum(cold, axis=0)
     for j in tl.static_range(M):
@@ -209,8 +205,6 @@ def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, warm_ptr, mb_i, wseq_p
         b = tl.where(b < 0, 1, b)
         tl.store(bus_i + BUS_LAYER, layer)
         tl.store(bus_i + BUS_N, M)
-        tl.store(bus_i + BUS_ROW0, row0)
-        tl.store(expect_ptr + region, b)  # what the region's reader waits for (host_share_triton.bus_wait)
         _fence_sys(b)
         tl.debug_barrier()
         tl.store(bseq_ptr, b)
@@ -219,14 +213,11 @@ def _select_kernel(pred_ptr, slot_ptr, out_ptr, sent_ptr, warm_ptr, mb_i, wseq_p
 
 def select_prefetch(predicted: torch.Tensor, slot_of: torch.Tensor, out: torch.Tensor | None, sent: torch.Tensor, *,
                     warmed: torch.Tensor | None = None, share: "HostShare | None" = None, layer: int = 0,
-                    bus: "HostBus | None" = None, region: int = 0, row0: int = 0,
-                    skip: torch.Tensor | None = None) -> None:
+                    bus: "HostBus | None" = None) -> None:
     """``out`` [M] int32: the first ``M`` cold experts (``slot_of`` -1) of ``predicted`` [k] (a token's
     predicted routing, most likely first), -1 past the cold ones there are; for the bus to fetch ahead, named
     with ``bus`` (CUDA) to its copier for ``layer`` (``HostBus``'s words, written and released from the device;
-    its rows ``row0`` .. ``row0 + M - 1`` take them and ``host_share_triton.bus_wait(bus, region)`` waits for them:
-    the job's number is kept as ``region``'s). ``skip`` [MS] int32 (-1: none): experts taken as not cold, neither
-    picked nor warmed (those a fetch two layers ahead has named already).
+    its rows 0 .. M-1 take them and ``host_share_triton.bus_wait`` waits for them).
     ``warmed`` [MW] int32: the next ``MW`` cold ones, which ``share``'s threads (CUDA) are told to warm for
     ``layer`` (``HostShare.warm``'s words, written and released from the device) when there is one. ``sent``
     (int64 [1]) gains how many were picked."""
@@ -241,20 +232,15 @@ def select_prefetch(predicted: torch.Tensor, slot_of: torch.Tensor, out: torch.T
                          f"{sent.dtype}")
     if MW > WARM_MAX:
         raise ValueError(f"the threads warm up to {WARM_MAX} experts at a time, got {MW}")
-    if bus is not None and (not 1 <= M <= bus.rows - row0 or row0 < 0 or not 0 <= region < bus.expect.numel()):
-        raise ValueError(f"the copier fetches 1 to {bus.rows} experts from a row of its stage for one of "
-                         f"{bus.expect.numel()} regions, got {M} from row {row0} for region {region}")
-    MS = 0 if skip is None else skip.numel()
-    if MS and (skip.dim() != 1 or skip.dtype != torch.int32):
-        raise ValueError(f"skip is an int32 vector of experts, got {skip.dtype} {tuple(skip.shape)}")
+    if bus is not None and not 1 <= M <= bus.rows:
+        raise ValueError(f"the copier fetches 1 to {bus.rows} experts, got {M}")
     k = predicted.numel()
     publish = share is not None and MW > 0
     mb = share.mailbox_dev if publish else sent
     bus_mb = bus.mailbox_dev if bus is not None else sent
     _select_kernel[(1,)](predicted.contiguous(), slot_of, out if M else sent, sent, warmed if MW else sent, mb,
-                         share.warm_seq if publish else sent, bus_mb, bus.seq if bus is not None else sent,
-                         bus.expect if bus is not None else sent, skip if MS else sent, layer, row0, region,
-                         K=k, M=M, MW=MW, MS=MS, PUBLISH=publish, BUS=bus is not None,
+                         share.warm_seq if publish else sent, bus_mb, bus.seq if bus is not None else sent, layer,
+                         K=k, M=M, MW=MW, PUBLISH=publish, BUS=bus is not None,
                          BLOCK_K=triton.next_power_of_2(max(k, 2)), WARM_SEQ=WARM_SEQ, WARM_LAYER=WARM_LAYER,
-                         WARM_N=WARM_N, WARM_IDS=WARM_IDS, BUS_LAYER=BUS_LAYER, BUS_N=BUS_N, BUS_ROW0=BUS_ROW0,
-                         BUS_IDS=BUS_IDS, num_warps=1)
+                         WARM_N=WARM_N, WARM_IDS=WARM_IDS, BUS_LAYER=BUS_LAYER, BUS_N=BUS_N, BUS_IDS=BUS_IDS,
+                         num_warps=1)

@@ -20,8 +20,7 @@ if not torch.cuda.is_available():
 
 from engine.errors import ConfigError  # noqa: E402
 from engine.gguf.reader import GGUFFile  # noqa: E402
-from engine.hybrid import (AHEAD_ROUTE_ENV, COLD_AHEAD_ENV, COLD_PREFETCH_ENV, COPIER_AHEAD_ENV,  # noqa: E402
-                           FETCH_COPIER_ENV,
+from engine.hybrid import (AHEAD_ROUTE_ENV, COLD_AHEAD_ENV, COLD_PREFETCH_ENV, FETCH_COPIER_ENV,  # noqa: E402
                            FETCH_PROGRAMS_DEFAULT, FETCH_PROGRAMS_ENV, FETCH_PROGRAMS_MAX, PREFETCH_MAX, WARM_MAX,
                            attach_hybrid)
 from engine.kernels import host_experts  # noqa: E402
@@ -301,12 +300,9 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
             with pytest.raises(ConfigError, match="fetch's copier"):
                 hybrid.set_cold_prefetch(1, copier=bad)
         assert hybrid.ahead_route == "main" and hybrid.fetch_programs == FETCH_PROGRAMS_DEFAULT == 8  # the defaults
-        for bad in (0, 3, "2", True):
-            with pytest.raises(ConfigError, match="1 or 2 layers ahead"):
-                hybrid.set_cold_prefetch(1, copier_ahead=bad)
-        assert hybrid.fetch_copier == "kernel" and hybrid.copier_ahead == 1
-        hybrid.set_cold_prefetch(1, copier="engine", copier_ahead=2)
-        assert hybrid.fetch_copier == "engine" and hybrid.fetch_programs == 8 and hybrid.copier_ahead == 2
+        assert hybrid.fetch_copier == "kernel"
+        hybrid.set_cold_prefetch(1, copier="engine")
+        assert hybrid.fetch_copier == "engine" and hybrid.fetch_programs == 8
         hybrid.set_cold_prefetch(1, route="side", programs=16)
         assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 16
         hybrid.set_cold_prefetch(1, programs=0)
@@ -321,7 +317,7 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
         attach(qfile, 0.0)
     monkeypatch.delenv(COLD_PREFETCH_ENV)
     for name, bad in ((AHEAD_ROUTE_ENV, "gpu"), (FETCH_PROGRAMS_ENV, "-3"), (FETCH_PROGRAMS_ENV, "2000"),
-                      (FETCH_COPIER_ENV, "dma"), (COPIER_AHEAD_ENV, "3")):
+                      (FETCH_COPIER_ENV, "dma")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ConfigError, match=name):
             attach(qfile, 0.0)
@@ -329,11 +325,9 @@ def test_bad_prefetch_counts_are_refused(qfile, monkeypatch):
     monkeypatch.setenv(AHEAD_ROUTE_ENV, "side")
     monkeypatch.setenv(FETCH_PROGRAMS_ENV, "12")
     monkeypatch.setenv(FETCH_COPIER_ENV, "engine")
-    monkeypatch.setenv(COPIER_AHEAD_ENV, "2")
     _, hybrid = attach(qfile, 0.0)
     try:
         assert hybrid.ahead_route == "side" and hybrid.fetch_programs == 12 and hybrid.fetch_copier == "engine"
-        assert hybrid.copier_ahead == 2
     finally:
         hybrid.close()
     monkeypatch.setenv(FETCH_PROGRAMS_ENV, "0")  # one program a block
@@ -368,45 +362,33 @@ def test_every_layer_starts_with_the_executors_hook(qfile):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fetch,warm,unit,route,programs,copier,far", [
-    (1, 0, "expert", "main", 0, "kernel", 1), (2, 0, "expert", "side", 0, "kernel", 1),
-    (PREFETCH_MAX, 0, "expert", "main", 0, "kernel", 1), (0, 1, "expert", "main", 0, "kernel", 1),
-    (1, 1, "expert", "side", 0, "kernel", 1), (1, 1, "alternate", "main", 0, "kernel", 1),
-    (1, 1, "alternate", "side", 0, "kernel", 1), (2, 2, "alternate", "main", 3, "kernel", 1),
-    (0, WARM_MAX, "alternate", "main", 0, "kernel", 1), (PREFETCH_MAX, 4, "alternate", "main", 0, "kernel", 1),
-    (PREFETCH_MAX, 4, "alternate", "side", 5, "kernel", 1), (1, 6, "alternate", "main", 8, "kernel", 1),
-    (1, 6, "alternate", "main", 8, "engine", 1), (2, 0, "expert", "side", 0, "engine", 1),
-    (2, 5, "alternate", "main", 8, "engine", 1), (PREFETCH_MAX, 4, "alternate", "side", 0, "engine", 1),
-    (1, 6, "alternate", "main", 8, "engine", 2), (2, 5, "alternate", "main", 8, "engine", 2),
-    (PREFETCH_MAX, 4, "alternate", "side", 0, "engine", 2), (2, 0, "alternate", "main", 0, "engine", 2)])
-def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm, unit, route, programs, copier,
-                                                                  far):
+@pytest.mark.parametrize("fetch,warm,unit,route,programs,copier", [
+    (1, 0, "expert", "main", 0, "kernel"), (2, 0, "expert", "side", 0, "kernel"),
+    (PREFETCH_MAX, 0, "expert", "main", 0, "kernel"), (0, 1, "expert", "main", 0, "kernel"),
+    (1, 1, "expert", "side", 0, "kernel"), (1, 1, "alternate", "main", 0, "kernel"),
+    (1, 1, "alternate", "side", 0, "kernel"), (2, 2, "alternate", "main", 3, "kernel"),
+    (0, WARM_MAX, "alternate", "main", 0, "kernel"), (PREFETCH_MAX, 4, "alternate", "main", 0, "kernel"),
+    (PREFETCH_MAX, 4, "alternate", "side", 5, "kernel"), (1, 6, "alternate", "main", 8, "kernel"),
+    (1, 6, "alternate", "main", 8, "engine"), (2, 0, "expert", "side", 0, "engine"),
+    (2, 5, "alternate", "main", 8, "engine"), (PREFETCH_MAX, 4, "alternate", "side", 0, "engine")])
+def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, warm, unit, route, programs, copier):
     """Half the experts cold, half of those on the threads (float32 activations), ``fetch`` cold experts a
     layer fetched ahead by the bus and ``warm`` more warmed by the threads: the captured step follows the
     all-on-device model teacher-forced, as it does without them, and they served pairs (the tiny random
     model routes alike before and after its mixers); the threads fetched chunks for the warm-ups. With
     placement ``"alternate"`` each cold layer but the first is predicted at the hot layer before it. The
     predicting router on the step's stream or the second one, the fetch in one program a block or a few
-    looping, or by the copy engine from the copier's thread (which then queued a fetch a cold layer a step), a layer
-    ahead or, with ``far`` 2, two (the fetch of every cold layer but the step's first issued at the cold layer before
-    it, into the stage's regions 1 and 2 in turn)."""
+    looping, or by the copy engine from the copier's thread (which then queued a fetch a cold layer a step)."""
     plain = load(qfile, "cuda", quantized=True)
     model, hybrid = attach(qfile, 0.5, device="cuda", quantized=True, cpu_int8=False, cold_prefetch=fetch,
                            cold_warm=warm, unit=unit)
-    hybrid.set_cold_prefetch(fetch, route=route, programs=programs, copier=copier, copier_ahead=far)
+    hybrid.set_cold_prefetch(fetch, route=route, programs=programs, copier=copier)
     try:
         follow_captured(plain, model, 1e-3, before=hybrid.reset_counters)
         if copier == "engine":
             assert len(hybrid._buses) == 1
             bus = next(iter(hybrid._buses.values()))
             assert bus.jobs > 0 and bus.jobs == int(bus.seq) == int(bus.flag)
-            cold = [i for i, layer in enumerate(hybrid._layers) if layer.n_hot < layer.n_expert]
-            far_targets = [t for t in cold if hybrid.far_target(t - 2) == t] if far == 2 else []
-            assert (len(far_targets) > 0) == (far == 2) and hybrid._far is None  # every far fetch was taken
-            if far == 2:  # regions 1 and 2 in turn took the far fetches' numbers (region 2 from a step's second on);
-                # region 0 the step's first cold layer's
-                assert int(bus.expect[0]) > 0 and int(bus.expect[1]) > 0
-                assert (int(bus.expect[2]) > 0) == (len(far_targets) > 1)
         stats = hybrid.stats_snapshot()
         assert 0 < stats.prefetch_served <= stats.cold_hits
         assert 0 < stats.prefetched <= 12 * (fetch + warm) * model.cfg.n_layers
@@ -439,9 +421,8 @@ def test_engine_and_cli_take_the_count(qfile, capsys):
         assert out.timings.extra["cold_warm"] == 1
         eng.set_cold_prefetch(0)  # the warm count as set
         assert eng.hybrid.cold_prefetch == 0 and eng.hybrid.cold_warm == 1
-        eng.set_cold_prefetch(0, route="side", programs=4, copier="engine", copier_ahead=2)  # all reach the executor
-        assert (eng.hybrid.ahead_route, eng.hybrid.fetch_programs, eng.hybrid.fetch_copier,
-                eng.hybrid.copier_ahead) == ("side", 4, "engine", 2)
+        eng.set_cold_prefetch(0, route="side", programs=4, copier="engine")  # every setting reaches the executor
+        assert (eng.hybrid.ahead_route, eng.hybrid.fetch_programs, eng.hybrid.fetch_copier) == ("side", 4, "engine")
         with pytest.raises(ConfigError, match="fetch's copier"):
             eng.set_cold_prefetch(0, copier="dma")
         assert eng.generate([3, 17, 5], 4).ids == out.ids

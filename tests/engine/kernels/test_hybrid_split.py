@@ -11,10 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are decorated
 
 pytest.importorskip("triton")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from engine.kernels.gather import gather_stacks  # noqa: E402
-from engine.kernels.host_share_triton import BUS_AHEAD, _distance  # noqa: E402
 from engine.kernels.hybrid_split import select_prefetch, split_pairs  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -150,24 +147,6 @@ def test_select_prefetch_takes_the_first_cold_predictions_in_order(M):
     assert warmed.cpu().tolist() == [7, 2, 11] and int(sent) == 2 + M + 7
 
 
-
-def test_select_prefetch_skips_experts_fetched_already():
-    """``skip``: experts a fetch two layers ahead named are neither picked nor warmed; -1 in it skips nothing."""
-    slot_of = torch.full((12,), -1, dtype=torch.int64, device=DEVICE)
-    slot_of[[1, 4, 5, 9]] = torch.arange(4, device=DEVICE)
-    predicted = torch.tensor([4, 7, 1, 2, 9, 11, 5, 0], device=DEVICE)  # cold in order: 7, 2, 11, 0
-    sent = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    warmed = torch.empty(3, dtype=torch.int32, device=DEVICE)
-    skip = torch.tensor([2, -1, 7], dtype=torch.int32, device=DEVICE)
-    select_prefetch(predicted, slot_of, None, sent, warmed=warmed, skip=skip)
-    assert warmed.cpu().tolist() == [11, 0, -1] and int(sent) == 2
-    out = torch.empty(1, dtype=torch.int32, device=DEVICE)
-    select_prefetch(predicted, slot_of, out, sent, warmed=warmed, skip=skip[:1])
-    assert out.cpu().tolist() == [7] and warmed.cpu().tolist() == [11, 0, -1] and int(sent) == 5
-    with pytest.raises(ValueError, match="skip is an int32"):
-        select_prefetch(predicted, slot_of, out, sent, skip=skip.long())
-
-
 def test_split_refuses_wrong_outputs():
     ids, slot_of = case(1, 4, 8, seed=0)
     with pytest.raises(ValueError, match="int64 counter"):
@@ -288,63 +267,3 @@ def test_cuda_split_hands_the_threads_the_warmed_pairs_and_the_select_tells_them
         assert share.mailbox[HEADER:HEADER + k].tolist() == [1, -1, 5, -1]
     finally:
         share.close()
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_cuda_select_names_experts_to_the_copier_by_region():
-    """``select_prefetch(bus=, region=, row0=)``: the copier copies the picked experts into the region's rows and
-    ``bus_wait(bus, region)`` returns once they are there, with a later job for another region already published
-    (a fetch two layers ahead); the expert ids past the cold ones copy nothing."""
-    from engine.kernels.host_experts import HostBus
-    from engine.kernels.host_share_triton import bus_wait
-
-    E, shapes = 8, ((5, 18), (5, 18), (3, 34))
-    g = torch.Generator().manual_seed(3)
-    blocks = [tuple(torch.randint(0, 256, (E, *sh), generator=g, dtype=torch.uint8).pin_memory() for sh in shapes)]
-    stage = tuple(torch.zeros(12, *sh, dtype=torch.uint8, device="cuda") for sh in shapes)
-    bus = HostBus(blocks, stage, device="cuda")
-    try:
-        slot_of = torch.full((E,), -1, dtype=torch.int64, device="cuda")
-        slot_of[[0, 2]] = torch.arange(2, device="cuda")
-        sent = torch.zeros(1, dtype=torch.int64, device="cuda")
-        first, second = (torch.empty(2, dtype=torch.int32, device="cuda") for _ in range(2))
-        select_prefetch(torch.tensor([0, 6, 3, 2], device="cuda"), slot_of, first, sent, bus=bus, region=1, row0=4)
-        select_prefetch(torch.tensor([2, 1, 0, 0], device="cuda"), slot_of, second, sent, bus=bus, region=2, row0=8)
-        third = torch.empty(1, dtype=torch.int32, device="cuda")
-        select_prefetch(torch.tensor([7, 0, 0, 0], device="cuda"), slot_of, third, sent, bus=bus)  # region 0
-        bus_wait(bus, 1)  # two later jobs published before it
-        bus_wait(bus, 2)
-        bus_wait(bus, 0)
-        torch.cuda.synchronize()
-        bus.check()
-        assert first.tolist() == [6, 3] and second.tolist() == [1, -1] and bus.expect.tolist() == [3, 1, 2]
-        assert all(torch.equal(t[0].cpu(), b[7]) for t, b in zip(stage, blocks[0]))
-        for t, b in zip(stage, blocks[0]):
-            assert torch.equal(t[4].cpu(), b[6]) and torch.equal(t[5].cpu(), b[3]) and torch.equal(t[8].cpu(), b[1])
-            assert not t[9].any() and not t[1:4].any()
-        with pytest.raises(ValueError, match="regions"):
-            select_prefetch(torch.tensor([0, 6, 3, 2], device="cuda"), slot_of, first, sent, bus=bus, region=3)
-        with pytest.raises(ValueError, match="regions"):
-            select_prefetch(torch.tensor([0, 6, 3, 2], device="cuda"), slot_of, first, sent, bus=bus, row0=11)
-    finally:
-        bus.close()
-
-
-@triton.jit
-def _distances(s_ptr, d_ptr, out_ptr, N: tl.constexpr):
-    o = tl.arange(0, N)
-    tl.store(out_ptr + o, _distance(tl.load(s_ptr + o), tl.load(d_ptr + o)))
-
-
-def test_the_copier_waits_distance_runs_along_its_numbers():
-    """``bus_wait`` takes a region's job as done when the copier's word holds its number or one of the next
-    ``BUS_AHEAD``: the distance along 1 .. 2^31 - 1 (then 1 again, as the device numbers its jobs), large where the
-    word is still before the number (0 before the first job)."""
-    top = 2**31 - 1
-    pairs = [(5, 5, 0), (5, 7, 2), (7, 5, top - 2), (1, 0, top - 1), (top, 1, 1), (top - 1, 2, 3), (3, top, top - 3)]
-    s, d = (torch.tensor([p[i] for p in pairs] + [0], dtype=torch.int32, device=DEVICE) for i in (0, 1))
-    out = torch.empty(8, dtype=torch.int32, device=DEVICE)
-    _distances[(1,)](s, d, out, N=8)
-    assert out.cpu().tolist()[:7] == [p[2] for p in pairs]
-    assert BUS_AHEAD < top - 3  # a word before the number is never taken as past it
