@@ -738,7 +738,8 @@ class HybridExperts:
         if self._fetch is not None and self._fetch[0] == layer_idx:
             return  # predicted at the layer before (``cold_ahead``)
         self._join_fetch()
-        if not self._prefetching(x):
+        if (not (self.cold_prefetch or self.cold_warm) or self._predictors is None or not x.is_cuda or x.shape[0] != 1
+                or not self.cpu_share or self._host_share is None or self.min_hot & (self.min_hot - 1)):
             return
         target = self.prefetch_target(layer_idx)
         if target is None:
@@ -746,6 +747,7 @@ class HybridExperts:
         predictors = self._predictors if target == layer_idx else self._ahead_predictors
         from engine.kernels.gather import gather_stacks
         from engine.kernels.hybrid_split import select_prefetch
+        from engine.kernels.moe_gate import route_triton
 
         layer = self._layers[target]
         router = predictors[target]
@@ -755,9 +757,15 @@ class HybridExperts:
         buffers = self._stream_buffers(layer)
         sources = tuple(t.raw if isinstance(t, QuantExperts) else t for t in layer.mapped)
         bus = self._bus(layer, buffers) if m and self.fetch_copier == "engine" else None
-        ids, side = self._predict(x, router)
+        main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
+        on_main = self.ahead_route == "main"
+        if on_main:  # a few microseconds of the whole device before the layer's own kernels
+            ids, _ = route_triton(x, router, self.min_hot, ahead=True)
+        side.wait_stream(main)
         picked = torch.cuda.Event()
         with torch.cuda.stream(side):
+            if not on_main:
+                ids, _ = route_triton(x, router, self.min_hot, side=True)
             select_prefetch(ids.view(-1), layer.slot_of, fetched, self._fetch_sent[target:target + 1],
                             warmed=warmed, share=self._host_share, layer=target, bus=bus)
             picked.record(side)
@@ -768,28 +776,6 @@ class HybridExperts:
             if t is not None:
                 t.record_stream(side)
         self._fetch = (target, fetched, warmed, picked, bus)
-
-    def _predict(self, x: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Stream]:
-        """The top-k ``router`` (a predictor) gives ``x``, and the second stream, which is ordered after it: on the
-        step's own stream (``ahead_route`` "main": a few microseconds of the whole device before the layer's own
-        kernels) or on the second stream."""
-        from engine.kernels.moe_gate import route_triton
-
-        main, side = torch.cuda.current_stream(x.device), self._side_stream(x.device)
-        if self.ahead_route == "main":
-            ids, _ = route_triton(x, router, self.min_hot, ahead=True)
-            side.wait_stream(main)
-        else:
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                ids, _ = route_triton(x, router, self.min_hot, side=True)
-        return ids, side
-
-    def _prefetching(self, x: torch.Tensor) -> bool:
-        """Whether this call of a layer predicts and fetches ahead at all (``begin_layer``)."""
-        return bool((self.cold_prefetch or self.cold_warm) and self._predictors is not None and x.is_cuda
-                    and x.shape[0] == 1 and self.cpu_share and self._host_share is not None
-                    and not self.min_hot & (self.min_hot - 1))
 
     def prefetch_target(self, layer_idx: int) -> int | None:
         """The layer whose cold experts are fetched and warmed at ``layer_idx``'s start, or None: the next layer
