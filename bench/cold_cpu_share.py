@@ -25,7 +25,9 @@ with ``LUCE_TUNE_HOST_EXPERTS_CFLAGS=-DLT_STATS=1`` each row also reports the th
 job (from the first thread's look to the reply) over the timed generations, and ``--timeline`` prints
 each row's captured step as kernels in device order (``bench/profile_decode.py``'s): the collect launch's
 time is the device's wait for the threads. ``--cflags`` repeats the rows with threads per build of the pool
-(``;`` between builds, as ``LUCE_TUNE_HOST_EXPERTS_CFLAGS`` takes them), restarting the threads for each;
+(``;`` between builds, as ``LUCE_TUNE_HOST_EXPERTS_CFLAGS`` takes them), restarting the threads for each; a row
+with threads reports the chunks they fetched for warm-ups over its timed runs and, built with ``-DLT_SPEC=1``, the
+chunks fetched ahead of their warm-up (``engine/kernels/host_experts.c``);
 ``--placement-units`` repeats every row per placement unit (``Engine.set_expert_budget(unit=)``: the hot set
 grown by experts or by whole layers). ``--prefetch`` repeats the rows with threads per count of cold experts a
 layer the bus fetches ahead of its router (``Engine.set_cold_prefetch``), ``--warm`` per count the CPU threads
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         warm = eng.generate(ids, 16, ignore_eos=True)
         pool = eng.hybrid._host_share
         before = pool.stats() if share and pool is not None else None
+        chunks0 = (pool.warm_chunks, pool.spec_chunks) if share and pool is not None else None
         rates, out = [], None
         for _ in range(args.repeats):
             feed = (torch.randint(0, eng.config.vocab, (args.new_tokens,), generator=gen).tolist()
@@ -139,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
             out = eng.generate(ids, args.new_tokens, ignore_eos=True, feed=feed)
             rates.append(out.timings.decode_tok_s)
         job_us = job_time(before, pool.stats()) if before is not None else None
+        warm_chunks = spec_chunks = None
+        if chunks0 is not None:  # chunks the threads fetched for warm-ups, and ahead of them, over the timed runs
+            warm_chunks = pool.warm_chunks - chunks0[0]
+            spec_chunks = None if chunks0[1] is None else pool.spec_chunks - chunks0[1]
         extra = out.timings.extra  # the last generation's counters (its prompt and decode)
         sent, served, cold_pairs = extra.get("prefetched", 0), extra.get("prefetch_served", 0), extra.get("cold_hits", 0)
         greedy = None
@@ -162,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                "cold_pairs": cold_pairs,
                "cflags": build if share else None, "blocking_wait": blocking_wait_setting(),
                "decode_tok_s": spread(rates), "runs": rates, "greedy_decode_tok_s": greedy, "pool_job_us": job_us,
+               "warm_chunks": warm_chunks, "spec_chunks": spec_chunks,
                "prefill_tokens": args.prefill, "prefill_tok_s": prefill,
                "same_tokens_as_first": same,
                "cpu_jobs": eng.hybrid._host_share.jobs if eng.hybrid._host_share else 0,
@@ -185,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
                  if eng.hybrid.cold_prefetch or eng.hybrid.cold_warm else "")
               + (f", the threads' job {job_us:.1f} us (x {eng.config.n_layers} layers: "
                  f"{job_us * eng.config.n_layers / 1e3:.2f} ms)" if job_us is not None else "")
+              + (f", chunks warmed {warm_chunks:,} and ahead of their warm-up {spec_chunks:,}"
+                 if spec_chunks is not None else "")
               + (f", greedy (routing repeated) {greedy['median']:.1f} tok/s" if greedy else "")
               + (f", prefill {args.prefill}: {prefill['median']:,.1f} tok/s" if prefill else ""), flush=True)
         if args.timeline:

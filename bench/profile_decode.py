@@ -261,10 +261,12 @@ def static_ops(model, capacity: int, prompt: torch.Tensor) -> None:
     print("  in order: " + " ".join(log.ops[:120]))
 
 
-def timeline(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int, rows: int) -> None:
+def timeline(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int, rows: int,
+             anchor: str = "_select_kernel") -> None:
     """The captured step's kernels in device order, from a trace of ``steps`` replays (the last one
     read): per kernel name its launches, summed time and the idle time before its launches; then each
-    launch not of ours (a name without a leading underscore: torch's kernels) and the kernel before it."""
+    launch not of ours (a name without a leading underscore: torch's kernels) and the kernel before it;
+    then, where ``anchor`` repeats, the stretch between its launches (``cycle_anatomy``)."""
     import json
     import tempfile
 
@@ -314,6 +316,47 @@ def timeline(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, 
     print(f"  torch's kernels inside the step: {len(foreign)}")
     for name, before, dur in foreign[:rows]:
         print(f"    {dur:6.1f} us  {name}  (after {before})")
+    cycle = cycle_anatomy(last, anchor)
+    if cycle:
+        print_cycle(cycle, anchor)
+
+
+def cycle_anatomy(kernels: list[dict], anchor: str) -> list[dict] | None:
+    """The step's repeating stretch from one launch of ``anchor`` to the next (a cold layer and the hot one
+    before it, at half cold with the select launch as the anchor), as medians over its repeats: each
+    launch's start and end in microseconds after the anchor's start, its stream, and the stretch's length.
+
+    ``kernels`` are trace events (``name``, ``ts``, ``dur``, ``tid``) in device order. Stretches are
+    compared by their launches' names in order and the most common sequence is the one described; None
+    where the anchor runs fewer than three times."""
+    starts = [i for i, k in enumerate(kernels) if k["name"].startswith(anchor)]
+    if len(starts) < 3:
+        return None
+    spans = [kernels[a:b] for a, b in zip(starts, starts[1:])]
+    signature = [tuple(k["name"][:48] for k in span) for span in spans]
+    common = max(set(signature), key=signature.count)
+    chosen = [span for span, sig in zip(spans, signature) if sig == common]
+    nxt = [kernels[b]["ts"] for b, sig in zip(starts[1:], signature) if sig == common]
+    rows = []
+    for j, name in enumerate(common):
+        rows.append({
+            "name": name,
+            "stream": chosen[0][j].get("tid"),
+            "start_us": statistics.median(s[j]["ts"] - s[0]["ts"] for s in chosen),
+            "end_us": statistics.median(s[j]["ts"] + s[j]["dur"] - s[0]["ts"] for s in chosen),
+        })
+    length = statistics.median(n - s[0]["ts"] for n, s in zip(nxt, chosen))
+    return [{"repeats": len(chosen), "of": len(spans), "length_us": length}] + rows
+
+
+def print_cycle(cycle: list[dict], anchor: str) -> None:
+    head, rows = cycle[0], cycle[1:]
+    print(f"\n  from one {anchor} to the next: {head['length_us']:.1f} us (median of {head['repeats']} of "
+          f"{head['of']} stretches alike), launches by start")
+    streams = {tid: i for i, tid in enumerate(sorted({r["stream"] for r in rows}, key=str))}
+    print(f"  {'kernel':48s} {'stream':>6s} {'start':>8s} {'end':>8s}")
+    for r in rows:
+        print(f"  {r['name']:48s} {streams[r['stream']]:6d} {r['start_us']:8.1f} {r['end_us']:8.1f}")
 
 
 def timed(step: Callable[[torch.Tensor], torch.Tensor], token: torch.Tensor, steps: int) -> str:

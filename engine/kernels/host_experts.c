@@ -30,6 +30,14 @@
    owns, then any left (a flag a chunk, so that a thread scheduled late has its chunks taken by the others). With
    -DLT_AFFINITY=0 the warm-up's chunks go to whichever thread takes them, and a job's chunk read by another core
    than the one that fetched it comes from that core's cache. The sums are the same bits either way.
+
+   Warm-ups ahead of their warm-up (LT_SPEC=1): between a job's reply and the next warm-up the host's memory is idle
+   (the device sums the reply, finishes the layer and predicts the next cold one). The pool remembers, per layer,
+   the experts its last warm-up named, and which layer's warm-up came after a job of each layer. Once a job is
+   answered, each thread fetches the chunks it owns of the experts last named for the layer that followed last
+   time, until a warm-up or a job comes; a warm-up that then names the same layer and experts goes on from where
+   this one stopped. It is the layer's routing of the previous token: a guess that costs only memory reads when
+   wrong, and changes no result.
    The reply: [0] sequence, [1] status (0 ok; LT_ERR_* otherwise), [16 ..) y float32 [max_tokens * hidden]. */
 
 #define _GNU_SOURCE
@@ -88,6 +96,14 @@
 #ifndef LT_AFFINITY
 #define LT_AFFINITY 1  /* warm-ups and jobs cut alike, each thread computing first the chunks it warmed (above) */
 #endif
+#ifndef LT_SPEC
+#define LT_SPEC 0  /* 1 (with LT_AFFINITY): once a job is answered and before the next warm-up, each thread fetches the
+                      chunks it owns of the experts the last warm-up of the layer that followed this job's layer named
+                      (below, "Warm-ups ahead of their warm-up") */
+#endif
+#if LT_SPEC && !LT_AFFINITY
+#error "LT_SPEC needs LT_AFFINITY=1 (a thread fetches the chunks it owns)"
+#endif
 #ifndef LT_PIN
 #define LT_PIN 0  /* 1: thread i runs on the i-th CPU of the process's affinity mask */
 #endif
@@ -127,6 +143,11 @@ typedef struct {
     volatile int stop;
     pthread_t *threads;
     int32_t *claims[2];  /* LT_AFFINITY: per chunk of phase 1 and 2, the job that took it [W_MAX + 1] */
+#if LT_SPEC
+    int32_t *memo;       /* per layer: its last warm-up's count then ids [nlayers * (WARM_MAX + 1)] */
+    int32_t *follow;     /* per layer: the layer of the warm-up that came after its last job, or -1 [nlayers] */
+    int64_t spec_chunks; /* chunks fetched ahead of their warm-up */
+#endif
 #if LT_STATS
     int64_t job_start, job_ns;             /* a job's first chunk taken to its reply, summed */
     int first_phase;                       /* 1 where a job has no gate/up chunks: its start is phase 2's first */
@@ -144,6 +165,10 @@ typedef struct {
                         the pairs its down rows need, once phase 1 is done: gate/up's chunks need not hold whole blocks */
     float *hd, *hc;  /* [max_pairs * ffn / 32] */
     int32_t *htag;   /* [max_pairs]: the job whose h a pair's codes hold */
+    int job_layer;   /* the layer of this thread's last job (-1: none yet) */
+    int spec_layer;  /* LT_SPEC: the layer and experts of this thread's last warm-up ahead, and how far it got */
+    int32_t spec_ids[WARM_MAX];
+    int spec_n, spec_pos;
 } worker_t;
 
 static inline float half_to_float(uint16_t h) {
@@ -520,40 +545,83 @@ static inline void fetch_rows(const matrix_t *m, int e, int r0, int r1) {
     fetch_bytes(row_of(m, e, r0), (int64_t)(r1 - r0) * m->row_bytes);
 }
 
-/* Warm-up `ws` cut as the job will be (above): this thread (`me`) fetches the gate/up rows and the down rows it owns
-   of each named expert in turn, counting a chunk per piece, until they are done or a job comes. */
-static void run_warm(pool_t *p, int me, int32_t ws, int32_t job) {
-    const int layer = p->mailbox[WARM_LAYER], n = p->mailbox[WARM_N];
-    if (layer < 0 || layer >= p->nlayers || n < 1 || n > WARM_MAX) return;
+/* Fetches the chunks this thread (`me`) owns of experts ids[0..n) of a layer, cut as the job will be (above): the gate/up
+   rows and the down rows of each expert in turn, from position `from` of that walk; stops when a job other than
+   `job` or a warm-up other than `ws` comes. Returns the position reached (n * (per + n2) when done); `count` gains
+   the chunks fetched. */
+static int warm_owned(pool_t *p, int me, int layer, int n, const int32_t *ids, int from, int32_t ws, int32_t job,
+                      int64_t *count) {
     const matrix_t *m = &p->mats[3 * layer];
-    for (int j = 0; j < 3; j++) if (m[j].base == NULL) return;
     const int ffn = m[0].rows, H = m[2].rows, T = p->nthreads;
     const int per = (ffn + LT_CHUNK1 - 1) / LT_CHUNK1, n2 = (H + LT_CHUNK2 - 1) / LT_CHUNK2;
-    for (int i = 0; i < n; i++) {
-        const int e = p->mailbox[WARM_IDS + i];
+    for (int pos = from; pos < n * (per + n2); pos++) {
+        const int i = pos / (per + n2), j = pos % (per + n2), e = ids[i];
         if (e < 0 || e >= m[0].experts || e >= m[1].experts || e >= m[2].experts) continue;
-        for (int j = 0; j < per + n2; j++) {
-            if (j < per ? (e + j) % T != me : (j - per) % T != me) continue;
-            if (__atomic_load_n(&p->mailbox[0], __ATOMIC_ACQUIRE) != job
-                || __atomic_load_n(&p->mailbox[WARM_SEQ], __ATOMIC_ACQUIRE) != ws || p->stop)
-                return;
-            if (j < per) {
-                const int r0 = j * LT_CHUNK1, r1 = r0 + LT_CHUNK1 < ffn ? r0 + LT_CHUNK1 : ffn;
-                fetch_rows(&m[0], e, r0, r1);
-                fetch_rows(&m[1], e, r0, r1);
-            } else {
-                const int r0 = (j - per) * LT_CHUNK2, r1 = r0 + LT_CHUNK2 < H ? r0 + LT_CHUNK2 : H;
-                fetch_rows(&m[2], e, r0, r1);
-            }
-            __atomic_fetch_add(&p->warm_chunks, 1, __ATOMIC_RELAXED);
+        if (j < per ? (e + j) % T != me : (j - per) % T != me) continue;
+        if (__atomic_load_n(&p->mailbox[0], __ATOMIC_ACQUIRE) != job
+            || __atomic_load_n(&p->mailbox[WARM_SEQ], __ATOMIC_ACQUIRE) != ws || p->stop)
+            return pos;
+        if (j < per) {
+            const int r0 = j * LT_CHUNK1, r1 = r0 + LT_CHUNK1 < ffn ? r0 + LT_CHUNK1 : ffn;
+            fetch_rows(&m[0], e, r0, r1);
+            fetch_rows(&m[1], e, r0, r1);
+        } else {
+            const int r0 = (j - per) * LT_CHUNK2, r1 = r0 + LT_CHUNK2 < H ? r0 + LT_CHUNK2 : H;
+            fetch_rows(&m[2], e, r0, r1);
         }
+        __atomic_fetch_add(count, 1, __ATOMIC_RELAXED);
     }
+    return n * (per + n2);
 }
+
+static int layer_ready(const pool_t *p, int layer) {
+    if (layer < 0 || layer >= p->nlayers) return 0;
+    for (int j = 0; j < 3; j++) if (p->mats[3 * layer + j].base == NULL) return 0;
+    return 1;
+}
+
+/* Warm-up `ws`: this thread's chunks of the experts it names, until they are done or a job comes. With LT_SPEC it is
+   remembered for its layer, the layer is noted as the one after this thread's last job's, and where this thread's
+   last warm-up ahead named the same layer and experts, the walk goes on from where that one stopped. */
+static void run_warm(pool_t *p, worker_t *wk, int32_t ws, int32_t job) {
+    const int layer = p->mailbox[WARM_LAYER], n = p->mailbox[WARM_N];
+    if (n < 1 || n > WARM_MAX || !layer_ready(p, layer)) return;
+    int32_t ids[WARM_MAX];
+    for (int i = 0; i < n; i++) ids[i] = p->mailbox[WARM_IDS + i];
+    int from = 0;
+#if LT_SPEC
+    int32_t *memo = p->memo + (int64_t)layer * (WARM_MAX + 1);
+    for (int i = 0; i < n; i++) __atomic_store_n(&memo[1 + i], ids[i], __ATOMIC_RELAXED);
+    __atomic_store_n(&memo[0], n, __ATOMIC_RELAXED);
+    if (wk->job_layer >= 0) __atomic_store_n(&p->follow[wk->job_layer], layer, __ATOMIC_RELAXED);
+    if (wk->spec_layer == layer && wk->spec_n == n && memcmp(wk->spec_ids, ids, (size_t)n * sizeof(int32_t)) == 0)
+        from = wk->spec_pos;
+    wk->spec_layer = -1;
+#endif
+    warm_owned(p, wk->index, layer, n, ids, from, ws, job, &p->warm_chunks);
+}
+
+#if LT_SPEC
+/* After the reply to job `job` (layer wk->job_layer), before warm-up `ws` is followed by another: this thread's chunks
+   of the experts last named for the layer whose warm-up came after this layer's job last time. */
+static void run_spec(pool_t *p, worker_t *wk, int32_t ws, int32_t job) {
+    if (wk->job_layer < 0) return;
+    const int layer = __atomic_load_n(&p->follow[wk->job_layer], __ATOMIC_RELAXED);
+    if (!layer_ready(p, layer)) return;
+    const int32_t *memo = p->memo + (int64_t)layer * (WARM_MAX + 1);
+    const int n = __atomic_load_n(&memo[0], __ATOMIC_RELAXED);
+    if (n < 1 || n > WARM_MAX) return;
+    wk->spec_layer = layer;
+    wk->spec_n = n;
+    for (int i = 0; i < n; i++) wk->spec_ids[i] = __atomic_load_n(&memo[1 + i], __ATOMIC_RELAXED);
+    wk->spec_pos = warm_owned(p, wk->index, layer, n, wk->spec_ids, 0, ws, job, &p->spec_chunks);
+}
+#endif
 #else
 /* Fetches the blocks of the experts warm-up `ws` names (gate, up and down of each) into this core's caches,
    chunk by chunk, until they are all taken or a job comes. Bad headers are ignored: a warm-up is a hint. */
-static void run_warm(pool_t *p, int me, int32_t ws, int32_t job) {
-    (void)me;
+static void run_warm(pool_t *p, worker_t *wk, int32_t ws, int32_t job) {
+    (void)wk;
     const int layer = p->mailbox[WARM_LAYER], n = p->mailbox[WARM_N];
     if (layer < 0 || layer >= p->nlayers || n < 1 || n > WARM_MAX) return;
     const matrix_t *m = &p->mats[3 * layer];
@@ -755,6 +823,11 @@ static void *worker_main(void *arg) {
         for (int i = 0; i < p->max_pairs; i++) wk->htag[i] = p->start_seq;
     }
     int32_t last = p->start_seq, last_warm = p->start_warm;
+    wk->job_layer = -1;
+    wk->spec_layer = -1;
+#if LT_SPEC
+    int32_t spec_for = p->start_seq;  /* the job after which this thread last warmed ahead, or saw a warm-up */
+#endif
     int64_t idle_since = now_ns();
     unsigned spins = 0;
     while (!p->stop) {
@@ -763,11 +836,21 @@ static void *worker_main(void *arg) {
             int32_t ws = __atomic_load_n(&p->mailbox[WARM_SEQ], __ATOMIC_ACQUIRE);
             if (ws != last_warm) {
                 last_warm = ws;
-                run_warm(p, wk->index, ws, last);
+#if LT_SPEC
+                spec_for = last;
+#endif
+                run_warm(p, wk, ws, last);
                 idle_since = now_ns();
                 spins = 0;
                 continue;
             }
+#if LT_SPEC
+            if (spec_for != last && __atomic_load_n(&p->reply[0], __ATOMIC_ACQUIRE) == last) {
+                spec_for = last;
+                run_spec(p, wk, ws, last);
+                continue;
+            }
+#endif
             CPU_RELAX();
             if (++spins % 4096 == 0) {
                 int64_t idle = now_ns() - idle_since;
@@ -780,6 +863,7 @@ static void *worker_main(void *arg) {
             continue;
         }
         last = seq;
+        wk->job_layer = p->mailbox[16] >= 0 && p->mailbox[16] < p->nlayers ? p->mailbox[16] : -1;
         run_job(p, wk, seq);
         idle_since = now_ns();
         spins = 0;
@@ -789,6 +873,14 @@ done:
     free(wk->hq); free(wk->hd); free(wk->hc); free(wk->htag);
     free(wk);
     return NULL;
+}
+
+static void free_pool(pool_t *p) {
+    free(p->mats); free(p->h); free(p->threads); free(p->claims[0]); free(p->claims[1]);
+#if LT_SPEC
+    free(p->memo); free(p->follow);
+#endif
+    free(p);
 }
 
 /* Starts the pool; int8: activations in 8 bits (hidden and ffn multiples of 32). NULL for bad arguments. */
@@ -818,6 +910,12 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
         for (int c = 0; c <= W_MAX; c++) p->claims[ph][c] = p->start_seq;
     }
 #endif
+#if LT_SPEC
+    p->memo = (int32_t *)calloc((size_t)nlayers * (WARM_MAX + 1), sizeof(int32_t));
+    p->follow = (int32_t *)malloc((size_t)nlayers * sizeof(int32_t));
+    if (!p->memo || !p->follow) goto fail;
+    for (int l = 0; l < nlayers; l++) p->follow[l] = -1;
+#endif
     for (int i = 0; i < nthreads; i++) {
         worker_t *wk = (worker_t *)calloc(1, sizeof(worker_t));
         if (!wk) { p->nthreads = i; goto fail; }
@@ -828,7 +926,7 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
 fail:
     p->stop = 1;
     for (int i = 0; p->threads && i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
-    free(p->mats); free(p->h); free(p->threads); free(p->claims[0]); free(p->claims[1]); free(p);
+    free_pool(p);
     return NULL;
 }
 
@@ -850,6 +948,16 @@ int lt_matrix(void *pool, int layer, int which, const uint8_t *base, int experts
 int64_t lt_jobs(void *pool) { return __atomic_load_n(&((pool_t *)pool)->jobs, __ATOMIC_ACQUIRE); }
 
 int64_t lt_warm_chunks(void *pool) { return __atomic_load_n(&((pool_t *)pool)->warm_chunks, __ATOMIC_ACQUIRE); }
+
+/* Chunks fetched ahead of their warm-up (LT_SPEC), or -1 where the pool is built without it. */
+int64_t lt_spec_chunks(void *pool) {
+#if LT_SPEC
+    return __atomic_load_n(&((pool_t *)pool)->spec_chunks, __ATOMIC_ACQUIRE);
+#else
+    (void)pool;
+    return -1;
+#endif
+}
 
 /* With LT_STATS: out[0] jobs, out[1] mean ns from a job's first look to its reply, then per thread the mean ns
    of phase 1, the wait after it and phase 2 (3 values each); returns 0. Without: -1. */
@@ -896,7 +1004,7 @@ void lt_stop(void *pool) {
     if (!p) return;
     p->stop = 1;
     for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
-    free(p->mats); free(p->h); free(p->threads); free(p->claims[0]); free(p->claims[1]); free(p);
+    free_pool(p);
 }
 
 /* The bus's copier: a thread that has the GPU's copy engine fetch cold experts ahead of their layer.

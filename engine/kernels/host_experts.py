@@ -117,6 +117,8 @@ def library(cflags: Sequence[str] | None = None) -> ctypes.CDLL:
     lib.lt_jobs.argtypes = [ctypes.c_void_p]
     lib.lt_warm_chunks.restype = ctypes.c_int64
     lib.lt_warm_chunks.argtypes = [ctypes.c_void_p]
+    lib.lt_spec_chunks.restype = ctypes.c_int64
+    lib.lt_spec_chunks.argtypes = [ctypes.c_void_p]
     lib.lt_simd.restype = ctypes.c_int
     lib.lt_vnni.restype = ctypes.c_int
     lib.lt_dot8.restype = ctypes.c_int
@@ -246,6 +248,13 @@ class HostShare:
     def warm_chunks(self) -> int:
         """Chunks of experts' blocks the threads have fetched into their caches for warm-ups (``warm``)."""
         return int(self._lib.lt_warm_chunks(self._pool)) if self._pool else 0
+
+    @property
+    def spec_chunks(self) -> int | None:
+        """Chunks the threads fetched ahead of their warm-up, from the layer's last warm-up (a pool built with
+        ``-DLT_SPEC=1``), or None where the pool is built without it."""
+        n = int(self._lib.lt_spec_chunks(self._pool)) if self._pool else 0
+        return None if n < 0 else n
 
     def warm(self, layer: int, experts: Sequence[int]) -> None:
         """Name up to ``WARM_MAX`` experts of ``layer`` that a coming job is expected to hand the threads

@@ -36,3 +36,13 @@ def test_a_bad_copier_fails_before_any_row(tiny, tmp_path):
         main(["--model", str(tiny), "--budget-mb", "0.05", "--shares", "0.5", "--threads", "1", "--new-tokens", "2",
               "--repeats", "1", "--prefetch", "1", "--fetch-copiers", "dma", "--json", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_rows_per_build_report_chunks_fetched_ahead(tiny, tmp_path):
+    out = tmp_path / "rows.json"
+    main(["--model", str(tiny), "--budget-mb", "0.05", "--shares", "0.5", "--threads", "2", "--new-tokens", "4",
+          "--repeats", "1", "--prefetch", "0", "--warm", "2", "--cflags", ";-DLT_SPEC=1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["cflags"] for r in rows] == ["", "-DLT_SPEC=1"]
+    assert rows[0]["spec_chunks"] is None and rows[1]["spec_chunks"] >= 0
+    assert all(r["warm_chunks"] >= 0 and r["same_tokens_as_first"] for r in rows)

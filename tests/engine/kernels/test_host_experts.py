@@ -312,3 +312,61 @@ def test_warm_ups_are_fetched_and_change_no_sum(int8, affinity):
     finally:
         plain.close()
         warmed.close()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_warm_ups_ahead_follow_the_last_warm_up_and_change_no_sum(int8):
+    """With ``-DLT_SPEC=1``, once a job is answered the threads fetch the experts the last warm-up named for the layer
+    whose warm-up followed that job's layer last time: nothing before the pool has seen such an order, every chunk of
+    those experts once it has, and a warm-up that then names them fetches none again. Jobs sum the same bits as the
+    default pool's; the default pool reports no count."""
+    import time
+
+    hidden, ffn, experts, k = 96, 96, 6, 3
+    layers = [layer(Q.Q4_0, "ggml", experts, hidden, ffn, seed=90 + i)[0] for i in range(3)]
+    plain = HostShare(layers, hidden=hidden, ffn=ffn, threads=2, device="cpu", max_tokens=2, max_pairs=8, int8=int8)
+    spec = HostShare(layers, hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=2, max_pairs=8, int8=int8,
+                     cflags=["-DLT_SPEC=1"])
+    try:
+        assert plain.spec_chunks is None and spec.spec_chunks == 0
+        per_expert = -(-ffn // 32) + -(-hidden // 64)  # 3 gate/up chunks and 2 of output rows
+        g = torch.Generator().manual_seed(5)
+
+        def job(layer_index):
+            x, w = torch.randn(2, hidden, generator=g), torch.rand(2, k, generator=g)
+            ids = torch.randint(0, experts, (2, k), generator=g)
+            mine = torch.ones(experts, dtype=torch.int8)
+            outs = []
+            for share in (plain, spec):
+                out = torch.zeros(2, hidden)
+                share.publish(layer_index, x, ids, w, mine)
+                share.collect(out)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), layer_index
+
+        def settle(count, n):
+            deadline = time.perf_counter() + 10
+            while count() < n and time.perf_counter() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.05)
+            return count()
+
+        job(0)  # no warm-up has followed a job of layer 0 yet: nothing to fetch ahead
+        assert settle(lambda: spec.spec_chunks, 1) == 0
+        spec.warm(2, [1, 4])  # after a job of layer 0 comes layer 2's warm-up, naming 1 and 4
+        warmed = settle(lambda: spec.warm_chunks, 2 * per_expert)
+        assert warmed == 2 * per_expert
+        job(2)
+        job(0)  # answered: layer 2's experts 1 and 4 fetched ahead
+        assert settle(lambda: spec.spec_chunks, 2 * per_expert) == 2 * per_expert
+        spec.warm(2, [1, 4])  # the same names: nothing left to fetch
+        assert settle(lambda: spec.warm_chunks, warmed + 1) == warmed
+        job(2)
+        spec.warm(1, [0, 5])  # no job since: layer 1 is not noted as following layer 2
+        assert settle(lambda: spec.warm_chunks, warmed + 2 * per_expert) == warmed + 2 * per_expert
+        for i in range(6):
+            job(i % 3)
+        assert spec.spec_chunks >= 2 * per_expert and spec.jobs == plain.jobs == 10
+    finally:
+        plain.close()
+        spec.close()
