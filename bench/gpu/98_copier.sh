@@ -23,6 +23,7 @@ t0=$(date +%s)
 timeout ${TESTS_S:-200} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider -m gpu \
   $(for c in q4_0-1-6-alternate-main-8-kernel {q4_0,q8_0}-{1-6-alternate-main-8,2-0-expert-side-0,2-5-alternate-main-8,4-4-alternate-side-0}-engine; do
     echo "tests/engine/test_hybrid_cpu_share.py::test_cuda_captured_step_with_fetches_follows_the_device_model[$c]"; done) \
+  "tests/engine/test_hybrid_cpu_share.py::test_cuda_captured_step_with_warm_ups_ahead_follows_the_device_model" \
   "tests/engine/test_engine_decode_graph.py::test_cuda_blocking_wait_decodes_the_same_tokens" \
   > "$OUT/tests.log" 2>&1 \
   || echo "tests rc=$?"

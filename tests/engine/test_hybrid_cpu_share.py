@@ -405,6 +405,29 @@ def test_cuda_captured_step_with_fetches_follows_the_device_model(qfile, fetch, 
         hybrid.close()
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("copier", ["kernel", "engine"])
+def test_cuda_captured_step_with_warm_ups_ahead_follows_the_device_model(qfile, copier, monkeypatch):
+    """The pool built to warm each layer's experts ahead of its warm-up (``-DLT_SPEC=1``): the captured step
+    still follows the all-on-device model teacher-forced, and the threads fetched chunks ahead (the tiny model's
+    routing repeats over tokens enough for the layer's last warm-up to name experts again)."""
+    from engine.kernels.host_experts import CFLAGS_ENV
+
+    monkeypatch.setenv(CFLAGS_ENV, "-DLT_SPEC=1")
+    plain = load(qfile, "cuda", quantized=True)
+    model, hybrid = attach(qfile, 0.5, device="cuda", quantized=True, cpu_int8=False, cold_prefetch=1,
+                           cold_warm=4, unit="alternate")
+    hybrid.set_cold_prefetch(1, route="main", programs=8, copier=copier)
+    try:
+        follow_captured(plain, model, 1e-3, before=hybrid.reset_counters)
+        share = hybrid._host_share
+        assert share.spec_chunks is not None and share.spec_chunks > 0 and share.warm_chunks > 0
+        hybrid.check_cpu_share()
+    finally:
+        hybrid.close()
+
+
 def test_engine_and_cli_take_the_count(qfile, capsys):
     """``Engine.from_gguf(cold_prefetch=)`` and ``set_cold_prefetch`` reach the executor and its stats; the CLI
     refuses ``--cold-prefetch`` without a CPU share, and the engine without a budget on the GPU tier."""
