@@ -20,7 +20,10 @@ would leave them). Reported per layer and overall:
 - ``hit[m]``: of the first m cold experts the prediction names (those the bus and the threads fetch ahead),
   the share that the token then routes to;
 - ``distinct``: how many experts the tokens route to in the layer, together (k where every token routes
-  alike: a random-weight file's deep layers do, so that any prediction is right there).
+  alike: a random-weight file's deep layers do, so that any prediction is right there);
+- ``previous``: the share of each token's routed experts (the first excepted) that the token before it routed to in
+  the same layer: how often the CPU share's warm-ups ahead of their warm-up, which fetch what the layer's last
+  warm-up named (``engine/kernels/host_experts.c``, ``LT_SPEC``), fetch an expert the token then uses.
 """
 
 from __future__ import annotations
@@ -110,13 +113,19 @@ def measure(model: Any, predictors: list[torch.Tensor], ids: torch.Tensor, cold_
     finally:
         model.set_expert_executor(inner)
     g = torch.Generator().manual_seed(seed)
-    layers, totals = [], {"routed": 0, "named": 0, "hits": [0] * MAX_FETCH, "picks": [0] * MAX_FETCH}
+    layers, totals = [], {"routed": 0, "named": 0, "hits": [0] * MAX_FETCH, "picks": [0] * MAX_FETCH, "again": 0,
+                          "later": 0}
     for i in range(cfg.n_layers):
         pred, act = rec.predicted[i], rec.actual[i]
         cold = torch.zeros(cfg.n_expert, dtype=torch.bool)
         cold[torch.randperm(cfg.n_expert, generator=g)[:round(cold_share * cfg.n_expert)]] = True
         named = sum(len(set(p) & set(a)) for p, a in zip(pred.tolist(), act.tolist()))
-        row = {"layer": i, "overlap": named / act.numel(), "hit": [], "distinct": len(set(act.reshape(-1).tolist()))}
+        rows = act.tolist()
+        again = sum(len(set(a) & set(b)) for a, b in zip(rows, rows[1:]))
+        row = {"layer": i, "overlap": named / act.numel(), "hit": [], "distinct": len(set(act.reshape(-1).tolist())),
+               "previous": again / (act.numel() - act.shape[1]) if act.shape[0] > 1 else None}
+        totals["again"] += again
+        totals["later"] += act.numel() - act.shape[1]
         totals["routed"] += act.numel()
         totals["named"] += named
         for m in range(1, MAX_FETCH + 1):
@@ -127,7 +136,8 @@ def measure(model: Any, predictors: list[torch.Tensor], ids: torch.Tensor, cold_
         layers.append(row)
     overall = {"overlap": totals["named"] / totals["routed"],
                "distinct": sum(r["distinct"] for r in layers) / len(layers),
-               "hit": [h / p if p else None for h, p in zip(totals["hits"], totals["picks"])]}
+               "hit": [h / p if p else None for h, p in zip(totals["hits"], totals["picks"])],
+               "previous": totals["again"] / totals["later"] if totals["later"] else None}
     return {"layers": layers, "overall": overall}
 
 
@@ -169,13 +179,14 @@ def main() -> None:
           f"{f'{args.ahead} layer(s) ahead' if args.ahead else 'at the layer start'}, "
           f"{round(args.cold * cfg.n_expert)} of {cfg.n_expert} experts cold a layer")
     print(f"{'layer':>5} {'overlap':>8} " + " ".join(f"{f'hit[{m}]':>7}" for m in range(1, MAX_FETCH + 1))
-          + f" {'distinct':>9}")
+          + f" {'distinct':>9} {'previous':>8}")
     fmt = lambda v: f"{v:7.3f}" if v is not None else f"{'-':>7}"  # noqa: E731
     for row in table["layers"]:
         print(f"{row['layer']:5d} {row['overlap']:8.3f} " + " ".join(fmt(v) for v in row["hit"])
-              + f" {row['distinct']:9d}")
+              + f" {row['distinct']:9d} {fmt(row['previous']):>8}")
     o = table["overall"]
-    print(f"{'all':>5} {o['overlap']:8.3f} " + " ".join(fmt(v) for v in o["hit"]) + f" {o['distinct']:9.1f}")
+    print(f"{'all':>5} {o['overlap']:8.3f} " + " ".join(fmt(v) for v in o["hit"]) + f" {o['distinct']:9.1f}"
+          f" {fmt(o['previous']):>8}")
     if args.json is not None:
         args.json.write_text(json.dumps({"machine": machine(), "commit": commit(), "model": str(args.model),
                                          "tokens": len(ids), "text": str(args.text) if args.text else None,

@@ -71,3 +71,25 @@ def test_predictions_some_layers_ahead_come_from_that_layers_input(tmp_path):
     assert all(len(t["layers"]) == n for t in tables)
     overlaps = [t["overall"]["overlap"] for t in tables]
     assert 0 < overlaps[2] <= overlaps[1] <= overlaps[0] <= 1
+
+
+def test_previous_counts_the_token_befores_experts(tmp_path):
+    """``previous``: with the mixers' outputs zeroed a token's routing depends on its id alone, so a row of one id
+    routes as the token before it in every layer (1.0), and a single token has no token before it (None)."""
+    from engine.gguf.make_model import make_model
+
+    path = make_model(tmp_path / "tiny.gguf", "tiny", n_expert=16, quant="q8_0", seed=6)
+    gguf = GGUFFile(path)
+    model = Qwen35MoE.from_gguf(gguf, device="cpu", dtype=torch.float32, expert_device="meta")
+    model.set_expert_executor(BlockExperts(raw_experts(gguf, model.cfg)))
+    predictors = [routing_predictor(layer.moe.router, layer.attn_norm, layer.post_norm, device="cpu")
+                  for layer in model.weights.layers]
+    mixed = measure(model, predictors, torch.randint(0, model.cfg.vocab, (16,),
+                                                     generator=torch.Generator().manual_seed(2)), 0.5)
+    assert 0 <= mixed["overall"]["previous"] <= 1 and all(0 <= r["previous"] <= 1 for r in mixed["layers"])
+    for layer in model.weights.layers:
+        (layer.mixer.o if hasattr(layer.mixer, "o") else layer.mixer.out).zero_()
+    same = measure(model, predictors, torch.full((6,), 11), 0.5)
+    assert same["overall"]["previous"] == 1.0 and all(r["previous"] == 1.0 for r in same["layers"])
+    one = measure(model, predictors, torch.tensor([11]), 0.5)
+    assert one["overall"]["previous"] is None and all(r["previous"] is None for r in one["layers"])
