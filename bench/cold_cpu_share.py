@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
                     if args.feed == "random" else None)
             out = eng.generate(ids, args.new_tokens, ignore_eos=True, feed=feed)
             rates.append(out.timings.decode_tok_s)
-        job_us = job_time(before, pool.stats()) if before is not None else None
+        after = pool.stats() if before is not None else None
+        job_us = job_time(before, after) if before is not None else None
+        phases = thread_phases(before, after) if before is not None else None
         warm_chunks = spec_chunks = None
         if chunks0 is not None:  # chunks the threads fetched for warm-ups, and ahead of them, over the timed runs
             warm_chunks = pool.warm_chunks - chunks0[0]
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                "prefetched": sent, "prefetch_served_pairs": served,
                "cold_pairs": cold_pairs,
                "cflags": build if share else None, "blocking_wait": blocking_wait_setting(),
-               "decode_tok_s": spread(rates), "runs": rates, "greedy_decode_tok_s": greedy, "pool_job_us": job_us,
+               "decode_tok_s": spread(rates), "runs": rates, "greedy_decode_tok_s": greedy, "pool_job_us": job_us, "pool_phases_us": phases,
                "warm_chunks": warm_chunks, "spec_chunks": spec_chunks,
                "prefill_tokens": args.prefill, "prefill_tok_s": prefill,
                "same_tokens_as_first": same,
@@ -193,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
                  if eng.hybrid.cold_prefetch or eng.hybrid.cold_warm else "")
               + (f", the threads' job {job_us:.1f} us (x {eng.config.n_layers} layers: "
                  f"{job_us * eng.config.n_layers / 1e3:.2f} ms)" if job_us is not None else "")
+              + (f", a thread's gate/up {phases['gate_up']['mean']:.1f} us (slowest {phases['gate_up']['max']:.1f}), "
+                 f"wait {phases['wait']['mean']:.1f} (longest {phases['wait']['max']:.1f}), down "
+                 f"{phases['down']['mean']:.1f} (slowest {phases['down']['max']:.1f})" if phases else "")
               + (f", chunks warmed {warm_chunks:,} and ahead of their warm-up {spec_chunks:,}"
                  if spec_chunks is not None else "")
               + (f", greedy (routing repeated) {greedy['median']:.1f} tok/s" if greedy else "")
@@ -211,6 +216,18 @@ def job_time(before: dict, after: dict | None) -> float | None:
     if after is None or after["jobs"] <= before["jobs"]:
         return None
     return (after["jobs"] * after["job_us"] - before["jobs"] * before["job_us"]) / (after["jobs"] - before["jobs"])
+
+
+def thread_phases(before: dict | None, after: dict | None) -> dict | None:
+    """Per phase of a job (gate/up, the wait after it, down), the mean and the largest over the threads of each
+    thread's mean microseconds a job between two ``HostShare.stats()`` readings."""
+    if before is None or after is None or after["jobs"] <= before["jobs"]:
+        return None
+    n = after["jobs"] - before["jobs"]
+    per = [[(after["jobs"] * a - before["jobs"] * b) / n for a, b in zip(ta, tb)]
+           for ta, tb in zip(after["threads"], before["threads"])]
+    return {name: {"mean": statistics.fmean(t[j] for t in per), "max": max(t[j] for t in per)}
+            for j, name in enumerate(("gate_up", "wait", "down"))}
 
 
 def captured_timeline(eng: Engine, ids: list[int]) -> None:

@@ -46,3 +46,14 @@ def test_rows_per_build_report_chunks_fetched_ahead(tiny, tmp_path):
     assert [r["cflags"] for r in rows] == ["", "-DLT_SPEC=1"]
     assert rows[0]["spec_chunks"] is None and rows[1]["spec_chunks"] >= 0
     assert all(r["warm_chunks"] >= 0 and r["same_tokens_as_first"] for r in rows)
+
+
+def test_thread_phases_are_window_means():
+    from bench.cold_cpu_share import thread_phases
+
+    before = {"jobs": 10, "job_us": 50.0, "threads": [[20.0, 5.0, 10.0], [30.0, 1.0, 12.0]]}
+    after = {"jobs": 20, "job_us": 60.0, "threads": [[25.0, 5.0, 10.0], [30.0, 3.0, 16.0]]}
+    got = thread_phases(before, after)  # the window's means: thread 0 (30, 5, 10), thread 1 (30, 5, 20)
+    assert got == {"gate_up": {"mean": 30.0, "max": 30.0}, "wait": {"mean": 5.0, "max": 5.0},
+                   "down": {"mean": 15.0, "max": 20.0}}
+    assert thread_phases(after, after) is None and thread_phases(None, after) is None
