@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--bus", action="store_true", help="host -> device copies running beside the threads (needs CUDA)")
     ap.add_argument("--warm", action="store_true", help="also each row with the job's experts warmed first")
     ap.add_argument("--json", type=Path, default=None, help="the rows, for scripts that pick a build")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="layers of blocks (fewer fill faster; keep their bytes "
+                    "well over the host's caches)")
     args = ap.parse_args()
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -65,9 +67,9 @@ def main() -> None:
         return t
 
     layers = [[(stack(FFN, rb_in), Q.Q4_0, FFN, H, "split"), (stack(FFN, rb_in), Q.Q4_0, FFN, H, "split"),
-               (stack(H, rb_down), Q.Q4_0, H, FFN, "split")] for _ in range(LAYERS)]
+               (stack(H, rb_down), Q.Q4_0, H, FFN, "split")] for _ in range(args.layers)]
     per_pair = 2 * FFN * rb_in + H * rb_down
-    print(f"{LAYERS} layers x {E} experts, {per_pair / 1e6:.2f} MB a pair, {LAYERS * E * per_pair / 1e9:.1f} GB", flush=True)
+    print(f"{args.layers} layers x {E} experts, {per_pair / 1e6:.2f} MB a pair, {args.layers * E * per_pair / 1e9:.1f} GB", flush=True)
     x = torch.randn(1, H)
     for cflags, act, threads in ((c, a, int(t)) for c in args.cflags.split(";") for a in args.activations.split(",")
                                  for t in args.threads.split(",")):
@@ -85,12 +87,12 @@ def main() -> None:
                 mine = torch.ones(E, dtype=torch.int8)
                 if warm:  # every chunk of the job's experts fetched before the job is published
                     want = share.warm_chunks + pairs * per_expert
-                    share.warm(j % LAYERS, ids[0, :pairs].tolist())
+                    share.warm(j % args.layers, ids[0, :pairs].tolist())
                     deadline = time.perf_counter() + 1.0
                     while share.warm_chunks < want and time.perf_counter() < deadline:
                         pass
                 t = time.perf_counter()
-                share.publish(j % LAYERS, x, ids, torch.ones(1, K), mine)
+                share.publish(j % args.layers, x, ids, torch.ones(1, K), mine)
                 share.collect(out)
                 times.append(time.perf_counter() - t)
             med = statistics.median(times[20:])
