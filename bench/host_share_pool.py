@@ -33,7 +33,7 @@ from gguf import GGMLQuantizationType as Q
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import commit, machine  # noqa: E402
-from engine.kernels.host_experts import WARM_CHUNK, HostShare  # noqa: E402
+from engine.kernels.host_experts import HostShare  # noqa: E402
 
 H, FFN, E, LAYERS, K = 2048, 512, 128, 40, 8
 
@@ -76,7 +76,7 @@ def main() -> None:
         share = HostShare(layers, hidden=H, ffn=FFN, threads=threads, device="cpu", max_tokens=1, max_pairs=K,
                           cflags=cflags.split(), int8=act == "int8")
         out = torch.zeros(1, H)
-        per_expert = sum(-(-m[0].shape[1] * m[0].shape[2] // WARM_CHUNK) for m in layers[0])
+        per_expert = share.warm_per_expert(0)  # as this build cuts a warm-up (a wrong count waited out every job)
         for pairs, warm in ((int(p), w) for p in args.pairs.split(",") for w in ((False, True) if args.warm
                                                                                  else (False,))):
             times = []

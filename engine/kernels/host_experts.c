@@ -490,9 +490,19 @@ static int grab_warm(pool_t *p, int32_t ws, int32_t job, int n) {
     }
 }
 
+#ifndef LT_WARM_LOAD
+#define LT_WARM_LOAD 0  /* 1: a warm-up reads a byte of each line (loads that must complete) rather than prefetching it */
+#endif
+
 /* Fetches len bytes from a into this core's caches, a line at a time (a warm-up). */
 static inline void fetch_bytes(const uint8_t *a, int64_t len) {
+#if LT_WARM_LOAD
+    uint8_t s = 0;
+    for (int64_t o = 0; o < len; o += 64) s ^= *(const volatile uint8_t *)(a + o);
+    __asm__ volatile("" : : "r"(s));
+#else
     for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(a + o, 0, 2);  /* prefetcht1 on x86: into L2 */
+#endif
 }
 
 #if LT_AFFINITY
@@ -946,6 +956,21 @@ int lt_matrix(void *pool, int layer, int which, const uint8_t *base, int experts
 }
 
 int64_t lt_jobs(void *pool) { return __atomic_load_n(&((pool_t *)pool)->jobs, __ATOMIC_ACQUIRE); }
+
+/* The chunks a warm-up counts for one expert of a layer (as run_warm cuts it), or -1 for a layer not registered. */
+int lt_warm_per_expert(void *pool, int layer) {
+    pool_t *p = (pool_t *)pool;
+    if (layer < 0 || layer >= p->nlayers) return -1;
+    const matrix_t *m = &p->mats[3 * layer];
+    for (int j = 0; j < 3; j++) if (m[j].base == NULL) return -1;
+#if LT_AFFINITY
+    return (m[0].rows + LT_CHUNK1 - 1) / LT_CHUNK1 + (m[2].rows + LT_CHUNK2 - 1) / LT_CHUNK2;
+#else
+    int all = 0;
+    for (int j = 0; j < 3; j++) all += (int)((m[j].expert_bytes + LT_WARM_CHUNK - 1) / LT_WARM_CHUNK);
+    return all;
+#endif
+}
 
 int64_t lt_warm_chunks(void *pool) { return __atomic_load_n(&((pool_t *)pool)->warm_chunks, __ATOMIC_ACQUIRE); }
 

@@ -117,6 +117,8 @@ def library(cflags: Sequence[str] | None = None) -> ctypes.CDLL:
     lib.lt_jobs.argtypes = [ctypes.c_void_p]
     lib.lt_warm_chunks.restype = ctypes.c_int64
     lib.lt_warm_chunks.argtypes = [ctypes.c_void_p]
+    lib.lt_warm_per_expert.restype = ctypes.c_int
+    lib.lt_warm_per_expert.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.lt_spec_chunks.restype = ctypes.c_int64
     lib.lt_spec_chunks.argtypes = [ctypes.c_void_p]
     lib.lt_simd.restype = ctypes.c_int
@@ -248,6 +250,11 @@ class HostShare:
     def warm_chunks(self) -> int:
         """Chunks of experts' blocks the threads have fetched into their caches for warm-ups (``warm``)."""
         return int(self._lib.lt_warm_chunks(self._pool)) if self._pool else 0
+
+    def warm_per_expert(self, layer: int) -> int:
+        """The chunks a warm-up of ``layer`` counts in ``warm_chunks`` for each expert it names (as the pool's build
+        cuts them); -1 for a layer the pool does not compute."""
+        return int(self._lib.lt_warm_per_expert(self._pool, layer)) if self._pool else -1
 
     @property
     def spec_chunks(self) -> int | None:

@@ -287,6 +287,7 @@ def test_warm_ups_are_fetched_and_change_no_sum(int8, affinity):
                 time.sleep(0.001)
             return warmed.warm_chunks
 
+        assert warmed.warm_per_expert(0) == per_expert and warmed.warm_per_expert(7) == -1
         warmed.warm(0, [1, 4])
         assert chunks_reach(2 * per_expert) == 2 * per_expert
         warmed.warm(1, [experts, -1])  # out of range and none: nothing fetched, nothing breaks
@@ -312,6 +313,45 @@ def test_warm_ups_are_fetched_and_change_no_sum(int8, affinity):
     finally:
         plain.close()
         warmed.close()
+
+
+@pytest.mark.parametrize("cflags", [["-DLT_WARM_LOAD=1"], ["-DLT_WARM_LOAD=1", "-DLT_AFFINITY=0"]])
+def test_warm_ups_by_loads_are_counted_and_change_no_sum(cflags):
+    """A build whose warm-ups read a byte of each line (``-DLT_WARM_LOAD=1``) counts the same chunks as the
+    prefetching one, and its jobs sum the default pool's bits."""
+    import time
+
+    hidden, ffn, experts, k = 96, 96, 6, 3
+    layers = [layer(Q.Q4_0, "ggml", experts, hidden, ffn, seed=80 + i)[0] for i in range(2)]
+    plain = HostShare(layers, hidden=hidden, ffn=ffn, threads=2, device="cpu", max_tokens=2, max_pairs=8, int8=True)
+    loads = HostShare(layers, hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=2, max_pairs=8, int8=True,
+                      cflags=cflags)
+    try:
+        per_expert = loads.warm_per_expert(1)
+        assert per_expert == (-(-ffn // 32) + -(-hidden // 64) if len(cflags) == 1
+                              else sum(-(-b.shape[1] * b.shape[2] // WARM_CHUNK) for b, *_ in layers[1]))
+        loads.warm(1, [0, 2, 5])
+        deadline = time.perf_counter() + 10
+        while loads.warm_chunks < 3 * per_expert and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)
+        assert loads.warm_chunks == 3 * per_expert
+        g = torch.Generator().manual_seed(8)
+        for job in range(6):
+            x, w = torch.randn(2, hidden, generator=g), torch.rand(2, k, generator=g)
+            ids = torch.randint(0, experts, (2, k), generator=g)
+            mine = torch.ones(experts, dtype=torch.int8)
+            loads.warm(job % 2, ids.reshape(-1)[:3].tolist())
+            outs = []
+            for share in (plain, loads):
+                out = torch.zeros(2, hidden)
+                share.publish(job % 2, x, ids, w, mine)
+                share.collect(out)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), job
+    finally:
+        plain.close()
+        loads.close()
 
 
 @pytest.mark.parametrize("int8", [False, True])
