@@ -104,10 +104,6 @@
 #if LT_SPEC && !LT_AFFINITY
 #error "LT_SPEC needs LT_AFFINITY=1 (a thread fetches the chunks it owns)"
 #endif
-#ifndef LT_DOWN_PAIRS
-#define LT_DOWN_PAIRS 0  /* 1: a down chunk's rows computed a pair at a time (one expert's rows in a run) rather than a row
-                            at a time over the pairs; the same sums */
-#endif
 #ifndef LT_PIN
 #define LT_PIN 0  /* 1: thread i runs on the i-th CPU of the process's affinity mask */
 #endif
@@ -754,35 +750,6 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
     while ((c = NEXT2()) >= 0) {
         if (status == 0) {
             const int64_t a = (int64_t)c * c2, b = a + c2 < (int64_t)tokens * H ? a + c2 : (int64_t)tokens * H;
-#if LT_DOWN_PAIRS
-            /* a pair at a time over the chunk's rows of each token: one expert's rows in a run (one stream for the
-               prefetchers), each output row still summed over its pairs in pair order from 0 (the same bits) */
-            for (int64_t t0 = a; t0 < b;) {
-                const int tok = (int)(t0 / H);
-                const int64_t t1 = (int64_t)(tok + 1) * H < b ? (int64_t)(tok + 1) * H : b;
-                for (int64_t t = t0; t < t1; t++) y[t] = 0.0f;
-                for (int j = 0; j < k; j++) {
-                    const int pair = tok * k + j, e = ids[pair];
-                    if (e < 0) continue;
-                    const float wp = w[pair];
-                    if (p->int8) {
-                        const int nbf = ffn / 32;
-                        if (wk->htag[pair] != seq) {
-                            quantize_row8(p->h + (int64_t)pair * ffn, ffn, wk->hq + (int64_t)pair * ffn,
-                                          wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
-                            wk->htag[pair] = seq;
-                        }
-                        for (int64_t t = t0; t < t1; t++)
-                            y[t] += wp * row_dot8(down, row_of(down, e, (int)(t % H)), wk->hq + (int64_t)pair * ffn,
-                                                  wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
-                    } else {
-                        for (int64_t t = t0; t < t1; t++)
-                            y[t] += wp * row_dot(down, row_of(down, e, (int)(t % H)), p->h + (int64_t)pair * ffn);
-                    }
-                }
-                t0 = t1;
-            }
-#else
             for (int64_t t = a; t < b; t++) {
                 int tok = (int)(t / H), r = (int)(t % H);
                 float s = 0.0f;
@@ -804,7 +771,6 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
                 }
                 y[t] = s;
             }
-#endif
         } else {
             p->reply[1] = status;
         }

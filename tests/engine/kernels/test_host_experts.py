@@ -137,16 +137,13 @@ FINE = ["-DLT_CHUNK1=8", "-DLT_CHUNK2=16", "-DLT_PF8=1024"]
 ANY_THREAD = ["-DLT_AFFINITY=0"]
 
 
-DOWN_PAIRS = ["-DLT_DOWN_PAIRS=1"]
-
-
 @pytest.mark.parametrize("int8,cflags", [(False, None), (True, None), (True, FINE), (False, ANY_THREAD),
-                                         (True, ANY_THREAD + FINE), (False, DOWN_PAIRS), (True, DOWN_PAIRS + FINE)])
+                                         (True, ANY_THREAD + FINE)])
 def test_any_thread_count_gives_the_same_bits_over_many_jobs(int8, cflags):
     """Each thread takes its own chunks first, then any left (with ``LT_AFFINITY=0``, whichever chunk comes), and each
     output row is still summed in pair order: 1 and 6 threads (more threads than some jobs have chunks) give
-    identical sums over 60 back-to-back jobs, and so does the default build on 2 (a down chunk a pair at a time with
-    ``LT_DOWN_PAIRS=1``, or chunks of other sizes, change no sum). In 8-bit mode each thread rounds h itself for the
+    identical sums over 60 back-to-back jobs, and so does the default build on 2 (chunks of other sizes change no
+    sum). In 8-bit mode each thread rounds h itself for the
     pairs its output rows need: the same codes whoever makes them."""
     hidden, ffn, experts, k = 64, 96, 5, 4
     layers = [layer(Q.Q4_0, "split", experts, hidden, ffn, seed=40 + i)[0] for i in range(3)]
