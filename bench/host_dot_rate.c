@@ -3,7 +3,9 @@
    matrix that sits in a core's L2 (gate-like 512 x 2048 and down-like 2048 x 512, 590 KB each), one the size of
    a pair's three matrices (1.77 MB) and one far over the caches (151 MB, read once a repeat).
 
-       cc -O3 -march=native -pthread bench/host_dot_rate.c -o /tmp/host_dot_rate -lm && /tmp/host_dot_rate */
+       cc -O3 -march=native -pthread bench/host_dot_rate.c -o /tmp/host_dot_rate -lm && /tmp/host_dot_rate [quick]
+
+   "quick": the two L2-sized matrices only, three repeats (for the tests). */
 #include "../engine/kernels/host_experts.c"
 #include <stdio.h>
 
@@ -35,10 +37,12 @@ static double rate(int rows, int cols, int reps) {
     return (double)(rows * rb) / (double)best;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
     printf("row_dot8 (simd %d, vnni %d), one core, GB/s of Q4_0 blocks:\n", lt_simd(), lt_vnni());
-    printf("  512 x 2048 (590 KB):   %6.2f\n", rate(512, 2048, 200));
-    printf("  2048 x 512 (590 KB):   %6.2f\n", rate(2048, 512, 200));
+    printf("  512 x 2048 (590 KB):   %6.2f\n", rate(512, 2048, quick ? 3 : 200));
+    printf("  2048 x 512 (590 KB):   %6.2f\n", rate(2048, 512, quick ? 3 : 200));
+    if (quick) return 0;
     printf("  1536 x 2048 (1.77 MB): %6.2f\n", rate(1536, 2048, 100));
     printf("  131072 x 2048 (151 MB): %6.2f\n", rate(131072, 2048, 5));
     return 0;

@@ -422,10 +422,16 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
+/* 1 where the layer is in range and its three matrices are registered. */
+static int layer_ready(const pool_t *p, int layer) {
+    if (layer < 0 || layer >= p->nlayers) return 0;
+    for (int j = 0; j < 3; j++) if (p->mats[3 * layer + j].base == NULL) return 0;
+    return 1;
+}
+
 /* Checks the job's header; returns 0 or an LT_ERR_* code (the same for every thread). */
 static int job_status(pool_t *p, int layer, int tokens, int k) {
-    if (layer < 0 || layer >= p->nlayers) return LT_ERR_LAYER;
-    for (int i = 0; i < 3; i++) if (p->mats[3 * layer + i].base == NULL) return LT_ERR_LAYER;
+    if (!layer_ready(p, layer)) return LT_ERR_LAYER;
     if (tokens < 1 || k < 1 || tokens > p->max_tokens || tokens * k > p->max_pairs) return LT_ERR_SHAPE;
     const volatile int32_t *ids = p->mailbox + HEADER;
     for (int i = 0; i < tokens * k; i++)
@@ -584,12 +590,6 @@ static int warm_owned(pool_t *p, int me, int layer, int n, const int32_t *ids, i
     return n * (per + n2);
 }
 
-static int layer_ready(const pool_t *p, int layer) {
-    if (layer < 0 || layer >= p->nlayers) return 0;
-    for (int j = 0; j < 3; j++) if (p->mats[3 * layer + j].base == NULL) return 0;
-    return 1;
-}
-
 /* Warm-up `ws`: this thread's chunks of the experts it names, until they are done or a job comes. With LT_SPEC it is
    remembered for its layer, the layer is noted as the one after this thread's last job's, and where this thread's
    last warm-up ahead named the same layer and experts, the walk goes on from where that one stopped. */
@@ -633,11 +633,10 @@ static void run_spec(pool_t *p, worker_t *wk, int32_t ws, int32_t job) {
 static void run_warm(pool_t *p, worker_t *wk, int32_t ws, int32_t job) {
     (void)wk;
     const int layer = p->mailbox[WARM_LAYER], n = p->mailbox[WARM_N];
-    if (layer < 0 || layer >= p->nlayers || n < 1 || n > WARM_MAX) return;
+    if (n < 1 || n > WARM_MAX || !layer_ready(p, layer)) return;
     const matrix_t *m = &p->mats[3 * layer];
     int per[3], all = 0, c;
     for (int j = 0; j < 3; j++) {
-        if (m[j].base == NULL) return;
         per[j] = (int)((m[j].expert_bytes + LT_WARM_CHUNK - 1) / LT_WARM_CHUNK);
         all += per[j];
     }
@@ -960,9 +959,8 @@ int64_t lt_jobs(void *pool) { return __atomic_load_n(&((pool_t *)pool)->jobs, __
 /* The chunks a warm-up counts for one expert of a layer (as run_warm cuts it), or -1 for a layer not registered. */
 int lt_warm_per_expert(void *pool, int layer) {
     pool_t *p = (pool_t *)pool;
-    if (layer < 0 || layer >= p->nlayers) return -1;
+    if (!layer_ready(p, layer)) return -1;
     const matrix_t *m = &p->mats[3 * layer];
-    for (int j = 0; j < 3; j++) if (m[j].base == NULL) return -1;
 #if LT_AFFINITY
     return (m[0].rows + LT_CHUNK1 - 1) / LT_CHUNK1 + (m[2].rows + LT_CHUNK2 - 1) / LT_CHUNK2;
 #else

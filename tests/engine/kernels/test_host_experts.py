@@ -265,94 +265,70 @@ def test_int8_threads_sum_as_the_quantized_reference(qtype, layout, hidden, ffn,
         share.close()
 
 
-@pytest.mark.parametrize("int8,affinity", [(False, False), (True, False), (False, True), (True, True)])
-def test_warm_ups_are_fetched_and_change_no_sum(int8, affinity):
-    """A warm-up names experts of a layer: idle threads fetch every chunk of their three matrices (16 KiB
-    chunks: ceil(bytes / 16384) each with ``LT_AFFINITY=0``; by default the job's chunks, 32 gate/up rows and 64
-    output rows, each by its owner), bad names are ignored, and jobs published between warm-ups of the experts they
-    use, before or after them, sum the same bits as with no warm-up at all."""
+LOADS = ["-DLT_WARM_LOAD=1"]
+
+
+def count_reaches(count, n, settle=0.0):
+    """``count()`` once it reaches ``n`` or 10 s have passed, read again after ``settle`` seconds."""
     import time
 
+    deadline = time.perf_counter() + 10
+    while count() < n and time.perf_counter() < deadline:
+        time.sleep(0.001)
+    time.sleep(settle)
+    return count()
+
+
+def same_sums(shares, layer_index, g, hidden, experts, k, warm=0):
+    """One random job of two tokens on ``layer_index`` published to each pool in turn (the last one first named the
+    job's first ``warm`` experts as a warm-up): every pool sums the same bits."""
+    x, w = torch.randn(2, hidden, generator=g), torch.rand(2, k, generator=g)
+    ids = torch.randint(0, experts, (2, k), generator=g)
+    mine = torch.ones(experts, dtype=torch.int8)
+    if warm:
+        shares[-1].warm(layer_index, ids.reshape(-1)[:warm].tolist())
+    outs = []
+    for share in shares:
+        out = torch.zeros(2, hidden)
+        share.publish(layer_index, x, ids, w, mine)
+        share.collect(out)
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), layer_index
+
+
+@pytest.mark.parametrize("int8,cflags", [(False, ANY_THREAD), (True, ANY_THREAD), (False, None), (True, None),
+                                         (True, LOADS), (False, LOADS + ANY_THREAD)])
+def test_warm_ups_are_fetched_and_change_no_sum(int8, cflags):
+    """A warm-up names experts of a layer: idle threads fetch every chunk of their three matrices (16 KiB
+    chunks: ceil(bytes / 16384) each with ``LT_AFFINITY=0``; by default the job's chunks, 32 gate/up rows and 64
+    output rows, each by its owner; ``warm_per_expert`` says which), by prefetches or, with ``LT_WARM_LOAD=1``, by
+    loads; bad names are ignored, and jobs published between warm-ups of the experts they use, before or after
+    them, sum the same bits as with no warm-up at all."""
     hidden, ffn, experts, k = 96, 96, 6, 3
     layers = [layer(Q.Q4_0, "ggml", experts, hidden, ffn, seed=70 + i)[0] for i in range(2)]
     plain = HostShare(layers, hidden=hidden, ffn=ffn, threads=2, device="cpu", max_tokens=2, max_pairs=8, int8=int8)
     warmed = HostShare(layers, hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=2, max_pairs=8, int8=int8,
-                       cflags=None if affinity else ANY_THREAD)
+                       cflags=cflags)
     try:
-        per_expert = (-(-ffn // 32) - (-hidden // 64) if affinity  # 3 gate/up chunks and 2 of output rows
-                      else sum(-(-b.shape[1] * b.shape[2] // WARM_CHUNK) for b, *_ in layers[0]))
-
-        def chunks_reach(n):
-            deadline = time.perf_counter() + 10
-            while warmed.warm_chunks < n and time.perf_counter() < deadline:
-                time.sleep(0.001)
-            return warmed.warm_chunks
-
+        per_expert = (sum(-(-b.shape[1] * b.shape[2] // WARM_CHUNK) for b, *_ in layers[0])
+                      if cflags and ANY_THREAD[0] in cflags
+                      else -(-ffn // 32) + -(-hidden // 64))  # 3 gate/up chunks and 2 of output rows
         assert warmed.warm_per_expert(0) == per_expert and warmed.warm_per_expert(7) == -1
         warmed.warm(0, [1, 4])
-        assert chunks_reach(2 * per_expert) == 2 * per_expert
+        assert count_reaches(lambda: warmed.warm_chunks, 2 * per_expert) == 2 * per_expert
         warmed.warm(1, [experts, -1])  # out of range and none: nothing fetched, nothing breaks
         warmed.warm(7, [0])  # no such layer
-        time.sleep(0.05)
-        assert warmed.warm_chunks == 2 * per_expert
+        assert count_reaches(lambda: warmed.warm_chunks, 2 * per_expert, settle=0.05) == 2 * per_expert
         g = torch.Generator().manual_seed(3)
         for job in range(12):
-            x, w = torch.randn(2, hidden, generator=g), torch.rand(2, k, generator=g)
-            ids = torch.randint(0, experts, (2, k), generator=g)
-            mine = torch.ones(experts, dtype=torch.int8)
-            warmed.warm(job % 2, ids.reshape(-1)[:4].tolist())
-            outs = []
-            for share in (plain, warmed):
-                out = torch.zeros(2, hidden)
-                share.publish(job % 2, x, ids, w, mine)
-                share.collect(out)
-                outs.append(out)
-            assert torch.equal(outs[0], outs[1]), job
-        assert warmed.jobs == 12 and chunks_reach(2 * per_expert + 1) > 2 * per_expert  # the last one, at least
+            same_sums((plain, warmed), job % 2, g, hidden, experts, k, warm=4)
+        assert warmed.jobs == 12
+        assert count_reaches(lambda: warmed.warm_chunks, 2 * per_expert + 1) > 2 * per_expert  # the last, at least
         with pytest.raises(ValueError, match="1 to 8 experts"):
             warmed.warm(0, [])
     finally:
         plain.close()
         warmed.close()
-
-
-@pytest.mark.parametrize("cflags", [["-DLT_WARM_LOAD=1"], ["-DLT_WARM_LOAD=1", "-DLT_AFFINITY=0"]])
-def test_warm_ups_by_loads_are_counted_and_change_no_sum(cflags):
-    """A build whose warm-ups read a byte of each line (``-DLT_WARM_LOAD=1``) counts the same chunks as the
-    prefetching one, and its jobs sum the default pool's bits."""
-    import time
-
-    hidden, ffn, experts, k = 96, 96, 6, 3
-    layers = [layer(Q.Q4_0, "ggml", experts, hidden, ffn, seed=80 + i)[0] for i in range(2)]
-    plain = HostShare(layers, hidden=hidden, ffn=ffn, threads=2, device="cpu", max_tokens=2, max_pairs=8, int8=True)
-    loads = HostShare(layers, hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=2, max_pairs=8, int8=True,
-                      cflags=cflags)
-    try:
-        per_expert = loads.warm_per_expert(1)
-        assert per_expert == (-(-ffn // 32) + -(-hidden // 64) if len(cflags) == 1
-                              else sum(-(-b.shape[1] * b.shape[2] // WARM_CHUNK) for b, *_ in layers[1]))
-        loads.warm(1, [0, 2, 5])
-        deadline = time.perf_counter() + 10
-        while loads.warm_chunks < 3 * per_expert and time.perf_counter() < deadline:
-            time.sleep(0.001)
-        time.sleep(0.05)
-        assert loads.warm_chunks == 3 * per_expert
-        g = torch.Generator().manual_seed(8)
-        for job in range(6):
-            x, w = torch.randn(2, hidden, generator=g), torch.rand(2, k, generator=g)
-            ids = torch.randint(0, experts, (2, k), generator=g)
-            mine = torch.ones(experts, dtype=torch.int8)
-            loads.warm(job % 2, ids.reshape(-1)[:3].tolist())
-            outs = []
-            for share in (plain, loads):
-                out = torch.zeros(2, hidden)
-                share.publish(job % 2, x, ids, w, mine)
-                share.collect(out)
-                outs.append(out)
-            assert torch.equal(outs[0], outs[1]), job
-    finally:
-        plain.close()
-        loads.close()
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -361,8 +337,6 @@ def test_warm_ups_ahead_follow_the_last_warm_up_and_change_no_sum(int8):
     whose warm-up followed that job's layer last time: nothing before the pool has seen such an order, every chunk of
     those experts once it has, and a warm-up that then names them fetches none again. Jobs sum the same bits as the
     default pool's; the default pool reports no count."""
-    import time
-
     hidden, ffn, experts, k = 96, 96, 6, 3
     layers = [layer(Q.Q4_0, "ggml", experts, hidden, ffn, seed=90 + i)[0] for i in range(3)]
     plain = HostShare(layers, hidden=hidden, ffn=ffn, threads=2, device="cpu", max_tokens=2, max_pairs=8, int8=int8)
@@ -374,23 +348,10 @@ def test_warm_ups_ahead_follow_the_last_warm_up_and_change_no_sum(int8):
         g = torch.Generator().manual_seed(5)
 
         def job(layer_index):
-            x, w = torch.randn(2, hidden, generator=g), torch.rand(2, k, generator=g)
-            ids = torch.randint(0, experts, (2, k), generator=g)
-            mine = torch.ones(experts, dtype=torch.int8)
-            outs = []
-            for share in (plain, spec):
-                out = torch.zeros(2, hidden)
-                share.publish(layer_index, x, ids, w, mine)
-                share.collect(out)
-                outs.append(out)
-            assert torch.equal(outs[0], outs[1]), layer_index
+            same_sums((plain, spec), layer_index, g, hidden, experts, k)
 
         def settle(count, n):
-            deadline = time.perf_counter() + 10
-            while count() < n and time.perf_counter() < deadline:
-                time.sleep(0.001)
-            time.sleep(0.05)
-            return count()
+            return count_reaches(count, n, settle=0.05)
 
         job(0)  # no warm-up has followed a job of layer 0 yet: nothing to fetch ahead
         assert settle(lambda: spec.spec_chunks, 1) == 0
