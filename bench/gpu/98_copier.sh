@@ -11,7 +11,7 @@
 # threads' time a job) and the stretch from one cold layer's select launch to the next;
 # then `bench/vs_llamacpp.py` on the decode rows at the fastest (VS=0: not).
 source "$(dirname "$0")/env.sh"
-[ "${VS:-1}" = 0 ] || [ -x /tmp/llbuild/cmake/bin/llama-bench ] || bash "$(dirname "$0")/17_llamacpp_build.sh"
+[ "${VS:-1}" = 0 ] || [ -x /tmp/llbuild/cmake/bin/llama-bench ] || env -u CFLAGS bash "$(dirname "$0")/17_llamacpp_build.sh"  # CFLAGS: pool builds, not cmake's
 start_q35
 t0=$(date +%s)
 timeout ${KTESTS_S:-60} python3 -m pytest -o addopts="" -q --tb=short -p no:cacheprovider \
