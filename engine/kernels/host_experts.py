@@ -15,7 +15,8 @@ One decode-sized call of a layer, inside a captured CUDA graph like the rest of 
      number;
   3. ``collect`` (one launch) waits for that number with acquire loads at system scope (bounded: after
      ``TIMEOUT_SPINS`` loads it marks the reply's status and goes on, so a missing pool cannot hang the
-     device) and adds the sum into the layer's float32 output.
+     device; a status already set ends it within a few thousand loads, so a step pays that bound once) and
+     adds the sum into the layer's float32 output.
 Off CUDA the same mailbox is written and read by torch on the host (the CPU tests' path).
 
 The threads multiply float32 rows with weights dequantized in registers (Q4_0 and Q8_0, ggml's block
@@ -458,7 +459,11 @@ class HostBus:
         """Raise ``HostShareError`` if a fetch failed or the device's wait gave up (reads host memory)."""
         status = int(self._mb_np[BUS_STATUS])
         if status:
-            raise HostShareError(f"the bus's copier failed: {BUS_STATUS_TEXT.get(status, f'status {status}')}")
+            mb = self._mb_np  # where the copier stood: what a timeout's cause is read from
+            raise HostShareError(f"the bus's copier failed: {BUS_STATUS_TEXT.get(status, f'status {status}')} "
+                                 f"(the copier ran {self.jobs} jobs; the mailbox names number {int(mb[BUS_SEQ])}, "
+                                 f"layer {int(mb[BUS_LAYER])}, {int(mb[BUS_N])} experts; the last number landed "
+                                 f"{int(self.flag[0])})")
 
     def close(self) -> None:
         """Stop the thread (the device's work is synchronised first, so no copy is left in flight)."""

@@ -62,18 +62,34 @@ def _publish_kernel(mb_i, mb_f, seq_ptr, x_ptr, ids_ptr, w_ptr, mine_ptr, layer,
     _store_release_sys(mb_i, s)
 
 
+_STATUS_EVERY = tl.constexpr(4096)  # a bounded wait's loads between two looks at the status word
+
+
 @triton.jit
-def _wait_reply(reply_i, seq_ptr, SPINS: tl.constexpr):
-    """Acquire loads of the reply's number until it is the last one published, at most ``SPINS``; past
-    them the reply's status marks a timeout (the host's check raises; this call's sum is not the threads')."""
-    s = tl.load(seq_ptr)
-    d = _load_acquire_sys(reply_i)
+def _spin_for(word_ptr, s, status_ptr, SPINS: tl.constexpr):
+    """Acquire loads of ``word_ptr`` until it holds ``s``, at most ``SPINS``; past them a status still 0 is
+    marked -1 (a timeout: the host's check raises). Every ``_STATUS_EVERY`` loads the status word is read too,
+    and one already set ends the spinning: once a wait has given up, the waits after it in the same step give
+    up within those loads rather than after ``SPINS`` each, so a dead pool or copier costs the step one bound,
+    not one a layer. A wait that ends in time never reads the status."""
+    d = _load_acquire_sys(word_ptr)
     i = 0
     while (d != s) & (i < SPINS):
-        d = _load_acquire_sys(reply_i)
+        d = _load_acquire_sys(word_ptr)
         i += 1
+        if i % _STATUS_EVERY == 0:
+            if _load_acquire_sys(status_ptr) != 0:
+                i = SPINS
     if d != s:
-        tl.store(reply_i + 1, -1)
+        if _load_acquire_sys(status_ptr) == 0:
+            tl.store(status_ptr, -1)
+
+
+@triton.jit
+def _wait_reply(reply_i, seq_ptr, SPINS: tl.constexpr):
+    """Until the reply's number is the last one published (bounded, ``_spin_for``; past the bound this
+    call's sum is not the threads')."""
+    _spin_for(reply_i, tl.load(seq_ptr), reply_i + 1, SPINS)
 
 
 @triton.jit
@@ -112,16 +128,9 @@ def _collect_into_kernel(reply_i, reply_f, seq_ptr, pending_ptr, acc_ptr, acc2_p
 
 @triton.jit
 def _bus_wait_kernel(flag_ptr, seq_ptr, bus_i, SPINS: tl.constexpr, BUS_STATUS: tl.constexpr):
-    """Acquire loads of the device word the copier's last copy writes until it holds the last number published,
-    at most ``SPINS``; past them the copier's status marks a timeout (the host's check raises)."""
-    s = tl.load(seq_ptr)
-    d = _load_acquire_sys(flag_ptr)
-    i = 0
-    while (d != s) & (i < SPINS):
-        d = _load_acquire_sys(flag_ptr)
-        i += 1
-    if d != s:
-        tl.store(bus_i + BUS_STATUS, -1)
+    """Until the device word the copier's last copy writes holds the last number published (bounded,
+    ``_spin_for``, the copier's status word marking a timeout)."""
+    _spin_for(flag_ptr, tl.load(seq_ptr), bus_i + BUS_STATUS, SPINS)
 
 
 def bus_wait(bus: "HostBus") -> None:

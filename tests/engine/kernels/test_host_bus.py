@@ -72,8 +72,9 @@ def test_a_bad_job_is_reported_and_its_number_still_lands(bus, layer, named, tex
     b, layers, rows = bus
     before = [r.clone() for r in rows]
     b.fetch(layer, named)
-    with pytest.raises(HostShareError, match=text):
-        b.wait()
+    with pytest.raises(HostShareError, match=rf"{text}.*ran 1 jobs; the mailbox names number 1, layer {layer}, "
+                                             r"1 experts; the last number landed 1\)"):
+        b.wait()  # where the copier stood is in the message
     assert int(b.flag) == 1  # the device's wait ends: the number is written whatever the job's fate
     for r, r0 in zip(rows, before):
         assert torch.equal(r, r0)
@@ -111,3 +112,25 @@ def test_close_twice_and_jobs_after_close():
     b.close()
     b.close()
     assert b.jobs == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the device's wait is a CUDA launch")
+@pytest.mark.parametrize("status,text", [(0, "did not land"), (-1, "did not land"), (2, "out of range")])
+def test_cuda_device_wait_gives_up_once_and_keeps_the_first_failure(bus, status, text):
+    """A number that never lands: with the status word clear the wait spins to its bound and marks -1; with it
+    already set (an earlier wait gave up, or a job failed) it gives up at its first look at the word, so a dead
+    copier costs a step one bound, not one a cold layer, and the first failure's word is kept for the host."""
+    from engine.kernels import host_share_triton
+    from engine.kernels.host_experts import BUS_STATUS
+    b, _, _ = bus
+    b.seq.fill_(5)  # published, and no job will land it
+    b.mailbox[BUS_STATUS] = status
+    # set: 2**30 loads would take minutes, a look at the status comes every few thousand
+    spins = 1 << 14 if status == 0 else 1 << 30
+    host_share_triton._bus_wait_kernel[(1,)](b.flag, b.seq, b.mailbox_dev, SPINS=spins, BUS_STATUS=BUS_STATUS,
+                                             num_warps=1)
+    torch.cuda.synchronize()
+    assert int(b.mailbox[BUS_STATUS]) == (status or -1) and int(b.flag) == 0
+    with pytest.raises(HostShareError, match=text):
+        b.check()
