@@ -456,7 +456,8 @@ class HostBus:
         self.check()
 
     def check(self) -> None:
-        """Raise ``HostShareError`` if a fetch failed or the device's wait gave up (reads host memory)."""
+        """Raise ``HostShareError`` if a fetch failed or the device's wait gave up (reads host memory; only a
+        failure's message reads the device's flag)."""
         status = int(self._mb_np[BUS_STATUS])
         if status:
             mb = self._mb_np  # where the copier stood: what a timeout's cause is read from

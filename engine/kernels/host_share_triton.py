@@ -71,7 +71,7 @@ def _spin_for(word_ptr, s, status_ptr, SPINS: tl.constexpr):
     marked -1 (a timeout: the host's check raises). Every ``_STATUS_EVERY`` loads the status word is read too,
     and one already set ends the spinning: once a wait has given up, the waits after it in the same step give
     up within those loads rather than after ``SPINS`` each, so a dead pool or copier costs the step one bound,
-    not one a layer. A wait that ends in time never reads the status."""
+    not one a layer. A wait whose word comes within those loads never reads the status."""
     d = _load_acquire_sys(word_ptr)
     i = 0
     while (d != s) & (i < SPINS):

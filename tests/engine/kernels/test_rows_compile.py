@@ -378,21 +378,18 @@ def test_few_rows_linear_kernel_compiles_without_spills(rows, k, tile, tmp_path)
     assert ops.count("LDG.E.128") >= 1, sorted(set(ops))
 
 
-@pytest.mark.parametrize("name", ["_bus_wait_kernel", "_collect_kernel", "_collect_into_kernel"])
+_WAIT = {"SPINS": 1 << 24}
+_WAITS = {"_bus_wait_kernel": dict(_WAIT, BUS_STATUS=3),
+          "_collect_kernel": dict(_WAIT, REPLY_HEADER=16, BLOCK=1024),
+          "_collect_into_kernel": dict(_WAIT, N=2048, REPLY_HEADER=16, BLOCK=1024, POOL=True, TWO=True)}
+
+
+@pytest.mark.parametrize("name", sorted(_WAITS))
 def test_bounded_waits_compile_and_look_at_their_status(name, tmp_path):
     """The device's waits on host words (the copier's flag, the threads' reply) build for sm_90, and each reads
     four words at system scope: the awaited word before and inside its loop, the status word inside the loop (an
     earlier wait that gave up ends this one) and once after it (a failure already there is kept)."""
     types = {"reply_f": "*fp32", "out_ptr": "*fp32", "acc_ptr": "*fp32", "acc2_ptr": "*fp32", "dst_ptr": "*bf16",
              "flag_ptr": "*i32", "seq_ptr": "*i32", "bus_i": "*i32", "reply_i": "*i32", "pending_ptr": "*i32"}
-    consts = {"SPINS": 1 << 24, "BUS_STATUS": 3, "REPLY_HEADER": 16, "BLOCK": 1024, "POOL": True, "TWO": True}
-    if name == "_collect_into_kernel":
-        consts["N"] = 2048
-    sass = _sass(name, types, {k: v for k, v in consts.items() if k in _params(name)}, 4, tmp_path,
-                 module="engine.kernels.host_share_triton", ptx=True)
+    sass = _sass(name, types, _WAITS[name], 4, tmp_path, module="engine.kernels.host_share_triton", ptx=True)
     assert sass.count("ld.acquire.sys.global.b32") == 4, name
-
-
-def _params(name: str) -> set[str]:
-    from engine.kernels import host_share_triton
-    return set(getattr(host_share_triton, name).arg_names)
