@@ -5,7 +5,17 @@
 
        cc -O3 -march=native -pthread bench/host_dot_rate.c -o /tmp/host_dot_rate -lm && /tmp/host_dot_rate [quick]
 
-   "quick": the two L2-sized matrices only, three repeats (for the tests). */
+   "quick": the two L2-sized matrices only, three repeats (for the tests).
+
+       /tmp/host_dot_rate threads T [KB] [cols]
+
+   T threads, each pinned to a CPU of the process's mask and given its own regions of KB kilobytes (default 392: a
+   thread's gate/up share of a 5-pair job over 15 threads) of rows of `cols` columns (default 2048), enough regions
+   that they far exceed the caches. Each round, all threads at once: a fresh region computed cold; a fresh region
+   read a byte a line (the pool's warm-up by loads, -DLT_WARM_LOAD=1), then computed; a fresh region prefetched a
+   line at a time (prefetcht1, the default warm-up), then computed. Medians over the rounds of each thread's time
+   per phase, mean over the threads and the slowest thread, and GB/s a thread: whether a warmed region is computed
+   at the rate of a core's cache when every core works at once, as the pool's threads do. */
 #include "../engine/kernels/host_experts.c"
 #include <stdio.h>
 
@@ -37,7 +47,113 @@ static double rate(int rows, int cols, int reps) {
     return (double)(rows * rb) / (double)best;
 }
 
+typedef struct {
+    int index, cpu, rows, cols, rounds, nreg;
+    pthread_barrier_t *bar;
+    int64_t *ns;  /* [rounds][5]: cold, warm by loads, computed after it, warm by prefetches, computed after it */
+    double sink;
+} bench_thread_t;
+
+static void *bench_main(void *arg) {
+    bench_thread_t *t = (bench_thread_t *)arg;
+    if (t->cpu >= 0) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(t->cpu, &one);
+        pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+    }
+    const int nb = t->cols / 32;
+    const int64_t rb = (int64_t)nb * 18, bytes = t->rows * rb;
+    uint8_t *w = (uint8_t *)aligned_alloc(64, (size_t)(bytes * t->nreg + 63) / 64 * 64);  /* first touch here */
+    float *x = (float *)malloc((size_t)t->cols * sizeof(float)), *d = (float *)malloc((size_t)nb * sizeof(float));
+    float *c = (float *)malloc((size_t)nb * sizeof(float));
+    int8_t *q = (int8_t *)aligned_alloc(64, (size_t)t->cols);
+    if (!w || !x || !d || !c || !q) { fprintf(stderr, "out of memory\n"); exit(1); }
+    for (int64_t i = 0; i < bytes * t->nreg; i++) w[i] = (uint8_t)((uint64_t)i * 2654435761u >> 13);
+    for (int64_t r = 0; r < (int64_t)t->rows * t->nreg; r++)
+        for (int b = 0; b < nb; b++) { uint16_t h = 0x2000; memcpy(w + r * rb + (int64_t)nb * 16 + 2 * b, &h, 2); }
+    for (int i = 0; i < t->cols; i++) x[i] = sinf((float)(i + t->index));
+    quantize_row8(x, t->cols, q, d, c);
+    matrix_t m = {w, bytes, rb, t->rows, t->cols, QT_Q4_0, 1, t->nreg};
+    int reg = 0;
+    float s = 0.0f;
+    for (int k = 0; k < t->rounds; k++) {
+        for (int phase = 0; phase < 3; phase++) {
+            const uint8_t *base = w + (int64_t)(reg++ % t->nreg) * bytes;
+            pthread_barrier_wait(t->bar);
+            int64_t t0 = now_ns(), t1 = t0;
+            if (phase == 1) {
+                uint8_t v = 0;
+                for (int64_t o = 0; o < bytes; o += 64) v ^= *(const volatile uint8_t *)(base + o);
+                __asm__ volatile("" : : "r"(v));
+                t1 = now_ns();
+            } else if (phase == 2) {
+                for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + o, 0, 2);
+                t1 = now_ns();
+            }
+            if (phase) pthread_barrier_wait(t->bar);  /* every thread's region warmed before any computes */
+            const int64_t t2 = now_ns();
+            for (int r = 0; r < t->rows; r++) s += row_dot8(&m, base + r * rb, q, d, c);
+            const int64_t t3 = now_ns();
+            int64_t *ns = t->ns + (int64_t)k * 5;
+            if (phase == 0) ns[0] = t3 - t2;
+            else { ns[2 * phase - 1] = t1 - t0; ns[2 * phase] = t3 - t2; }
+        }
+    }
+    t->sink = s;
+    free(w); free(x); free(d); free(c); free(q);
+    return NULL;
+}
+
+static int cmp64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static int threads_mode(int nthreads, int kb, int cols) {
+    const int nb = cols / 32, rows = (int)((int64_t)kb * 1024 / ((int64_t)nb * 18));
+    const int rounds = 40, nreg = (int)(600LL * 1024 * 1024 / nthreads / ((int64_t)rows * nb * 18)) + 3;
+    if (nthreads < 1 || nthreads > 256 || rows < 1 || cols % 32) { fprintf(stderr, "bad threads/KB/cols\n"); return 2; }
+    cpu_set_t allowed;
+    int cpus[256], ncpu = 0;
+    if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
+        for (int c = 0; c < CPU_SETSIZE && ncpu < 256; c++) if (CPU_ISSET(c, &allowed)) cpus[ncpu++] = c;
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, (unsigned)nthreads);
+    bench_thread_t *ts = (bench_thread_t *)calloc((size_t)nthreads, sizeof(bench_thread_t));
+    pthread_t *th = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
+    for (int i = 0; i < nthreads; i++) {
+        ts[i] = (bench_thread_t){i, ncpu ? cpus[i % ncpu] : -1, rows, cols, rounds, nreg, &bar,
+                                 (int64_t *)calloc((size_t)rounds * 5, sizeof(int64_t)), 0.0};
+        pthread_create(&th[i], NULL, bench_main, &ts[i]);
+    }
+    for (int i = 0; i < nthreads; i++) pthread_join(th[i], NULL);
+    const double mb = (double)rows * nb * 18 / 1e6;
+    printf("%d threads on %d CPUs, %.0f KB a thread (%d rows x %d cols), %d regions a thread, medians of %d rounds:\n",
+           nthreads, ncpu, mb * 1e3 / 1.024, rows, cols, nreg, rounds);
+    static const char *names[5] = {"computed cold", "warm-up by loads", "computed after loads",
+                                   "warm-up by prefetches", "computed after prefetches"};
+    for (int p = 0; p < 5; p++) {
+        double mean = 0.0, slow = 0.0;
+        int64_t v[64];
+        for (int i = 0; i < nthreads; i++) {
+            for (int k = 0; k < rounds && k < 64; k++) v[k] = ts[i].ns[(int64_t)k * 5 + p];
+            qsort(v, (size_t)(rounds < 64 ? rounds : 64), sizeof(int64_t), cmp64);
+            const double med = (double)v[(rounds < 64 ? rounds : 64) / 2] / 1e3;
+            mean += med / nthreads;
+            if (med > slow) slow = med;
+        }
+        printf("  %-26s %8.1f us (slowest %8.1f) %7.2f GB/s a thread\n", names[p], mean, slow, mb / mean * 1e3);
+    }
+    for (int i = 0; i < nthreads; i++) free(ts[i].ns);
+    free(ts); free(th);
+    pthread_barrier_destroy(&bar);
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc > 2 && strcmp(argv[1], "threads") == 0)
+        return threads_mode(atoi(argv[2]), argc > 3 ? atoi(argv[3]) : 392, argc > 4 ? atoi(argv[4]) : 2048);
     const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
     printf("row_dot8 (simd %d, vnni %d), one core, GB/s of Q4_0 blocks:\n", lt_simd(), lt_vnni());
     printf("  512 x 2048 (590 KB):   %6.2f\n", rate(512, 2048, quick ? 3 : 200));

@@ -282,12 +282,13 @@ static inline const uint8_t *row_of(const matrix_t *m, int expert, int r) {
 
 /* Activations in 8 bits (int8 mode, as ggml's Q8_0 activations): each 32-block of a float row becomes codes q
    in [-127, 127] with d = max|x| / 127 (x ~ d q) and c = d * sum(q), which carries Q4_0's offset of 8. Codes
-   are stored by pairs of blocks, both blocks' first halves then both second halves
-   ([b 0-15 | b+1 0-15 | b 16-31 | b+1 16-31]): the order in which a Q4_0 block pair's nibbles come out of
-   one 32-byte load. A row's last block, where the count is odd, stays in plain order. */
+   are stored by groups of four blocks, the four blocks' first halves then their second halves
+   ([b 0-15 | b+1 0-15 | b+2 0-15 | b+3 0-15 | b 16-31 | ... | b+3 16-31]): the order in which the low and the
+   high nibbles of four Q4_0 blocks come out of one 64-byte load. The blocks of a last, partial group stay in
+   plain order. */
 static inline int perm_index(int b, int j, int nb) {
-    if ((b | 1) >= nb) return b * 32 + j;
-    return (b & ~1) * 32 + (j < 16 ? (b & 1) * 16 + j : 32 + (b & 1) * 16 + j - 16);
+    if ((b | 3) >= nb) return b * 32 + j;
+    return (b & ~3) * 32 + (j < 16 ? 0 : 64) + (b & 3) * 16 + (j & 15);
 }
 
 static void quantize_row8(const float *x, int n, int8_t *q, float *d, float *c) {
@@ -314,12 +315,12 @@ static void quantize_row8(const float *x, int n, int8_t *q, float *d, float *c) 
             sum += v[j];
         }
 #endif
-        if ((b | 1) >= nb) {
+        if ((b | 3) >= nb) {
             memcpy(q + 32 * b, v, 32);
         } else {
-            int8_t *pb = q + 32 * (b & ~1) + 16 * (b & 1);
+            int8_t *pb = q + 32 * (b & ~3) + 16 * (b & 3);
             memcpy(pb, v, 16);
-            memcpy(pb + 32, v + 16, 16);
+            memcpy(pb + 64, v + 16, 16);
         }
         d[b] = amax / 127.0f;
         c[b] = d[b] * (float)sum;
@@ -352,26 +353,26 @@ static float row_dot8_plain(const matrix_t *m, const uint8_t *row, const int8_t 
 }
 
 #if LT_VNNI
-/* row_dot8_plain with vpdpbusd, for rows of a multiple of 16 blocks: 16 blocks' scales at a time, two blocks a
-   dot product (a 32-byte load of Q4_0 codes splits into the pair order of the codes above; Q8_0's 64 bytes are
-   put in that order, made unsigned, and their signs moved onto x). */
+/* row_dot8_plain with vpdpbusd, for rows of a multiple of 16 blocks: 16 blocks' scales at a time, four blocks a
+   step. Q4_0: one 64-byte load of the four blocks' codes (three 16-byte inserts in the ggml layout) gives their
+   low nibbles and their high nibbles, each multiplied with its half of the activations' group (above) into the same
+   int32 lanes, four lanes a block; one conversion and one scale a step. Q8_0: the four blocks' 128 bytes are put in
+   that order, made unsigned, and their signs moved onto x. */
 static float row_dot8_vnni(const matrix_t *m, const uint8_t *row, const int8_t *xq, const float *xd, const float *xc) {
-    static const int32_t lanes[8][16] = {
-        {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3},
-        {4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7},
-        {8, 8, 8, 8, 9, 9, 9, 9, 8, 8, 8, 8, 9, 9, 9, 9}, {10, 10, 10, 10, 11, 11, 11, 11, 10, 10, 10, 10, 11, 11, 11, 11},
-        {12, 12, 12, 12, 13, 13, 13, 13, 12, 12, 12, 12, 13, 13, 13, 13},
-        {14, 14, 14, 14, 15, 15, 15, 15, 14, 14, 14, 14, 15, 15, 15, 15}};
     const int nb = m->cols / 32, q4 = m->qtype == QT_Q4_0, code = q4 ? 16 : 32, size = code + 2;
     const uint8_t *codes = m->split ? row : row + 2, *scales = m->split ? row + (int64_t)nb * code : row;
-    const __m512i zero = _mm512_setzero_si512(), halves = _mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0);
-    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const int64_t step = m->split ? code : size;  /* bytes from one block's codes to the next's */
+    const __m512i zero = _mm512_setzero_si512(), mask = _mm512_set1_epi8(0x0f);
+    const __m512i lanes[4] = {_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                              _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
+                              _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
+                              _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
     __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps();
     for (int g = 0; g < nb; g += 16) {
 #if LT_PF8
         {  /* the lines LT_PF8 bytes ahead of this group's codes (16 blocks) and scales */
-            const char *ahead = (const char *)codes + (int64_t)g * (m->split ? code : size) + LT_PF8;
-            for (int l = 0; l < 16 * (m->split ? code : size); l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+            const char *ahead = (const char *)codes + (int64_t)g * step + LT_PF8;
+            for (int l = 0; l < 16 * step; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
             if (m->split) _mm_prefetch((const char *)scales + 2 * g + LT_PF8, _MM_HINT_T0);
         }
 #endif
@@ -381,27 +382,43 @@ static float row_dot8_vnni(const matrix_t *m, const uint8_t *row, const int8_t *
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hb));
         const __m512 sv = _mm512_mul_ps(dw, _mm512_loadu_ps(xd + g));
         if (q4) corr = _mm512_fmadd_ps(dw, _mm512_loadu_ps(xc + g), corr);
-        for (int i = 0; i < 8; i++) {
-            const int b = g + 2 * i;
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + 32 * b));
+        for (int i = 0; i < 4; i++) {
+            const int b = g + 4 * i;
+            const uint8_t *c0 = codes + (int64_t)b * step;
+            const __m512i xlo = _mm512_loadu_si512((const void *)(xq + 32 * b));
+            const __m512i xhi = _mm512_loadu_si512((const void *)(xq + 32 * b + 64));
             __m512i dot;
             if (q4) {
-                const uint8_t *c0 = codes + (int64_t)b * (m->split ? code : size);
-                const __m256i r = m->split ? _mm256_loadu_si256((const __m256i *)c0)
-                    : _mm256_loadu2_m128i((const __m128i *)(c0 + size), (const __m128i *)c0);
-                const __m256i lo = _mm256_and_si256(r, mask), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), mask);
-                dot = _mm512_dpbusd_epi32(zero, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), xv);
+                __m512i v;
+                if (m->split) {
+                    v = _mm512_loadu_si512((const void *)c0);
+                } else {
+                    v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)c0));
+                    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(c0 + size)), 1);
+                    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(c0 + 2 * size)), 2);
+                    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(c0 + 3 * size)), 3);
+                }
+                const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                dot = _mm512_dpbusd_epi32(zero, lo, xlo);
+                dot = _mm512_dpbusd_epi32(dot, hi, xhi);
             } else {
-                const uint8_t *c0 = codes + (int64_t)b * (m->split ? code : size);
-                __m512i w = m->split ? _mm512_loadu_si512((const void *)c0)
-                    : _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)c0)),
-                                         _mm256_loadu_si256((const __m256i *)(c0 + size)), 1);
-                w = _mm512_permutexvar_epi64(halves, w);
-                const __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(w), zero, xv);
-                dot = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), sx);
+                __m512i v0, v1;  /* blocks b, b+1 and b+2, b+3: [first half | second half] each */
+                if (m->split) {
+                    v0 = _mm512_loadu_si512((const void *)c0);
+                    v1 = _mm512_loadu_si512((const void *)(c0 + 64));
+                } else {
+                    v0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)c0)),
+                                            _mm256_loadu_si256((const __m256i *)(c0 + size)), 1);
+                    v1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(c0 + 2 * size))),
+                                            _mm256_loadu_si256((const __m256i *)(c0 + 3 * size)), 1);
+                }
+                const __m512i wlo = _mm512_shuffle_i64x2(v0, v1, 0x88), whi = _mm512_shuffle_i64x2(v0, v1, 0xdd);
+                const __m512i slo = _mm512_mask_sub_epi8(xlo, _mm512_movepi8_mask(wlo), zero, xlo);
+                const __m512i shi = _mm512_mask_sub_epi8(xhi, _mm512_movepi8_mask(whi), zero, xhi);
+                dot = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wlo), slo);
+                dot = _mm512_dpbusd_epi32(dot, _mm512_abs_epi8(whi), shi);
             }
-            const __m512 s = _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)lanes[i]), sv);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lanes[i], sv), acc);
         }
     }
     const float total = _mm512_reduce_add_ps(acc);
