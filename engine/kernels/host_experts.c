@@ -357,8 +357,10 @@ static float row_dot8_plain(const matrix_t *m, const uint8_t *row, const int8_t 
    step. Q4_0: one 64-byte load of the four blocks' codes (three 16-byte inserts in the ggml layout) gives their
    low nibbles and their high nibbles, each multiplied with its half of the activations' group (above) into the same
    int32 lanes, four lanes a block; one conversion and one scale a step. Q8_0: the four blocks' 128 bytes are put in
-   that order, made unsigned, and their signs moved onto x. */
-static float row_dot8_vnni(const matrix_t *m, const uint8_t *row, const int8_t *xq, const float *xd, const float *xc) {
+   that order, made unsigned, and their signs moved onto x. Returns the 16 lanes whose sum is the dot product:
+   down's rows weight and add a token's pairs' lanes and sum them once (run_job). */
+static inline __m512 row_vec8_vnni(const matrix_t *m, const uint8_t *row, const int8_t *xq, const float *xd,
+                                   const float *xc) {
     const int nb = m->cols / 32, q4 = m->qtype == QT_Q4_0, code = q4 ? 16 : 32, size = code + 2;
     const uint8_t *codes = m->split ? row : row + 2, *scales = m->split ? row + (int64_t)nb * code : row;
     const int64_t step = m->split ? code : size;  /* bytes from one block's codes to the next's */
@@ -421,8 +423,11 @@ static float row_dot8_vnni(const matrix_t *m, const uint8_t *row, const int8_t *
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lanes[i], sv), acc);
         }
     }
-    const float total = _mm512_reduce_add_ps(acc);
-    return q4 ? total - 8.0f * _mm512_reduce_add_ps(corr) : total;
+    return q4 ? _mm512_fmadd_ps(corr, _mm512_set1_ps(-8.0f), acc) : acc;
+}
+
+static float row_dot8_vnni(const matrix_t *m, const uint8_t *row, const int8_t *xq, const float *xd, const float *xc) {
+    return _mm512_reduce_add_ps(row_vec8_vnni(m, row, xq, xd, xc));
 }
 #endif
 
@@ -769,6 +774,10 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
             for (int64_t t = a; t < b; t++) {
                 int tok = (int)(t / H), r = (int)(t % H);
                 float s = 0.0f;
+#if LT_VNNI
+                __m512 sv = _mm512_setzero_ps();  /* vnni: the pairs' lanes weighted and summed, then one sum */
+                const int vnni = p->int8 && ffn % 512 == 0;
+#endif
                 for (int j = 0; j < k; j++) {
                     int pair = tok * k + j, e = ids[pair];
                     if (e < 0) continue;
@@ -779,12 +788,24 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
                                           wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
                             wk->htag[pair] = seq;
                         }
+#if LT_VNNI
+                        if (vnni) {
+                            sv = _mm512_fmadd_ps(_mm512_set1_ps(w[pair]),
+                                                 row_vec8_vnni(down, row_of(down, e, r), wk->hq + (int64_t)pair * ffn,
+                                                               wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf),
+                                                 sv);
+                            continue;
+                        }
+#endif
                         s += w[pair] * row_dot8(down, row_of(down, e, r), wk->hq + (int64_t)pair * ffn,
                                                 wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
                     } else {
                         s += w[pair] * row_dot(down, row_of(down, e, r), p->h + (int64_t)pair * ffn);
                     }
                 }
+#if LT_VNNI
+                if (vnni) s = _mm512_reduce_add_ps(sv);
+#endif
                 y[t] = s;
             }
         } else {
