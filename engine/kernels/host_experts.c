@@ -113,6 +113,7 @@
 #define LT_ERR_LAYER 1   /* a layer with no registered matrices */
 #define LT_ERR_SHAPE 2   /* tokens or pairs over the mailbox's room, or an expert id out of range */
 #define HEADER 32
+#define PAIRS_MAX 1024  /* pairs a job at most (max_pairs) */
 #define WARM_SEQ 20
 #define WARM_LAYER 21
 #define WARM_N 22
@@ -710,7 +711,7 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
     const float *x = (const float *)(p->mailbox + HEADER + 2 * p->max_pairs);
     float *y = (float *)(p->reply + 16);
     int np = 0, ffn = 0, c1 = 1, n1 = 0, c2 = 1, n2 = 1, c;
-    int32_t pairs[1024];
+    int32_t pairs[PAIRS_MAX];
     const matrix_t *gate = NULL, *up = NULL, *down = NULL;
     if (status == 0) {
         gate = &p->mats[3 * layer]; up = gate + 1; down = gate + 2;
@@ -771,42 +772,49 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
     while ((c = NEXT2()) >= 0) {
         if (status == 0) {
             const int64_t a = (int64_t)c * c2, b = a + c2 < (int64_t)tokens * H ? a + c2 : (int64_t)tokens * H;
-            for (int64_t t = a; t < b; t++) {
-                int tok = (int)(t / H), r = (int)(t % H);
-                float s = 0.0f;
-#if LT_VNNI
-                __m512 sv = _mm512_setzero_ps();  /* vnni: the pairs' lanes weighted and summed, then one sum */
-                const int vnni = p->int8 && ffn % 512 == 0;
-#endif
+            const int nbf = ffn / 32;
+            for (int64_t t0 = a; t0 < b;) {  /* a run of the chunk's rows within one token */
+                const int tok = (int)(t0 / H), r0 = (int)(t0 % H);
+                const int64_t t1 = t0 + (H - r0) < b ? t0 + (H - r0) : b;
+                int live[PAIRS_MAX], nl = 0;  /* the token's pairs of this pool, in pair order */
                 for (int j = 0; j < k; j++) {
-                    int pair = tok * k + j, e = ids[pair];
-                    if (e < 0) continue;
-                    if (p->int8) {
-                        const int nbf = ffn / 32;
-                        if (wk->htag[pair] != seq) {
-                            quantize_row8(p->h + (int64_t)pair * ffn, ffn, wk->hq + (int64_t)pair * ffn,
-                                          wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
-                            wk->htag[pair] = seq;
-                        }
-#if LT_VNNI
-                        if (vnni) {
-                            sv = _mm512_fmadd_ps(_mm512_set1_ps(w[pair]),
-                                                 row_vec8_vnni(down, row_of(down, e, r), wk->hq + (int64_t)pair * ffn,
-                                                               wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf),
-                                                 sv);
-                            continue;
-                        }
-#endif
-                        s += w[pair] * row_dot8(down, row_of(down, e, r), wk->hq + (int64_t)pair * ffn,
-                                                wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
-                    } else {
-                        s += w[pair] * row_dot(down, row_of(down, e, r), p->h + (int64_t)pair * ffn);
+                    const int pair = tok * k + j;
+                    if (ids[pair] < 0) continue;
+                    live[nl++] = pair;
+                    if (p->int8 && wk->htag[pair] != seq) {
+                        quantize_row8(p->h + (int64_t)pair * ffn, ffn, wk->hq + (int64_t)pair * ffn,
+                                      wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
+                        wk->htag[pair] = seq;
                     }
                 }
+                for (int64_t t = t0; t < t1; t++) {
+                    const int r = r0 + (int)(t - t0);
+                    float s = 0.0f;
 #if LT_VNNI
-                if (vnni) s = _mm512_reduce_add_ps(sv);
+                    if (p->int8 && ffn % 512 == 0) {  /* the pairs' lanes weighted and added, then one sum */
+                        __m512 sv = _mm512_setzero_ps();
+                        for (int i = 0; i < nl; i++) {
+                            const int pair = live[i];
+                            sv = _mm512_fmadd_ps(_mm512_set1_ps(w[pair]),
+                                                 row_vec8_vnni(down, row_of(down, ids[pair], r), wk->hq + (int64_t)pair * ffn,
+                                                               wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf),
+                                                 sv);
+                        }
+                        y[t] = _mm512_reduce_add_ps(sv);
+                        continue;
+                    }
 #endif
-                y[t] = s;
+                    for (int i = 0; i < nl; i++) {
+                        const int pair = live[i], e = ids[pair];
+                        if (p->int8)
+                            s += w[pair] * row_dot8(down, row_of(down, e, r), wk->hq + (int64_t)pair * ffn,
+                                                    wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
+                        else
+                            s += w[pair] * row_dot(down, row_of(down, e, r), p->h + (int64_t)pair * ffn);
+                    }
+                    y[t] = s;
+                }
+                t0 = t1;
             }
         } else {
             p->reply[1] = status;
@@ -933,7 +941,7 @@ static void free_pool(pool_t *p) {
 /* Starts the pool; int8: activations in 8 bits (hidden and ffn multiples of 32). NULL for bad arguments. */
 void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, int max_tokens, int hidden,
                int ffn, int nlayers, int int8) {
-    if (nthreads < 1 || max_pairs < 1 || max_pairs > 1024 || max_tokens < 1 || hidden < 1 || ffn < 1 || nlayers < 1
+    if (nthreads < 1 || max_pairs < 1 || max_pairs > PAIRS_MAX || max_tokens < 1 || hidden < 1 || ffn < 1 || nlayers < 1
         || (int8 && (hidden % 32 || ffn % 32)))
         return NULL;
     pool_t *p = (pool_t *)calloc(1, sizeof(pool_t));
