@@ -7,11 +7,11 @@
 
    "quick": the two L2-sized matrices only, three repeats (for the tests).
 
-       /tmp/host_dot_rate threads T [KB] [cols]
+       /tmp/host_dot_rate threads T [KB] [cols] [MB]
 
    T threads, each pinned to a CPU of the process's mask and given its own regions of KB kilobytes (default 392: a
    thread's gate/up share of a 5-pair job over 15 threads) of rows of `cols` columns (default 2048), enough regions
-   that they far exceed the caches. Each round, all threads at once: a fresh region computed cold; a fresh region
+   that they far exceed the caches (MB in all, default 600). Each round, all threads at once: a fresh region computed cold; a fresh region
    read a byte a line (the pool's warm-up by loads, -DLT_WARM_LOAD=1), then computed; a fresh region prefetched a
    line at a time (prefetcht1, the default warm-up), then computed. Medians over the rounds of each thread's time
    per phase, mean over the threads and the slowest thread, and GB/s a thread: whether a warmed region is computed
@@ -110,10 +110,14 @@ static int cmp64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static int threads_mode(int nthreads, int kb, int cols) {
+static int threads_mode(int nthreads, int kb, int cols, int total_mb) {
+    if (nthreads < 1 || nthreads > 256 || kb < 1 || cols < 512 || cols % 512 || total_mb < 1) {
+        fprintf(stderr, "threads T [KB] [cols] [MB]: T in 1-256, KB and MB positive, cols a multiple of 512\n");
+        return 2;
+    }
     const int nb = cols / 32, rows = (int)((int64_t)kb * 1024 / ((int64_t)nb * 18));
-    const int rounds = 40, nreg = (int)(600LL * 1024 * 1024 / nthreads / ((int64_t)rows * nb * 18)) + 3;
-    if (nthreads < 1 || nthreads > 256 || rows < 1 || cols % 32) { fprintf(stderr, "bad threads/KB/cols\n"); return 2; }
+    if (rows < 1) { fprintf(stderr, "%d KB holds no row of %d columns\n", kb, cols); return 2; }
+    const int rounds = 40, nreg = (int)((int64_t)total_mb * 1024 * 1024 / nthreads / ((int64_t)rows * nb * 18)) + 3;
     cpu_set_t allowed;
     int cpus[256], ncpu = 0;
     if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
@@ -153,7 +157,8 @@ static int threads_mode(int nthreads, int kb, int cols) {
 
 int main(int argc, char **argv) {
     if (argc > 2 && strcmp(argv[1], "threads") == 0)
-        return threads_mode(atoi(argv[2]), argc > 3 ? atoi(argv[3]) : 392, argc > 4 ? atoi(argv[4]) : 2048);
+        return threads_mode(atoi(argv[2]), argc > 3 ? atoi(argv[3]) : 392, argc > 4 ? atoi(argv[4]) : 2048,
+                            argc > 5 ? atoi(argv[5]) : 600);
     const int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
     printf("row_dot8 (simd %d, vnni %d), one core, GB/s of Q4_0 blocks:\n", lt_simd(), lt_vnni());
     printf("  512 x 2048 (590 KB):   %6.2f\n", rate(512, 2048, quick ? 3 : 200));
