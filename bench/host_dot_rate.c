@@ -19,38 +19,55 @@
 #include "../engine/kernels/host_experts.c"
 #include <stdio.h>
 
-static double rate(int rows, int cols, int reps) {
+#define ROUNDS 40  /* the threads mode's rounds */
+
+/* A row of activations in 8 bits and `rows` Q4_0 rows of `cols` columns in the split layout (codes, then scales of
+   2^-11), the row's buffers and the blocks allocated here (the blocks first touched by the calling thread). */
+typedef struct {
+    uint8_t *w;
+    int8_t *q;
+    float *x, *d, *c;
+} rows_t;
+
+static rows_t make_rows(int64_t rows, int cols, int seed) {
     const int nb = cols / 32;
     const int64_t rb = (int64_t)nb * 18;
-    uint8_t *w = (uint8_t *)aligned_alloc(64, (size_t)(rows * rb + 63) / 64 * 64);
-    float *x = (float *)malloc((size_t)cols * sizeof(float)), *d = (float *)malloc((size_t)nb * sizeof(float));
-    float *c = (float *)malloc((size_t)nb * sizeof(float));
-    int8_t *q = (int8_t *)aligned_alloc(64, (size_t)cols);
-    if (!w || !x || !d || !c || !q) { fprintf(stderr, "out of memory\n"); exit(1); }
-    for (int64_t i = 0; i < rows * rb; i++) w[i] = (uint8_t)((uint64_t)i * 2654435761u >> 13);
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < nb; b++) { uint16_t h = 0x2000; memcpy(w + r * rb + (int64_t)nb * 16 + 2 * b, &h, 2); }
-    matrix_t m = {w, rows * rb, rb, rows, cols, QT_Q4_0, 1, 1};
-    for (int i = 0; i < cols; i++) x[i] = sinf((float)i);
-    quantize_row8(x, cols, q, d, c);
+    rows_t t = {(uint8_t *)aligned_alloc(64, (size_t)(rows * rb + 63) / 64 * 64),
+                (int8_t *)aligned_alloc(64, (size_t)cols), (float *)malloc((size_t)cols * sizeof(float)),
+                (float *)malloc((size_t)nb * sizeof(float)), (float *)malloc((size_t)nb * sizeof(float))};
+    if (!t.w || !t.q || !t.x || !t.d || !t.c) { fprintf(stderr, "out of memory\n"); exit(1); }
+    for (int64_t i = 0; i < rows * rb; i++) t.w[i] = (uint8_t)((uint64_t)i * 2654435761u >> 13);
+    for (int64_t r = 0; r < rows; r++)
+        for (int b = 0; b < nb; b++) { uint16_t h = 0x2000; memcpy(t.w + r * rb + (int64_t)nb * 16 + 2 * b, &h, 2); }
+    for (int i = 0; i < cols; i++) t.x[i] = sinf((float)(i + seed));
+    quantize_row8(t.x, cols, t.q, t.d, t.c);
+    return t;
+}
+
+static void free_rows(rows_t *t) { free(t->w); free(t->q); free(t->x); free(t->d); free(t->c); }
+
+static double rate(int rows, int cols, int reps) {
+    const int64_t rb = (int64_t)(cols / 32) * 18;
+    rows_t r8 = make_rows(rows, cols, 0);
+    matrix_t m = {r8.w, rows * rb, rb, rows, cols, QT_Q4_0, 1, 1};
     volatile float sink = 0.0f;
     int64_t best = INT64_MAX;
     for (int k = 0; k < reps; k++) {
         const int64_t t0 = now_ns();
         float s = 0.0f;
-        for (int r = 0; r < rows; r++) s += row_dot8(&m, w + r * rb, q, d, c);
+        for (int r = 0; r < rows; r++) s += row_dot8(&m, r8.w + r * rb, r8.q, r8.d, r8.c);
         const int64_t t = now_ns() - t0;
         sink += s;
         if (t < best) best = t;
     }
-    free(w); free(x); free(d); free(c); free(q);
+    free_rows(&r8);
     return (double)(rows * rb) / (double)best;
 }
 
 typedef struct {
-    int index, cpu, rows, cols, rounds, nreg;
+    int index, cpu, rows, cols, nreg;
     pthread_barrier_t *bar;
-    int64_t *ns;  /* [rounds][5]: cold, warm by loads, computed after it, warm by prefetches, computed after it */
+    int64_t *ns;  /* [ROUNDS][5]: cold, warm by loads, computed after it, warm by prefetches, computed after it */
     double sink;
 } bench_thread_t;
 
@@ -62,22 +79,13 @@ static void *bench_main(void *arg) {
         CPU_SET(t->cpu, &one);
         pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
     }
-    const int nb = t->cols / 32;
-    const int64_t rb = (int64_t)nb * 18, bytes = t->rows * rb;
-    uint8_t *w = (uint8_t *)aligned_alloc(64, (size_t)(bytes * t->nreg + 63) / 64 * 64);  /* first touch here */
-    float *x = (float *)malloc((size_t)t->cols * sizeof(float)), *d = (float *)malloc((size_t)nb * sizeof(float));
-    float *c = (float *)malloc((size_t)nb * sizeof(float));
-    int8_t *q = (int8_t *)aligned_alloc(64, (size_t)t->cols);
-    if (!w || !x || !d || !c || !q) { fprintf(stderr, "out of memory\n"); exit(1); }
-    for (int64_t i = 0; i < bytes * t->nreg; i++) w[i] = (uint8_t)((uint64_t)i * 2654435761u >> 13);
-    for (int64_t r = 0; r < (int64_t)t->rows * t->nreg; r++)
-        for (int b = 0; b < nb; b++) { uint16_t h = 0x2000; memcpy(w + r * rb + (int64_t)nb * 16 + 2 * b, &h, 2); }
-    for (int i = 0; i < t->cols; i++) x[i] = sinf((float)(i + t->index));
-    quantize_row8(x, t->cols, q, d, c);
-    matrix_t m = {w, bytes, rb, t->rows, t->cols, QT_Q4_0, 1, t->nreg};
+    const int64_t rb = (int64_t)(t->cols / 32) * 18, bytes = t->rows * rb;
+    rows_t r8 = make_rows((int64_t)t->rows * t->nreg, t->cols, t->index);  /* first touched by this thread */
+    const uint8_t *w = r8.w;
+    matrix_t m = {r8.w, bytes, rb, t->rows, t->cols, QT_Q4_0, 1, t->nreg};
     int reg = 0;
     float s = 0.0f;
-    for (int k = 0; k < t->rounds; k++) {
+    for (int k = 0; k < ROUNDS; k++) {
         for (int phase = 0; phase < 3; phase++) {
             const uint8_t *base = w + (int64_t)(reg++ % t->nreg) * bytes;
             pthread_barrier_wait(t->bar);
@@ -93,7 +101,7 @@ static void *bench_main(void *arg) {
             }
             if (phase) pthread_barrier_wait(t->bar);  /* every thread's region warmed before any computes */
             const int64_t t2 = now_ns();
-            for (int r = 0; r < t->rows; r++) s += row_dot8(&m, base + r * rb, q, d, c);
+            for (int r = 0; r < t->rows; r++) s += row_dot8(&m, base + r * rb, r8.q, r8.d, r8.c);
             const int64_t t3 = now_ns();
             int64_t *ns = t->ns + (int64_t)k * 5;
             if (phase == 0) ns[0] = t3 - t2;
@@ -101,7 +109,7 @@ static void *bench_main(void *arg) {
         }
     }
     t->sink = s;
-    free(w); free(x); free(d); free(c); free(q);
+    free_rows(&r8);
     return NULL;
 }
 
@@ -117,7 +125,7 @@ static int threads_mode(int nthreads, int kb, int cols, int total_mb) {
     }
     const int nb = cols / 32, rows = (int)((int64_t)kb * 1024 / ((int64_t)nb * 18));
     if (rows < 1) { fprintf(stderr, "%d KB holds no row of %d columns\n", kb, cols); return 2; }
-    const int rounds = 40, nreg = (int)((int64_t)total_mb * 1024 * 1024 / nthreads / ((int64_t)rows * nb * 18)) + 3;
+    const int nreg = (int)((int64_t)total_mb * 1024 * 1024 / nthreads / ((int64_t)rows * nb * 18)) + 3;
     cpu_set_t allowed;
     int cpus[256], ncpu = 0;
     if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
@@ -127,23 +135,23 @@ static int threads_mode(int nthreads, int kb, int cols, int total_mb) {
     bench_thread_t *ts = (bench_thread_t *)calloc((size_t)nthreads, sizeof(bench_thread_t));
     pthread_t *th = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
     for (int i = 0; i < nthreads; i++) {
-        ts[i] = (bench_thread_t){i, ncpu ? cpus[i % ncpu] : -1, rows, cols, rounds, nreg, &bar,
-                                 (int64_t *)calloc((size_t)rounds * 5, sizeof(int64_t)), 0.0};
+        ts[i] = (bench_thread_t){i, ncpu ? cpus[i % ncpu] : -1, rows, cols, nreg, &bar,
+                                 (int64_t *)calloc((size_t)ROUNDS * 5, sizeof(int64_t)), 0.0};
         pthread_create(&th[i], NULL, bench_main, &ts[i]);
     }
     for (int i = 0; i < nthreads; i++) pthread_join(th[i], NULL);
     const double mb = (double)rows * nb * 18 / 1e6;
     printf("%d threads on %d CPUs, %.0f KB a thread (%d rows x %d cols), %d regions a thread, medians of %d rounds:\n",
-           nthreads, ncpu, mb * 1e3 / 1.024, rows, cols, nreg, rounds);
+           nthreads, ncpu, mb * 1e3 / 1.024, rows, cols, nreg, ROUNDS);
     static const char *names[5] = {"computed cold", "warm-up by loads", "computed after loads",
                                    "warm-up by prefetches", "computed after prefetches"};
     for (int p = 0; p < 5; p++) {
         double mean = 0.0, slow = 0.0;
-        int64_t v[64];
+        int64_t v[ROUNDS];
         for (int i = 0; i < nthreads; i++) {
-            for (int k = 0; k < rounds && k < 64; k++) v[k] = ts[i].ns[(int64_t)k * 5 + p];
-            qsort(v, (size_t)(rounds < 64 ? rounds : 64), sizeof(int64_t), cmp64);
-            const double med = (double)v[(rounds < 64 ? rounds : 64) / 2] / 1e3;
+            for (int k = 0; k < ROUNDS; k++) v[k] = ts[i].ns[(int64_t)k * 5 + p];
+            qsort(v, ROUNDS, sizeof(int64_t), cmp64);
+            const double med = (double)v[ROUNDS / 2] / 1e3;
             mean += med / nthreads;
             if (med > slow) slow = med;
         }

@@ -776,11 +776,12 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
             for (int64_t t0 = a; t0 < b;) {  /* a run of the chunk's rows within one token */
                 const int tok = (int)(t0 / H), r0 = (int)(t0 % H);
                 const int64_t t1 = t0 + (H - r0) < b ? t0 + (H - r0) : b;
-                int live[PAIRS_MAX], nl = 0;  /* the token's pairs of this pool, in pair order */
+                int live[PAIRS_MAX], lexp[PAIRS_MAX], nl = 0;  /* the token's pairs of this pool and their experts */
                 for (int j = 0; j < k; j++) {
-                    const int pair = tok * k + j;
-                    if (ids[pair] < 0) continue;
-                    live[nl++] = pair;
+                    const int pair = tok * k + j, e = ids[pair];
+                    if (e < 0) continue;
+                    live[nl] = pair;
+                    lexp[nl++] = e;
                     if (p->int8 && wk->htag[pair] != seq) {
                         quantize_row8(p->h + (int64_t)pair * ffn, ffn, wk->hq + (int64_t)pair * ffn,
                                       wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
@@ -796,7 +797,7 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
                         for (int i = 0; i < nl; i++) {
                             const int pair = live[i];
                             sv = _mm512_fmadd_ps(_mm512_set1_ps(w[pair]),
-                                                 row_vec8_vnni(down, row_of(down, ids[pair], r), wk->hq + (int64_t)pair * ffn,
+                                                 row_vec8_vnni(down, row_of(down, lexp[i], r), wk->hq + (int64_t)pair * ffn,
                                                                wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf),
                                                  sv);
                         }
@@ -805,7 +806,7 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
                     }
 #endif
                     for (int i = 0; i < nl; i++) {
-                        const int pair = live[i], e = ids[pair];
+                        const int pair = live[i], e = lexp[i];
                         if (p->int8)
                             s += w[pair] * row_dot8(down, row_of(down, e, r), wk->hq + (int64_t)pair * ffn,
                                                     wk->hd + (int64_t)pair * nbf, wk->hc + (int64_t)pair * nbf);
