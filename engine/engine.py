@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
+import functools
 import os
 import resource
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -39,6 +42,7 @@ MAX_PREFILL_GRAPHS = 11
 # LUCE_TUNE_PREFILL_CHUNK sets another size, 0 prefills every prompt in one forward
 PREFILL_CHUNK = 8192
 BLOCKING_WAIT_ENV = "LUCE_TUNE_BLOCKING_WAIT"  # 1: the decode loop's wait for a token sleeps (blocking_wait_setting)
+STALL_TRACE_ENV = "LUCE_TUNE_STALL_TRACE"  # seconds: every Python thread's stack to stderr while a generation lasts
 
 
 def prefill_chunk_setting() -> int | None:
@@ -60,6 +64,36 @@ def blocking_wait_setting() -> bool:
     if text not in ("0", "1"):
         raise ConfigError(f"{BLOCKING_WAIT_ENV} must be 0 or 1, got {text!r}")
     return text == "1"
+
+
+def stall_trace_setting() -> float | None:
+    """``LUCE_TUNE_STALL_TRACE``: None (unset, empty or 0), or the seconds after which, and every as many seconds
+    after, a generation still running prints every Python thread's stack to stderr (``faulthandler``'s own thread,
+    which needs no lock a stalled thread may hold): what the process was doing when a step stalled."""
+    text = os.environ.get(STALL_TRACE_ENV, "").strip() or "0"
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ConfigError(f"{STALL_TRACE_ENV} must be a number of seconds (0: off), got {text!r}")
+    return seconds or None
+
+
+def _traced_stalls(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with ``stall_trace_setting``'s stack dumps armed while it runs."""
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        seconds = stall_trace_setting()
+        if seconds is None:
+            return fn(*args, **kwargs)
+        faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    return traced
 
 
 def graph_capacity(tokens: int) -> int:
@@ -406,6 +440,7 @@ class Engine:
         return ((top[:, 0] - top[:, 1]) / ulp).tolist()
 
     @torch.inference_mode()
+    @_traced_stalls
     def generate(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[str] | None = None, ignore_eos: bool = False,

@@ -122,6 +122,12 @@
 #ifndef LT_WARM_CHUNK
 #define LT_WARM_CHUNK 16384  /* bytes of an expert's matrix a thread fetches at a time in a warm-up */
 #endif
+#define LT_DIAG_THREADS 64  /* threads whose state lt_pool_state reports */
+#define DIAG_IDLE 0          /* looking at the mailbox */
+#define DIAG_WARM 1          /* in a warm-up */
+#define DIAG_GATE_UP 2       /* in a job's gate/up chunks */
+#define DIAG_WAIT 3          /* waiting for the other threads' gate/up chunks */
+#define DIAG_DOWN 4          /* in a job's down chunks */
 #define IDLE_NS 20000000LL     /* spinning this long with no job: sleep 50 us between checks */
 #define DEEP_IDLE_NS 1000000000LL  /* and this long: 1 ms (a new generation's first layer waits at most that) */
 
@@ -143,6 +149,8 @@ typedef struct {
     int32_t start_warm;  /* the same for the warm-up number */
     volatile int stop;
     pthread_t *threads;
+    int64_t diag[LT_DIAG_THREADS][5];  /* per thread: state (DIAG_*), its job's number, since (ns), the longest
+                                          stretch in a state other than idle (ns) and that state: lt_pool_state */
     int32_t *claims[2];  /* LT_AFFINITY: per chunk of phase 1 and 2, the job that took it [W_MAX + 1] */
 #if LT_SPEC
     int32_t *memo;       /* per layer: its last warm-up's count then ids [nlayers * (WARM_MAX + 1)] */
@@ -443,6 +451,22 @@ static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Thread i enters `state` for job `seq`: where it stood is kept for an error's message (lt_pool_state), with the
+   longest stretch it spent in a state other than idle. A few stores and a clock read a transition. */
+static void diag_set(pool_t *p, int i, int state, int32_t seq) {
+    if (i >= LT_DIAG_THREADS) return;
+    int64_t *d = p->diag[i];
+    const int64_t now = now_ns(), was = __atomic_load_n(&d[0], __ATOMIC_RELAXED);
+    const int64_t took = now - __atomic_load_n(&d[2], __ATOMIC_RELAXED);
+    if (was != DIAG_IDLE && took > __atomic_load_n(&d[3], __ATOMIC_RELAXED)) {
+        __atomic_store_n(&d[3], took, __ATOMIC_RELAXED);
+        __atomic_store_n(&d[4], was, __ATOMIC_RELAXED);
+    }
+    __atomic_store_n(&d[1], (int64_t)seq, __ATOMIC_RELAXED);
+    __atomic_store_n(&d[2], now, __ATOMIC_RELAXED);
+    __atomic_store_n(&d[0], (int64_t)state, __ATOMIC_RELEASE);
 }
 
 /* 1 where the layer is in range and its three matrices are registered. */
@@ -764,7 +788,11 @@ static void run_job(pool_t *p, worker_t *wk, int32_t seq) {
 #if LT_STATS
     t1 = now_ns();
 #endif
-    if (n1 > 0 && !phase_done(p, 0, seq, n1)) return;
+    if (n1 > 0) {
+        diag_set(p, index, DIAG_WAIT, seq);
+        if (!phase_done(p, 0, seq, n1)) return;
+    }
+    diag_set(p, index, DIAG_DOWN, seq);
 #if LT_STATS
     t2 = now_ns();
 #endif
@@ -895,7 +923,9 @@ static void *worker_main(void *arg) {
 #if LT_SPEC
                 spec_for = last;
 #endif
+                diag_set(p, wk->index, DIAG_WARM, ws);
                 run_warm(p, wk, ws, last);
+                diag_set(p, wk->index, DIAG_IDLE, last);
                 idle_since = now_ns();
                 spins = 0;
                 continue;
@@ -920,7 +950,9 @@ static void *worker_main(void *arg) {
         }
         last = seq;
         wk->job_layer = p->mailbox[16] >= 0 && p->mailbox[16] < p->nlayers ? p->mailbox[16] : -1;
+        diag_set(p, wk->index, DIAG_GATE_UP, seq);
         run_job(p, wk, seq);
+        diag_set(p, wk->index, DIAG_IDLE, seq);
         idle_since = now_ns();
         spins = 0;
     }
@@ -954,6 +986,10 @@ void *lt_start(int nthreads, int32_t *mailbox, int32_t *reply, int max_pairs, in
     p->start_warm = __atomic_load_n(&mailbox[WARM_SEQ], __ATOMIC_ACQUIRE);
     p->work[0] = p->work[1] = (uint64_t)(uint32_t)p->start_seq << 32;  /* no job's number */
     p->work[2] = (uint64_t)(uint32_t)p->start_warm << 32;
+    for (int i = 0; i < LT_DIAG_THREADS; i++) {
+        p->diag[i][1] = p->start_seq;
+        p->diag[i][2] = now_ns();
+    }
     p->mats = (matrix_t *)calloc((size_t)nlayers * 3, sizeof(matrix_t));
     p->h = (float *)calloc((size_t)max_pairs * ffn, sizeof(float));
     p->threads = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
@@ -1002,6 +1038,26 @@ int lt_matrix(void *pool, int layer, int which, const uint8_t *base, int experts
 }
 
 int64_t lt_jobs(void *pool) { return __atomic_load_n(&((pool_t *)pool)->jobs, __ATOMIC_ACQUIRE); }
+
+/* Where the first n threads stand (at most LT_DIAG_THREADS), 5 words each into out: state (DIAG_*), the number of
+   the job or warm-up it is in or last left, nanoseconds in that state so far, the longest stretch in a state other
+   than idle and that state. Returns the threads written. */
+int lt_pool_state(void *pool, int64_t *out, int n) {
+    pool_t *p = (pool_t *)pool;
+    if (!p || !out) return 0;
+    if (n > p->nthreads) n = p->nthreads;
+    if (n > LT_DIAG_THREADS) n = LT_DIAG_THREADS;
+    const int64_t now = now_ns();
+    for (int i = 0; i < n; i++) {
+        const int64_t *d = p->diag[i];
+        out[5 * i] = __atomic_load_n(&d[0], __ATOMIC_ACQUIRE);
+        out[5 * i + 1] = __atomic_load_n(&d[1], __ATOMIC_RELAXED);
+        out[5 * i + 2] = now - __atomic_load_n(&d[2], __ATOMIC_RELAXED);
+        out[5 * i + 3] = __atomic_load_n(&d[3], __ATOMIC_RELAXED);
+        out[5 * i + 4] = __atomic_load_n(&d[4], __ATOMIC_RELAXED);
+    }
+    return n < 0 ? 0 : n;
+}
 
 /* The chunks a warm-up counts for one expert of a layer (as run_warm cuts it), or -1 for a layer not registered. */
 int lt_warm_per_expert(void *pool, int layer) {
@@ -1118,6 +1174,11 @@ typedef struct {
     int nlayers, started;
     int32_t start_seq;
     int64_t jobs;
+    int64_t seen;        /* the last number the thread took from the mailbox */
+    int64_t job_since;   /* ns: when its current job began (0: looking at the mailbox) */
+    int64_t idle_since;  /* ns: when its last job ended (or it started) */
+    int64_t copy_since;  /* ns: when its current call of the driver's copy began (0: none) */
+    int64_t copy_max;    /* ns: the longest such call */
     volatile int stop;
     pthread_t thread;
 } bus_t;
@@ -1128,6 +1189,17 @@ int lt_copy_host(uint64_t dst, const void *src, size_t n, void *stream) {
     memcpy((void *)(uintptr_t)dst, src, n);
     __atomic_thread_fence(__ATOMIC_RELEASE);
     return 0;
+}
+
+/* One call of the copy function, its time kept for an error's message (lt_bus_state). */
+static int bus_copy(bus_t *b, uint64_t dst, const void *src, size_t n) {
+    const int64_t t0 = now_ns();
+    __atomic_store_n(&b->copy_since, t0, __ATOMIC_RELEASE);
+    const int rc = b->copy(dst, src, n, b->stream);
+    const int64_t took = now_ns() - t0;
+    __atomic_store_n(&b->copy_since, 0, __ATOMIC_RELEASE);
+    if (took > __atomic_load_n(&b->copy_max, __ATOMIC_RELAXED)) __atomic_store_n(&b->copy_max, took, __ATOMIC_RELAXED);
+    return rc;
 }
 
 static int bus_job(bus_t *b, int32_t seq) {
@@ -1141,8 +1213,8 @@ static int bus_job(bus_t *b, int32_t seq) {
         if (e >= b->experts[layer]) { status = LT_ERR_SHAPE; break; }
         for (int i = 0; i < 3; i++) {
             const int64_t slab = b->slab[3 * layer + i];
-            if (b->copy(b->dst[i] + (uint64_t)(j * b->dst_row[i]), b->src[3 * layer + i] + (int64_t)e * slab,
-                        (size_t)slab, b->stream) != 0) { status = -2; break; }
+            if (bus_copy(b, b->dst[i] + (uint64_t)(j * b->dst_row[i]), b->src[3 * layer + i] + (int64_t)e * slab,
+                         (size_t)slab) != 0) { status = -2; break; }
         }
     }
     if (status) __atomic_store_n(&b->mb[BUS_STATUS], status, __ATOMIC_RELEASE);
@@ -1150,7 +1222,7 @@ static int bus_job(bus_t *b, int32_t seq) {
     volatile int32_t *slot = &b->mb[BUS_RING + (int)((uint32_t)seq % BUS_SLOTS)];
     *slot = seq;
     __atomic_thread_fence(__ATOMIC_RELEASE);
-    if (b->copy(b->flag, (const void *)slot, sizeof(int32_t), b->stream) != 0) {
+    if (bus_copy(b, b->flag, (const void *)slot, sizeof(int32_t)) != 0) {
         __atomic_store_n(&b->mb[BUS_STATUS], -2, __ATOMIC_RELEASE);
         return -2;
     }
@@ -1165,6 +1237,7 @@ static void *bus_main(void *arg) {
     }
     int32_t last = b->start_seq;
     int64_t idle_since = now_ns();
+    __atomic_store_n(&b->idle_since, idle_since, __ATOMIC_RELEASE);
     unsigned spins = 0;
     while (!b->stop) {
         const int32_t seq = __atomic_load_n(&b->mb[BUS_SEQ], __ATOMIC_ACQUIRE);
@@ -1181,8 +1254,12 @@ static void *bus_main(void *arg) {
             continue;
         }
         last = seq;
+        __atomic_store_n(&b->seen, (int64_t)seq, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->job_since, now_ns(), __ATOMIC_RELEASE);
         bus_job(b, seq);
         idle_since = now_ns();
+        __atomic_store_n(&b->idle_since, idle_since, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->job_since, 0, __ATOMIC_RELEASE);
         spins = 0;
     }
     return NULL;
@@ -1238,12 +1315,30 @@ int lt_bus_go(void *bus) {
             if (!b->src[3 * l + i] || b->slab[3 * l + i] > b->dst_row[i]) return -1;
     }
     b->start_seq = __atomic_load_n(&b->mb[BUS_SEQ], __ATOMIC_ACQUIRE);
+    b->seen = b->start_seq;
+    b->idle_since = now_ns();
     if (pthread_create(&b->thread, NULL, bus_main, b) != 0) return -2;
     b->started = 1;
     return 0;
 }
 
 int64_t lt_bus_jobs(void *bus) { return __atomic_load_n(&((bus_t *)bus)->jobs, __ATOMIC_ACQUIRE); }
+
+/* Where the copier stands, 5 words into out: the last number it took, nanoseconds in its current job (-1: it is
+   looking at the mailbox), nanoseconds since its last job ended, nanoseconds in its current call of the driver's
+   copy (-1: none), the longest such call. 0, or -1 for no copier. */
+int lt_bus_state(void *bus, int64_t *out) {
+    bus_t *b = (bus_t *)bus;
+    if (!b || !out) return -1;
+    const int64_t now = now_ns(), job = __atomic_load_n(&b->job_since, __ATOMIC_ACQUIRE);
+    const int64_t copy = __atomic_load_n(&b->copy_since, __ATOMIC_ACQUIRE);
+    out[0] = __atomic_load_n(&b->seen, __ATOMIC_RELAXED);
+    out[1] = job ? now - job : -1;
+    out[2] = now - __atomic_load_n(&b->idle_since, __ATOMIC_RELAXED);
+    out[3] = copy ? now - copy : -1;
+    out[4] = __atomic_load_n(&b->copy_max, __ATOMIC_RELAXED);
+    return 0;
+}
 
 void lt_bus_stop(void *bus) {
     bus_t *b = (bus_t *)bus;

@@ -35,7 +35,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -55,6 +55,7 @@ MAX_PAIRS = 1024  # the native pool's limit
 STAT_THREADS = 64  # threads whose phases a -DLT_STATS=1 build times (LT_STAT_THREADS)
 TIMEOUT_SPINS = 1 << 24  # acquire loads over the bus (about 1 us each) before collect gives up
 WAIT_TIMEOUT_S = 30.0  # the host path's wait for a reply
+THREAD_STATES = ("idle", "warm-up", "gate/up", "waiting for gate/up", "down")  # lt_pool_state's states (DIAG_*)
 STATUS_TEXT = {1: "a layer with no matrices registered", 2: "more tokens or pairs than the mailbox holds",
                -1: "the CPU threads did not answer within the device's wait"}
 # the bus copier's mailbox (host_experts.c): number, layer, count, status, expert ids, then the ring of numbers
@@ -62,6 +63,43 @@ BUS_SEQ, BUS_LAYER, BUS_N, BUS_STATUS, BUS_IDS, BUS_MAX, BUS_RING, BUS_SLOTS = 0
 BUS_STATUS_TEXT = {1: "a layer whose experts were not registered", 2: "more experts than the stage holds, or an "
                    "expert id out of range", -1: "the copies did not land within the device's wait",
                    -2: "the driver refused a copy", -3: "the copier's thread could not take the device's context"}
+
+
+def describe_threads(states: Sequence[dict[str, Any]]) -> str:
+    """The threads' states in a few words: how many stand where (with the job's number and the longest time there),
+    and the longest stretch any of them spent in one state other than idle."""
+    if not states:
+        return "no thread state"
+    groups: dict[tuple[str, int], list[float]] = {}
+    for st in states:
+        groups.setdefault((st["state"], st["seq"]), []).append(st["ms"])
+    parts = [f"{len(ms)} {state} at number {seq} (up to {max(ms):,.1f} ms)"
+             for (state, seq), ms in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+    worst = max(range(len(states)), key=lambda i: states[i]["longest_ms"])
+    st = states[worst]
+    return (f"threads: {', '.join(parts)}; longest stretch: thread {worst} in {st['longest_state']} "
+            f"for {st['longest_ms']:,.1f} ms")
+
+
+def copier_state(lib: ctypes.CDLL, bus: int | None) -> dict[str, Any]:
+    """``lt_bus_state`` of the copier ``bus`` as ``HostBus.state`` gives it ({} for none)."""
+    out = (ctypes.c_int64 * 5)()
+    if not bus or not hasattr(lib, "lt_bus_state") or lib.lt_bus_state(bus, out) != 0:
+        return {}
+    return {"seen": int(out[0]), "job_ms": None if out[1] < 0 else out[1] / 1e6, "idle_ms": out[2] / 1e6,
+            "copy_ms": None if out[3] < 0 else out[3] / 1e6, "longest_copy_ms": out[4] / 1e6}
+
+
+def describe_copier(state: dict[str, Any]) -> str:
+    """The copier's state in a few words."""
+    if not state:
+        return "no copier state"
+    where = (f"in a job for {state['job_ms']:,.1f} ms" if state["job_ms"] is not None
+             else f"looking at the mailbox, its last job ended {state['idle_ms']:,.1f} ms ago")
+    if state["copy_ms"] is not None:
+        where += f", inside the driver's copy call for {state['copy_ms']:,.1f} ms"
+    return (f"the copier last took number {state['seen']}, is {where}; its longest copy call took "
+            f"{state['longest_copy_ms']:,.1f} ms")
 
 
 class HostShareError(EngineError):
@@ -116,6 +154,11 @@ def library(cflags: Sequence[str] | None = None) -> ctypes.CDLL:
                               ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.lt_jobs.restype = ctypes.c_int64
     lib.lt_jobs.argtypes = [ctypes.c_void_p]
+    if hasattr(lib, "lt_pool_state"):  # where the threads stand (absent from a benchmark's older source)
+        lib.lt_pool_state.restype = ctypes.c_int
+        lib.lt_pool_state.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+        lib.lt_bus_state.restype = ctypes.c_int
+        lib.lt_bus_state.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
     lib.lt_warm_chunks.restype = ctypes.c_int64
     lib.lt_warm_chunks.argtypes = [ctypes.c_void_p]
     lib.lt_warm_per_expert.restype = ctypes.c_int
@@ -322,11 +365,26 @@ class HostShare:
         out += y.view(T, self.hidden).to(out.device)
 
     def check(self) -> None:
-        """Raise ``HostShareError`` if a job failed or the device's wait gave up (reads host memory: no sync)."""
+        """Raise ``HostShareError`` if a job failed or the device's wait gave up (reads host memory: no sync);
+        the message says where the threads stood (``describe_threads``)."""
         status = int(self._reply_np[1])
         if status:
             raise HostShareError(f"the CPU share of the cold experts failed: "
-                                 f"{STATUS_TEXT.get(status, f'status {status}')}")
+                                 f"{STATUS_TEXT.get(status, f'status {status}')} (the threads answered {self.jobs} "
+                                 f"jobs; the mailbox names number {int(self.mailbox[0])}, the last reply "
+                                 f"{int(self._reply_np[0])}; {describe_threads(self.thread_states())})")
+
+    def thread_states(self) -> list[dict[str, Any]]:
+        """Where each thread stands (the first 64): ``state`` (``THREAD_STATES``), ``seq`` (the job or warm-up it is
+        in or last left), ``ms`` in that state so far, and ``longest_ms`` spent in one state other than idle with
+        that ``longest_state``."""
+        n = min(self.threads, 64)
+        out = (ctypes.c_int64 * (5 * n))()
+        n = self._lib.lt_pool_state(self._pool, out, n) if self._pool and hasattr(self._lib, "lt_pool_state") else 0
+        return [{"state": THREAD_STATES[out[5 * i]] if 0 <= out[5 * i] < len(THREAD_STATES) else str(out[5 * i]),
+                 "seq": int(out[5 * i + 1]), "ms": out[5 * i + 2] / 1e6, "longest_ms": out[5 * i + 3] / 1e6,
+                 "longest_state": THREAD_STATES[out[5 * i + 4]] if 0 <= out[5 * i + 4] < len(THREAD_STATES)
+                 else str(out[5 * i + 4])} for i in range(n)]
 
     def close(self) -> None:
         """Stop the threads (no call may be in flight: the device's work is synchronised first)."""
@@ -461,10 +519,17 @@ class HostBus:
         status = int(self._mb_np[BUS_STATUS])
         if status:
             mb = self._mb_np  # where the copier stood: what a timeout's cause is read from
+            jobs, state = self.jobs, describe_copier(self.state())
             raise HostShareError(f"the bus's copier failed: {BUS_STATUS_TEXT.get(status, f'status {status}')} "
-                                 f"(the copier ran {self.jobs} jobs; the mailbox names number {int(mb[BUS_SEQ])}, "
-                                 f"layer {int(mb[BUS_LAYER])}, {int(mb[BUS_N])} experts; the last number landed "
-                                 f"{int(self.flag[0])})")
+                                 f"(the copier ran {jobs} jobs; the mailbox names number {int(mb[BUS_SEQ])}, "
+                                 f"layer {int(mb[BUS_LAYER])}, {int(mb[BUS_N])} experts; {state}; the last number "
+                                 f"landed {int(self.flag[0])})")
+
+    def state(self) -> dict[str, float | int | None]:
+        """Where the copier's thread stands: ``seen`` (the last number it took), ``job_ms`` in its current job
+        (None: it is looking at the mailbox), ``idle_ms`` since its last job ended, ``copy_ms`` in its current call
+        of the driver's copy (None: none), ``longest_copy_ms``."""
+        return copier_state(self._lib, self._bus)
 
     def close(self) -> None:
         """Stop the thread (the device's work is synchronised first, so no copy is left in flight)."""

@@ -173,6 +173,34 @@ def test_blocking_wait_is_a_checked_setting(monkeypatch, eng):
     assert prefills == []
 
 
+def test_stall_trace_prints_the_threads_stacks_while_a_generation_runs(monkeypatch, capfd, eng):
+    """``LUCE_TUNE_STALL_TRACE``: off by default; at a short interval a generation prints the Python stacks (this
+    test's frame among them) to stderr and the same tokens come out; nothing is printed once it returns; bad values
+    are refused by name."""
+    import time
+
+    from engine.engine import STALL_TRACE_ENV, stall_trace_setting
+
+    monkeypatch.delenv(STALL_TRACE_ENV, raising=False)
+    assert stall_trace_setting() is None
+    ids = eng.tokenizer.encode("import os\n")
+    plain = eng.generate(ids, 4, ignore_eos=True).ids
+    capfd.readouterr()
+    monkeypatch.setenv(STALL_TRACE_ENV, "0.01")
+    slow = eng.generate(ids, 4, ignore_eos=True, on_token=lambda t, p: time.sleep(0.05))
+    err = capfd.readouterr().err
+    assert slow.ids == plain
+    assert "most recent call first" in err and "test_stall_trace_prints" in err and "generate" in err
+    time.sleep(0.1)
+    assert capfd.readouterr().err == ""  # cancelled when the generation returned
+    for bad in ("soon", "-1", "inf"):
+        monkeypatch.setenv(STALL_TRACE_ENV, bad)
+        with pytest.raises(ConfigError, match=STALL_TRACE_ENV):
+            eng.generate(ids, 2, ignore_eos=True)
+    monkeypatch.setenv(STALL_TRACE_ENV, "0")
+    assert stall_trace_setting() is None
+
+
 def test_timings_are_measured(eng):
     g = eng.generate(eng.tokenizer.encode("timing"), 8, ignore_eos=True)
     t = g.timings

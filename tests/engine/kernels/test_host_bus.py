@@ -4,11 +4,16 @@ copies, a bad job is reported without a hang, and bad stages or blocks are refus
 thread copies with ``memcpy`` into host tensors standing in for device memory; on CUDA with the copy engine
 (``cuMemcpyHtoDAsync_v2``), from pinned blocks into device rows."""
 
+import ctypes
+import threading
+import time
+
 import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.kernels.host_experts import HostBus, HostShareError
+from engine.kernels.host_experts import (BUS_IDS, BUS_LAYER, BUS_N, BUS_RING, BUS_SEQ, BUS_SLOTS, HostBus,
+                                         HostShareError, copier_state, describe_copier, library)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = ((5, 18), (5, 18), (3, 34))  # gate, up, down: rows x row bytes, odd sizes
@@ -73,11 +78,60 @@ def test_a_bad_job_is_reported_and_its_number_still_lands(bus, layer, named, tex
     before = [r.clone() for r in rows]
     b.fetch(layer, named)
     with pytest.raises(HostShareError, match=rf"{text}.*ran 1 jobs; the mailbox names number 1, layer {layer}, "
-                                             r"1 experts; the last number landed 1\)"):
+                                             r"1 experts; the copier last took number 1, is .*; its longest copy "
+                                             r"call took [0-9.,]+ ms; the last number landed 1\)"):
         b.wait()  # where the copier stood is in the message
     assert int(b.flag) == 1  # the device's wait ends: the number is written whatever the job's fate
     for r, r0 in zip(rows, before):
         assert torch.equal(r, r0)
+
+
+def test_the_copier_says_where_it_stands_inside_a_slow_copy():
+    """A copy function that blocks until released: meanwhile the copier's state says it is in its job and inside
+    the driver's call, and for how long; once released the number lands and the state keeps the longest call."""
+    lib = library()
+    mb = torch.zeros(BUS_RING + BUS_SLOTS, dtype=torch.int32)
+    flag = torch.zeros(1, dtype=torch.int32)
+    rows, src = stage(), blocks(3, 4)
+    release = threading.Event()
+
+    def slow_copy(dst, from_, n, stream):
+        release.wait(30)
+        ctypes.memmove(dst, from_, n)
+        return 0
+
+    copy = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)(slow_copy)
+    bus = lib.lt_bus_start(mb.data_ptr(), 1, ctypes.cast(copy, ctypes.c_void_p).value, None, None, None,
+                           flag.data_ptr())
+    try:
+        for which in range(3):
+            assert lib.lt_bus_src(bus, 0, which, src[which].data_ptr(), 3, src[which][0].numel()) == 0
+            r = rows[which].cpu()
+            rows = rows[:which] + (r,) + rows[which + 1:]
+            assert lib.lt_bus_dst(bus, which, r.data_ptr(), r[0].numel(), r.shape[0]) == 0
+        assert lib.lt_bus_go(bus) == 0
+        idle = copier_state(lib, bus)
+        assert idle["seen"] == 0 and idle["job_ms"] is None and idle["copy_ms"] is None
+        mb[BUS_LAYER], mb[BUS_N], mb[BUS_IDS] = 0, 1, 2
+        mb[BUS_SEQ] = 1
+        deadline = time.monotonic() + 10
+        while (st := copier_state(lib, bus))["copy_ms"] is None or st["copy_ms"] < 50:
+            assert time.monotonic() < deadline, st
+            time.sleep(0.01)
+        assert st["seen"] == 1 and st["job_ms"] >= st["copy_ms"] >= 50
+        assert "inside the driver's copy call for" in describe_copier(st)
+        release.set()
+        while int(flag[0]) != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        while (done := copier_state(lib, bus))["job_ms"] is not None:
+            time.sleep(0.001)
+        assert done["copy_ms"] is None and done["longest_copy_ms"] >= 50 and done["seen"] == 1
+        assert "looking at the mailbox" in describe_copier(done)
+        assert torch.equal(rows[0][0], src[0][2])
+    finally:
+        release.set()
+        lib.lt_bus_stop(bus)
 
 
 def test_more_experts_than_rows_are_refused_on_the_host():

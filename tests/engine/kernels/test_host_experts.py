@@ -4,6 +4,8 @@ the split layout, 1 and 3 threads, successive jobs on several layers; a job the 
 reported as an error; bad matrices refused before any thread sees them. The device's publish and
 collect launches are checked on CUDA (the hybrid executor's tests)."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.errors import ConfigError
 from engine.gguf import quants
-from engine.kernels.host_experts import WARM_CHUNK, HostShare, HostShareError
+from engine.kernels.host_experts import WARM_CHUNK, HostShare, HostShareError, describe_threads
 from engine.kernels.quant.reference import split_rows
 
 SIZES = {Q.Q4_0: 18, Q.Q8_0: 34}
@@ -105,6 +107,49 @@ def test_a_layer_with_no_matrices_is_reported():
             share.collect(torch.zeros(1, hidden))
     finally:
         share.close()
+
+
+def test_thread_states_say_where_each_thread_stands():
+    """After jobs and a warm-up every thread is back to idle at the last job's number, with the longest stretch it
+    spent in a job's state kept; a failed job's error says where the threads stood."""
+    hidden, ffn, experts = 64, 32, 4
+    mats, _ = layer(Q.Q4_0, "ggml", experts, hidden, ffn, seed=4)
+    share = HostShare([mats, None], hidden=hidden, ffn=ffn, threads=3, device="cpu", max_tokens=2, max_pairs=8)
+    try:
+        fresh = share.thread_states()
+        assert [st["state"] for st in fresh] == ["idle"] * 3 and all(st["seq"] == 0 for st in fresh)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            share.publish(0, torch.randn(2, hidden, generator=g), torch.randint(0, experts, (2, 2), generator=g),
+                          torch.rand(2, 2, generator=g), torch.ones(experts, dtype=torch.int8))
+            share.collect(torch.zeros(2, hidden))
+        share.warm(0, [1, 2])
+        deadline = time.monotonic() + 10
+        states = share.thread_states()
+        while any(st["state"] != "idle" or st["seq"] != 3 for st in states):
+            assert time.monotonic() < deadline, states
+            time.sleep(0.001)
+            states = share.thread_states()
+        assert all(st["longest_ms"] > 0 for st in states)  # each thread at least looked at each job
+        assert {st["longest_state"] for st in states} <= {"warm-up", "gate/up", "waiting for gate/up", "down"}
+        text = describe_threads(states)
+        assert text.startswith("threads: 3 idle at number 3 (up to ") and "longest stretch: thread " in text
+        share.publish(1, torch.randn(1, hidden), torch.tensor([[0, 1]]), torch.ones(1, 2),
+                      torch.ones(experts, dtype=torch.int8))
+        with pytest.raises(HostShareError, match=r"no matrices registered \(the threads answered 4 jobs; the "
+                                                 r"mailbox names number 4, the last reply 4; threads: "):
+            share.collect(torch.zeros(1, hidden))
+    finally:
+        share.close()
+
+
+def test_describe_threads_groups_them_by_state_and_number():
+    states = [{"state": "idle", "seq": 7, "ms": 0.5, "longest_ms": 0.2, "longest_state": "down"},
+              {"state": "gate/up", "seq": 8, "ms": 16200.0, "longest_ms": 16200.0, "longest_state": "gate/up"},
+              {"state": "idle", "seq": 7, "ms": 1.5, "longest_ms": 0.3, "longest_state": "waiting for gate/up"}]
+    assert describe_threads(states) == ("threads: 2 idle at number 7 (up to 1.5 ms), 1 gate/up at number 8 (up to "
+                                        "16,200.0 ms); longest stretch: thread 1 in gate/up for 16,200.0 ms")
+    assert describe_threads([]) == "no thread state"
 
 
 def test_bad_matrices_are_refused_up_front():
