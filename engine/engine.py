@@ -775,13 +775,22 @@ class _TokenReader:
     """Sampled token ids copied to the host without waiting: ``put`` queues the copy of a device token into
     one of two pinned buffers (on CUDA) and returns its slot, ``get`` waits for that copy alone and reads
     it. Two slots: a decode loop reads each token after it has queued the next step. ``blocking``: the wait
-    sleeps until the copy is done rather than spinning (``torch.cuda.Event(blocking=True)``)."""
+    sleeps until the copy is done rather than spinning (``torch.cuda.Event(blocking=True)``).
+
+    The events are created, recorded and waited on once here, before the loop launches a step: a driver call
+    made while a step runs must not wait for the device, since the step's cold layers wait on the copy engine's
+    copier, whose copies need the driver too (a first use of a blocking event inside the loop is suspected of
+    such a wait: docs/benchmarks.md, twenty-seventh round)."""
 
     def __init__(self, device: torch.device, blocking: bool = False) -> None:
         self.cuda = device.type == "cuda"
         self.blocking = blocking and self.cuda
         self.bufs = [torch.empty((), dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.events = [torch.cuda.Event(blocking=self.blocking) if self.cuda else None for _ in range(2)]
+        for event in self.events:
+            if event is not None:
+                event.record()
+                event.synchronize()
         self.next = 0
 
     def put(self, token: torch.Tensor) -> int:

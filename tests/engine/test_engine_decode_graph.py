@@ -267,5 +267,7 @@ def test_cuda_blocking_wait_decodes_the_same_tokens(monkeypatch, tmp_path):
     assert spin.timings.extra["decode_path"] == sleep.timings.extra["decode_path"] == "cuda_graph"
     assert sleep.ids == spin.ids
     reader = _TokenReader(torch.device("cuda"), blocking=True)
+    # created (and waited on once) before any step: no first use of a blocking event while a step runs
+    assert all(event.cuda_event != 0 and event.query() for event in reader.events)
     slot = reader.put(torch.tensor(11, device="cuda") * 3)
     assert reader.blocking and reader.get(slot) == 33
