@@ -7,6 +7,7 @@ import functools
 import os
 import resource
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -81,17 +82,34 @@ def stall_trace_setting() -> float | None:
 
 
 def _traced_stalls(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with ``stall_trace_setting``'s stack dumps armed while it runs."""
+    """``fn`` (an ``Engine`` method) with ``stall_trace_setting``'s stack dumps armed while it runs, and where the
+    engine has CPU threads or a copier, a watchdog that looks at them every 50 ms: the first time one has stood
+    still for those seconds it prints what stands still and every Python thread's stack (what the process was
+    doing meanwhile, e.g. a driver call that waits for the device)."""
     @functools.wraps(fn)
-    def traced(*args: Any, **kwargs: Any) -> Any:
+    def traced(self: "Engine", *args: Any, **kwargs: Any) -> Any:
         seconds = stall_trace_setting()
         if seconds is None:
-            return fn(*args, **kwargs)
+            return fn(self, *args, **kwargs)
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.05):
+                report = self.hybrid.stall_report(seconds) if self.hybrid is not None else None
+                if report:
+                    print(f"luce-tune: stood still for {seconds:g} s or more: {report}", file=sys.stderr, flush=True)
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                    return
+
+        watcher = threading.Thread(target=watch, name="luce-tune-stall-watch", daemon=True)
+        watcher.start()
         faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr)
         try:
-            return fn(*args, **kwargs)
+            return fn(self, *args, **kwargs)
         finally:
             faulthandler.cancel_dump_traceback_later()
+            done.set()
+            watcher.join()
 
     return traced
 

@@ -1085,6 +1085,14 @@ class HybridExperts:
             raise ValueError(f"{len(delta)} counts for {len(self._host_pairs)} layers")
         self._host_pairs = [a + b for a, b in zip(self._host_pairs, delta)]
 
+    def stall_report(self, seconds: float) -> str | None:
+        """``host_experts.stall_report`` over this executor's CPU threads and copiers."""
+        if self._host_share is None and not self._buses:
+            return None
+        from engine.kernels.host_experts import stall_report
+
+        return stall_report(self._host_share, list(self._buses.values()), seconds)
+
     def check_cpu_share(self) -> None:
         """Raise where the CPU share or the copier failed a call (reads host memory: no device synchronisation)."""
         if self._host_share is not None:

@@ -102,6 +102,24 @@ def describe_copier(state: dict[str, Any]) -> str:
             f"{state['longest_copy_ms']:,.1f} ms")
 
 
+def stall_report(share: Any, buses: Sequence[Any], seconds: float) -> str | None:
+    """What has stood still for at least ``seconds``: a thread of ``share`` (a ``HostShare`` or None) in a job's
+    or warm-up's state, or a copier of ``buses`` (``HostBus``) in one job or one call of the driver's copy; None
+    when nothing has. A watchdog's question while a generation runs (``engine.engine.stall_trace_setting``)."""
+    limit = seconds * 1e3
+    found = []
+    if share is not None:
+        states = share.thread_states()
+        if any(st["state"] != "idle" and st["ms"] >= limit for st in states):
+            found.append(describe_threads(states))
+    for bus in buses:
+        st = bus.state()
+        busy = [ms for ms in (st.get("job_ms"), st.get("copy_ms")) if ms is not None]
+        if busy and max(busy) >= limit:
+            found.append(describe_copier(st))
+    return "; ".join(found) or None
+
+
 class HostShareError(EngineError):
     """The CPU share of the cold experts failed (no reply, or a job it could not run)."""
 

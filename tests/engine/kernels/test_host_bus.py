@@ -7,13 +7,15 @@ thread copies with ``memcpy`` into host tensors standing in for device memory; o
 import ctypes
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.errors import ConfigError
 from engine.kernels.host_experts import (BUS_IDS, BUS_LAYER, BUS_N, BUS_RING, BUS_SEQ, BUS_SLOTS, HostBus,
-                                         HostShareError, copier_state, describe_copier, library)
+                                         HostShareError, copier_state, describe_copier, library,
+                                         stall_report)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = ((5, 18), (5, 18), (3, 34))  # gate, up, down: rows x row bytes, odd sizes
@@ -120,6 +122,9 @@ def test_the_copier_says_where_it_stands_inside_a_slow_copy():
             time.sleep(0.01)
         assert st["seen"] == 1 and st["job_ms"] >= st["copy_ms"] >= 50
         assert "inside the driver's copy call for" in describe_copier(st)
+        watched = SimpleNamespace(state=lambda: copier_state(lib, bus))  # HostBus.state over this copier
+        assert "inside the driver's copy call" in stall_report(None, [watched], 0.05)
+        assert stall_report(None, [watched], 60.0) is None
         release.set()
         while int(flag[0]) != 1:
             assert time.monotonic() < deadline
@@ -128,6 +133,7 @@ def test_the_copier_says_where_it_stands_inside_a_slow_copy():
             time.sleep(0.001)
         assert done["copy_ms"] is None and done["longest_copy_ms"] >= 50 and done["seen"] == 1
         assert "looking at the mailbox" in describe_copier(done)
+        assert stall_report(None, [watched], 0.0) is None  # looking at the mailbox is not standing still
         assert torch.equal(rows[0][0], src[0][2])
     finally:
         release.set()

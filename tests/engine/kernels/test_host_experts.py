@@ -5,6 +5,7 @@ reported as an error; bad matrices refused before any thread sees them. The devi
 collect launches are checked on CUDA (the hybrid executor's tests)."""
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.errors import ConfigError
 from engine.gguf import quants
-from engine.kernels.host_experts import WARM_CHUNK, HostShare, HostShareError, describe_threads
+from engine.kernels.host_experts import WARM_CHUNK, HostShare, HostShareError, describe_threads, stall_report
 from engine.kernels.quant.reference import split_rows
 
 SIZES = {Q.Q4_0: 18, Q.Q8_0: 34}
@@ -132,6 +133,7 @@ def test_thread_states_say_where_each_thread_stands():
             states = share.thread_states()
         assert all(st["longest_ms"] > 0 for st in states)  # each thread at least looked at each job
         assert {st["longest_state"] for st in states} <= {"warm-up", "gate/up", "waiting for gate/up", "down"}
+        assert stall_report(share, [], 0.0) is None  # idle threads do not stand still
         text = describe_threads(states)
         assert text.startswith("threads: 3 idle at number 3 (up to ") and "longest stretch: thread " in text
         share.publish(1, torch.randn(1, hidden), torch.tensor([[0, 1]]), torch.ones(1, 2),
@@ -150,6 +152,9 @@ def test_describe_threads_groups_them_by_state_and_number():
     assert describe_threads(states) == ("threads: 2 idle at number 7 (up to 1.5 ms), 1 gate/up at number 8 (up to "
                                         "16,200.0 ms); longest stretch: thread 1 in gate/up for 16,200.0 ms")
     assert describe_threads([]) == "no thread state"
+    share = SimpleNamespace(thread_states=lambda: states)  # HostShare.thread_states as they were
+    assert stall_report(share, [], 10.0) == describe_threads(states)  # thread 1 in gate/up for 16.2 s
+    assert stall_report(share, [], 20.0) is None
 
 
 def test_bad_matrices_are_refused_up_front():
