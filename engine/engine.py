@@ -68,9 +68,9 @@ def blocking_wait_setting() -> bool:
 
 
 def stall_trace_setting() -> float | None:
-    """``LUCE_TUNE_STALL_TRACE``: None (unset, empty or 0), or the seconds after which, and every as many seconds
-    after, a generation still running prints every Python thread's stack to stderr (``faulthandler``'s own thread,
-    which needs no lock a stalled thread may hold): what the process was doing when a step stalled."""
+    """``LUCE_TUNE_STALL_TRACE``: None (unset, empty or 0), or the seconds after which a generation still running
+    prints every Python thread's stack to stderr, once (``faulthandler``'s own thread, which needs no lock a stalled
+    thread may hold), and after which a CPU thread or copier standing still is reported (``_traced_stalls``)."""
     text = os.environ.get(STALL_TRACE_ENV, "").strip() or "0"
     try:
         seconds = float(text)
@@ -103,7 +103,7 @@ def _traced_stalls(fn: Callable[..., Any]) -> Callable[..., Any]:
 
         watcher = threading.Thread(target=watch, name="luce-tune-stall-watch", daemon=True)
         watcher.start()
-        faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr)
+        faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.stderr)
         try:
             return fn(self, *args, **kwargs)
         finally:
