@@ -43,7 +43,7 @@ MAX_PREFILL_GRAPHS = 11
 # LUCE_TUNE_PREFILL_CHUNK sets another size, 0 prefills every prompt in one forward
 PREFILL_CHUNK = 8192
 BLOCKING_WAIT_ENV = "LUCE_TUNE_BLOCKING_WAIT"  # 1: the decode loop's wait for a token sleeps (blocking_wait_setting)
-STALL_TRACE_ENV = "LUCE_TUNE_STALL_TRACE"  # seconds: every Python thread's stack to stderr while a generation lasts
+STALL_TRACE_ENV = "LUCE_TUNE_STALL_TRACE"  # seconds: what stands still and the Python stacks (stall_trace_setting)
 
 
 def prefill_chunk_setting() -> int | None:

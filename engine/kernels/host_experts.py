@@ -53,9 +53,10 @@ WARM_CHUNK = 16384  # bytes of an expert's matrix a thread fetches at a time in 
 REPLY_HEADER = 16
 MAX_PAIRS = 1024  # the native pool's limit
 STAT_THREADS = 64  # threads whose phases a -DLT_STATS=1 build times (LT_STAT_THREADS)
-TIMEOUT_SPINS = 1 << 24  # acquire loads over the bus (about 1 us each) before collect gives up
+TIMEOUT_SPINS = 1 << 24  # acquire loads over the bus before a device wait gives up (about 3 s on the H100 hosts)
 WAIT_TIMEOUT_S = 30.0  # the host path's wait for a reply
 THREAD_STATES = ("idle", "warm-up", "gate/up", "waiting for gate/up", "down")  # lt_pool_state's states (DIAG_*)
+DIAG_THREADS = 64  # threads whose state lt_pool_state reports (LT_DIAG_THREADS)
 STATUS_TEXT = {1: "a layer with no matrices registered", 2: "more tokens or pairs than the mailbox holds",
                -1: "the CPU threads did not answer within the device's wait"}
 # the bus copier's mailbox (host_experts.c): number, layer, count, status, expert ids, then the ring of numbers
@@ -63,6 +64,10 @@ BUS_SEQ, BUS_LAYER, BUS_N, BUS_STATUS, BUS_IDS, BUS_MAX, BUS_RING, BUS_SLOTS = 0
 BUS_STATUS_TEXT = {1: "a layer whose experts were not registered", 2: "more experts than the stage holds, or an "
                    "expert id out of range", -1: "the copies did not land within the device's wait",
                    -2: "the driver refused a copy", -3: "the copier's thread could not take the device's context"}
+
+
+def _state_name(code: int) -> str:
+    return THREAD_STATES[code] if 0 <= code < len(THREAD_STATES) else str(code)
 
 
 def describe_threads(states: Sequence[dict[str, Any]]) -> str:
@@ -396,13 +401,11 @@ class HostShare:
         """Where each thread stands (the first 64): ``state`` (``THREAD_STATES``), ``seq`` (the job or warm-up it is
         in or last left), ``ms`` in that state so far, and ``longest_ms`` spent in one state other than idle with
         that ``longest_state``."""
-        n = min(self.threads, 64)
+        n = min(self.threads, DIAG_THREADS)
         out = (ctypes.c_int64 * (5 * n))()
         n = self._lib.lt_pool_state(self._pool, out, n) if self._pool and hasattr(self._lib, "lt_pool_state") else 0
-        return [{"state": THREAD_STATES[out[5 * i]] if 0 <= out[5 * i] < len(THREAD_STATES) else str(out[5 * i]),
-                 "seq": int(out[5 * i + 1]), "ms": out[5 * i + 2] / 1e6, "longest_ms": out[5 * i + 3] / 1e6,
-                 "longest_state": THREAD_STATES[out[5 * i + 4]] if 0 <= out[5 * i + 4] < len(THREAD_STATES)
-                 else str(out[5 * i + 4])} for i in range(n)]
+        return [{"state": _state_name(out[5 * i]), "seq": int(out[5 * i + 1]), "ms": out[5 * i + 2] / 1e6,
+                 "longest_ms": out[5 * i + 3] / 1e6, "longest_state": _state_name(out[5 * i + 4])} for i in range(n)]
 
     def close(self) -> None:
         """Stop the threads (no call may be in flight: the device's work is synchronised first)."""
