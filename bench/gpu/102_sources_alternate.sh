@@ -4,10 +4,11 @@
 # and the 35B file unless they are there, then runs bench/vs_llamacpp.py (half cold as in
 # 101_kernel_side_by_side.sh: share SHARE, fetch FETCH, warm WARM, copier COPIER, REPEATS repeats) once per label of
 # ORDER, in turn: "new" (this tree's source), "old" (OLD_SOURCE in its place), "loads" (this tree's source built
-# with -DLT_WARM_LOAD=1), "kernel" (this tree's source, the copy launch as copier). Each run's JSON and log go to $OUT as vs_<n>_<label>.*; a run starts only while RUN_S
-# seconds are left of the call's 590. A generation running past STALL_TRACE seconds (default 6) prints every Python
-# thread's stack into its log (LUCE_TUNE_STALL_TRACE), and a stalled pool's or copier's error says where its threads
-# stood.
+# with -DLT_WARM_LOAD=1), "kernel" (this tree's source, the copy launch as copier). Each run's JSON and log go to
+# $OUT/runs.tgz as vs_<n>_<label>.* (one file, so that no run's log is left out of what a call returns); a run starts
+# only while RUN_S seconds are left of the call's 590. A generation running past STALL_TRACE seconds (default 6)
+# prints every Python thread's stack into its log (LUCE_TUNE_STALL_TRACE), and a stalled pool's or copier's error
+# says where its threads stood; a run that fails prints the watchdog's report and the stacks after it here.
 source "$(dirname "$0")/env.sh"
 set +e
 SRC=engine/kernels/host_experts.c
@@ -19,6 +20,7 @@ start_q35
 echo "35B file there after $SECONDS s"
 for _ in $(seq ${WAIT_S:-330}); do [ -x /tmp/llbuild/cmake/bin/llama-bench ] && break; sleep 1; done
 echo "llama-bench there after $SECONDS s"
+RUNS=/tmp/vs_runs; rm -rf $RUNS; mkdir -p $RUNS
 n=0
 for label in ${ORDER:-new old new old}; do
   n=$(( n + 1 ))
@@ -37,9 +39,14 @@ for label in ${ORDER:-new old new old}; do
     --model /tmp/q35.gguf --llama-bench /tmp/llbuild/cmake/bin/llama-bench --prompts 0 --gen 64 --depths 0 \
     --repeats ${REPEATS:-5} --ncmoe 20 --weights quantized --experts quantized --cuda-graph --cold-device gpu \
     --cold-cpu-share ${SHARE:-0.45} --placement-unit alternate --cold-prefetch ${FETCH:-2} --cold-warm ${WARM:-4} \
-    --json "$OUT/vs_${n}_$label.json" 2>&1 | grep -v Warn > "$OUT/vs_${n}_$label.log" || echo "vs $n rc=$?"
-  echo "== run $n ($label) $(( SECONDS - t0 )) s"
-  grep -E "^│ *tg" "$OUT/vs_${n}_$label.log" || tail -3 "$OUT/vs_${n}_$label.log"
+    --json "$RUNS/vs_${n}_$label.json" 2>&1 | grep -v Warn > "$RUNS/vs_${n}_$label.log"
+  rc=${PIPESTATUS[0]}
+  echo "== run $n ($label) $(( SECONDS - t0 )) s rc=$rc"
+  grep -E "^│ *tg" "$RUNS/vs_${n}_$label.log" || tail -3 "$RUNS/vs_${n}_$label.log"
+  if [ "$rc" != 0 ]; then
+    grep -A60 "stood still" "$RUNS/vs_${n}_$label.log" | grep -v "threading.py" | head -50 || true
+  fi
+  tar czf "$OUT/runs.tgz" -C $RUNS .
 done
 cp /tmp/host_experts_new.c $SRC
 echo "done after $SECONDS s"
