@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import subprocess
+import time
+from typing import Any
 
+import psutil
 import torch
 
 
@@ -74,3 +78,56 @@ def graph_time_ms(fn, warmup: int, repeats: int, calls: int = 20) -> dict[str, f
         times.append(start.elapsed_time(end) / calls)
     del graph
     return _summary(times)
+
+
+def host_read_gbs(buf: torch.Tensor, passes: int = 3) -> float:
+    """GB/s at which the host's threads read ``buf`` (a CPU tensor larger than the caches), the median of
+    ``passes`` sums over it: a probe of the host memory that half-cold decode reads, ours and llama.cpp's
+    CPU layers alike, so that a neighbour's load on it shows beside the figures it slows. It reads on one thread a
+    core whatever torch's thread count is set to meanwhile (an engine sets its own), and puts that count back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+    try:
+        rates = []
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            buf.sum()
+            rates.append(buf.numel() * buf.element_size() / (time.perf_counter() - t0) / 1e9)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(rates)
+
+
+class HostLoad:
+    """What the host's CPUs did while a ``with`` block ran, from the kernel's counters (``/proc/stat``, 10 ms
+    ticks): ``cores`` busy on average (user, system, interrupts), of which ``own_cores`` this process and the
+    children it reaped inside the block (a llama-bench run) and ``others_cores`` everything else; ``steal_pct``
+    the share of the CPUs' time that the hypervisor gave to other guests. ``probe`` (a CPU tensor) adds
+    ``read_gbs`` (``host_read_gbs``) taken just before the block."""
+
+    _BUSY = ("user", "nice", "system", "irq", "softirq")
+
+    def __init__(self, probe: torch.Tensor | None = None):
+        self.probe = probe
+        self.result: dict[str, float] = {}
+
+    @staticmethod
+    def _own() -> float:
+        t = psutil.Process().cpu_times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def __enter__(self) -> "HostLoad":
+        if self.probe is not None:
+            self.result["read_gbs"] = host_read_gbs(self.probe)
+        self._cpu, self._own0, self._t0 = psutil.cpu_times(), self._own(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        wall = time.perf_counter() - self._t0
+        cpu, own = psutil.cpu_times(), self._own() - self._own0
+        diff = {f: getattr(cpu, f) - getattr(self._cpu, f) for f in cpu._fields}
+        busy = sum(diff[f] for f in self._BUSY)
+        total = busy + diff["idle"] + diff.get("iowait", 0.0) + diff.get("steal", 0.0)
+        self.result |= {"wall_s": wall, "cores": busy / wall, "own_cores": own / wall,
+                        "others_cores": max(0.0, busy - own) / wall,
+                        "steal_pct": 100.0 * diff.get("steal", 0.0) / total if total > 0 else 0.0}

@@ -4,7 +4,8 @@
         [--build-dir build/llama.cpp] [--cuda auto|on|off] [--cuda-arch 90] [--jobs N] [--cmake-arg -DX=Y]
         [--prompts 512,8192] [--gen 128] [--depths 0,16384] [--repeats 3] [--ncmoe N]
         [--weights dense|quantized] [--experts dense|quantized] [--cuda-graph] [--no-prefill-graph] [--device auto]
-        [--cold-device cpu|gpu] [--placement-unit expert|layer|alternate] [--cold-cpu-share 0.6] [--cold-prefetch 1] [--cold-warm 2] [--threads N] [--json out.json]
+        [--cold-device cpu|gpu] [--placement-unit expert|layer|alternate] [--cold-cpu-share 0.6] [--cold-prefetch 1] [--cold-warm 2] [--threads N] [--host-probe-mib 1024]
+        [--json out.json]
 
 llama.cpp comes from an existing llama-bench binary, or is built (llama-bench target only,
 CUDA when nvcc and a GPU are there) from a llama.cpp tree or the llama-cpp-python sdist, which
@@ -18,6 +19,9 @@ layers' experts (the same share of experts on the GPU, placed by routing statist
 VRAM: ours is torch's peak allocated memory (no CUDA context or allocator slack); llama.cpp's
 is the GPU's memory in use above the level before it started (NVML or nvidia-smi, sampled every
 0.1 s), which includes its CUDA context. llama-bench sees only the GPU ours runs on.
+Host: before each measurement a sum over --host-probe-mib of host memory gives its read rate (GB/s), and the
+kernel's counters give other processes' CPU use while it runs ("others' cores"); rows whose two sides saw a
+different host get a note (half-cold decode, ours and llama.cpp's CPU layers, reads host memory).
 Decode rows without -ncmoe also show the bandwidth floor: active weight bytes per token (GGUF sizes) over
 the device's measured copy bandwidth; "x floor" is time per token over the floor's.
 """
@@ -36,7 +40,7 @@ from typing import Any
 
 import torch
 
-from common import commit, machine
+from common import HostLoad, commit, machine
 from decode_floor import active_bytes, copy_bandwidth
 from llamacpp import (BenchTest, LlamaCppError, bench_command, build_llama_bench, cuda_visible_entry, fetch_sdist,
                       llama_source, plan_build, probe_features, run_llama_bench)
@@ -52,6 +56,7 @@ from engine.placement import MB
 class Ours:
     tok_s: list[float]
     peak_mem_mb: float
+    host: dict[str, float]
 
     @property
     def median(self) -> float:
@@ -60,7 +65,7 @@ class Ours:
     def as_dict(self) -> dict[str, Any]:
         return {"samples_ts": self.tok_s, "median_ts": self.median,
                 "stddev_ts": statistics.stdev(self.tok_s) if len(self.tok_s) > 1 else 0.0,
-                "peak_mem_mb": self.peak_mem_mb}
+                "peak_mem_mb": self.peak_mem_mb, "host": self.host}
 
 
 def int_list(text: str) -> list[int]:
@@ -118,8 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both")
     ap.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth (default 1024 GPU, 256 CPU)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per llama-bench run")
+    ap.add_argument("--host-probe-mib", type=int, default=1024,
+                    help="host memory read before each measurement to probe its read rate (0: none)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.host_probe_mib < 0:
+        ap.error(f"--host-probe-mib must be 0 or more, got {args.host_probe_mib}")
     for name in ("gen", "repeats", "jobs", "threads", "bw_mib"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -162,26 +171,31 @@ def tests_for(args: argparse.Namespace, ncmoe: int) -> list[BenchTest]:
             + [BenchTest(f"tg{args.gen}@d{d}{tail}", 0, args.gen, d, ncmoe) for d in args.depths])
 
 
-def time_ours(eng: Engine, test: BenchTest, repeats: int, gen: torch.Generator) -> Ours:
+def time_ours(eng: Engine, test: BenchTest, repeats: int, gen: torch.Generator,
+              probe: torch.Tensor | None = None) -> Ours:
     """Prefill: prompt tokens over time to first token. Decode: ``n_gen`` single-token steps
     after a prompt of ``depth`` tokens (one token at depth 0), tokens over decode time, each step
     fed a random token as llama-bench's are (``Engine.generate(feed=)``): a random-weight model's
     greedy output repeats one token, routed the same way at every step, which would let the
-    host's caches hold the CPU's share of the cold experts from one step to the next."""
+    host's caches hold the CPU's share of the cold experts from one step to the next. The timed runs' host
+    load (``HostLoad``, ``probe`` read just before them) goes with the samples."""
     vocab = eng.config.vocab
     if test.n_prompt:
         ids = torch.randint(0, vocab, (test.n_prompt,), generator=gen).tolist()
         eng.generate(ids, 1, ignore_eos=True)  # warm-up
-        runs = [eng.generate(ids, 1, ignore_eos=True).timings for _ in range(repeats)]
-        return Ours([test.n_prompt / t.prefill_s for t in runs], max(t.peak_mem_mb for t in runs))
+        with HostLoad(probe) as load:
+            runs = [eng.generate(ids, 1, ignore_eos=True).timings for _ in range(repeats)]
+        return Ours([test.n_prompt / t.prefill_s for t in runs], max(t.peak_mem_mb for t in runs), load.result)
     ids = torch.randint(0, vocab, (max(test.depth, 1),), generator=gen).tolist()
 
     def feed() -> list[int]:
         return torch.randint(0, vocab, (test.n_gen + 1,), generator=gen).tolist()
 
     eng.generate(ids, test.n_gen + 1, ignore_eos=True, feed=feed())
-    runs = [eng.generate(ids, test.n_gen + 1, ignore_eos=True, feed=feed()).timings for _ in range(repeats)]
-    return Ours([t.decode_tok_s for t in runs], max(t.peak_mem_mb for t in runs))
+    feeds = [feed() for _ in range(repeats)]
+    with HostLoad(probe) as load:
+        runs = [eng.generate(ids, test.n_gen + 1, ignore_eos=True, feed=f).timings for f in feeds]
+    return Ours([t.decode_tok_s for t in runs], max(t.peak_mem_mb for t in runs), load.result)
 
 
 def ncmoe_budget_mb(eng: Engine, ncmoe: int) -> tuple[float, dict[str, Any]]:
@@ -196,13 +210,42 @@ def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
+def host_field(side: dict[str, Any] | None, key: str) -> str:
+    return fmt((side or {}).get("host", {}).get(key))
+
+
+HOST_RATE_MOVED = 0.15  # the probe's read rate moving this much between a row's two sides is noted
+HOST_OTHERS_CORES = 1.0  # other processes' CPU use (cores) during a side's measurement that is noted
+
+
+def host_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Notes on rows whose two measurements ran on a host in different states: the probe's read rate of host
+    memory moved more than ``HOST_RATE_MOVED`` between them, other processes took ``HOST_OTHERS_CORES`` or more,
+    or the hypervisor stole CPU time. Such a row's ratio measures the host as much as the engines."""
+    notes = []
+    for r in rows:
+        sides = {name: (r.get(key) or {}).get("host") for name, key in (("ours", "ours"), ("llama.cpp", "llama"))}
+        rates = {name: h["read_gbs"] for name, h in sides.items() if h and "read_gbs" in h}
+        if len(rates) == 2 and abs(rates["ours"] - rates["llama.cpp"]) > HOST_RATE_MOVED * max(rates.values()):
+            notes.append(f"{r['name']}: the host's read rate was {rates['ours']:.1f} GB/s before ours and "
+                         f"{rates['llama.cpp']:.1f} before llama.cpp's; the host changed between the two")
+        for name, h in sides.items():
+            if h and h["others_cores"] >= HOST_OTHERS_CORES:
+                notes.append(f"{r['name']}: other processes kept {h['others_cores']:.1f} cores busy while "
+                             f"{name} ran")
+            if h and h["steal_pct"] >= 1.0:
+                notes.append(f"{r['name']}: the hypervisor took {h['steal_pct']:.1f}% of the CPUs' time while "
+                             f"{name} ran")
+    return notes
+
+
 def print_table(rows: list[dict[str, Any]], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
     for col in ("test", "ours tok/s", "llama.cpp tok/s", "ours/llama", "floor tok/s", "ours x floor",
-                "llama x floor", "VRAM ours MiB", "VRAM llama MiB"):
+                "llama x floor", "VRAM ours MiB", "VRAM llama MiB", "host GB/s ours/llama", "others' cores"):
         table.add_column(col, justify="left" if col == "test" else "right")
     for r in rows:
         ours, llama = r.get("ours"), r.get("llama")
@@ -215,8 +258,10 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
             "-" if ll is None else f"{ll:,.1f} ± {llama['stddev_ts']:,.1f}",
             fmt(o / ll if o and ll else None, 2), fmt(floor),
             fmt(floor / o if floor and o else None, 2), fmt(floor / ll if floor and ll else None, 2),
-            fmt(ours.get("peak_vram_mib") if ours else None, 0), fmt(llama.get("peak_vram_mib") if llama else None, 0))
-    Console(width=None if sys.stdout.isatty() else 170).print(table)  # a log file keeps whole rows
+            fmt(ours.get("peak_vram_mib") if ours else None, 0), fmt(llama.get("peak_vram_mib") if llama else None, 0),
+            f"{host_field(ours, 'read_gbs')}/{host_field(llama, 'read_gbs')}",
+            f"{host_field(ours, 'others_cores')}/{host_field(llama, 'others_cores')}")
+    Console(width=None if sys.stdout.isatty() else 210).print(table)  # a log file keeps whole rows
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -243,6 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{args.model.name}: {active.per_token / MB:.2f} MiB of weights per decoded token; copy bandwidth "
           f"{bw / 1e9:.1f} GB/s on {dev}; floor {floor:,.1f} tok/s", flush=True)
 
+    probe = torch.ones(args.host_probe_mib * MB // 4) if args.host_probe_mib else None
     passes = [0] + ([args.ncmoe] if args.ncmoe is not None else [])
     rows: dict[str, dict[str, Any]] = {}
     for ncmoe in passes:
@@ -256,9 +302,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cmd = bench_command(binary, args.model, test, features, n_gpu_layers=99 if on_gpu else 0,
                                 repeats=args.repeats, threads=args.threads)
             print(f"llama.cpp {test.name}: {' '.join(cmd)}", flush=True)
-            result = run_llama_bench(cmd, timeout_s=args.timeout, gpu=gpu)
+            with HostLoad(probe) as load:
+                result = run_llama_bench(cmd, timeout_s=args.timeout, gpu=gpu)
             row["llama"] = result.record.as_dict() | {"peak_vram_mib": result.peak_vram_mib,
-                                                      "command": result.command, "wall_s": result.wall_s}
+                                                      "command": result.command, "wall_s": result.wall_s,
+                                                      "host": load.result}
             llama_info.setdefault("build_commit", result.record.build_commit)
             llama_info.setdefault("backends", result.record.backends)
             print(f"  {result.record.median_ts:,.1f} tok/s", flush=True)
@@ -302,10 +350,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                "pool_cflags": os.environ.get(CFLAGS_ENV, ""),
                                                                "blocking_wait": blocking_wait_setting()}
         for test in tests_for(args, ncmoe):
-            ours = time_ours(eng, test, args.repeats, gen)
+            ours = time_ours(eng, test, args.repeats, gen, probe)
             rows[test.name]["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}
             print(f"ours {test.name}: {ours.median:,.1f} tok/s", flush=True)
 
+    notes += host_notes(list(rows.values()))
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), "commit": commit(),
         "model": str(args.model), "model_bytes": args.model.stat().st_size,

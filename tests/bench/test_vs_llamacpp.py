@@ -387,7 +387,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_cli_end_to_end_with_a_stand_in_binary(tmp_path):
+def test_cli_end_to_end_with_a_stand_in_binary(tmp_path, bench_script):
     model = make_model(tmp_path / "tiny.gguf", "tiny", seed=4)
     fake = tmp_path / "llama-bench"
     fake.write_text(FAKE_BENCH.format(python=sys.executable, help=NEW_HELP))
@@ -395,7 +395,7 @@ def test_cli_end_to_end_with_a_stand_in_binary(tmp_path):
     out = tmp_path / "out.json"
     proc = _run_cli("--model", str(model), "--llama-bench", str(fake), "--prompts", "12", "--gen", "3",
                     "--depths", "0,9", "--repeats", "2", "--ncmoe", "2", "--device", "cpu", "--bw-mib", "8",
-                    "--threads", "1", "--json", str(out))
+                    "--threads", "1", "--host-probe-mib", "8", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     names = [r["name"] for r in result["rows"]]
@@ -407,12 +407,19 @@ def test_cli_end_to_end_with_a_stand_in_binary(tmp_path):
         assert llama["n_gpu_layers"] == 0 and llama["command"][-2:] == ["-t", "1"]  # --device cpu --threads 1
         assert len(ours["samples_ts"]) == 2 and all(t > 0 for t in ours["samples_ts"])
         assert ("floor_tok_s" in row) == (row["n_gen"] > 0 and row["ncmoe"] == 0)
+        for side in (llama, ours):  # the host's state measured around each side
+            host = side["host"]
+            assert host["read_gbs"] > 0 and host["wall_s"] > 0 and host["steal_pct"] >= 0
+            assert host["own_cores"] >= 0 and host["others_cores"] >= 0
+        assert llama["host"]["own_cores"] > 0.2  # the stand-in's CPU time counts as the side's own
     cfg_bytes = active_bytes(model)
     assert result["active_bytes"]["per_token"] == cfg_bytes.per_token
     ncmoe = result["ours"]["ncmoe"]
     assert ncmoe["budget_mb"] == pytest.approx(ncmoe["all_experts_mb"] / 2)  # 2 of 4 layers stay on the device
     assert ncmoe["cold_cpu_share"] == 0.0 and ncmoe["placement_unit"] == "expert"
-    assert result["notes"] == [] and "ours/llama" in proc.stdout
+    host_notes = bench_script("vs_llamacpp").host_notes
+    assert result["notes"] == host_notes(result["rows"])  # no note but the host's (a shared CPU)
+    assert "ours/llama" in proc.stdout and "others' cores" in proc.stdout
 
 
 def test_cli_clear_errors(tmp_path):
@@ -447,3 +454,35 @@ def test_cold_cpu_share_is_checked_up_front(tmp_path, extra, message):
     model.write_bytes(b"GGUF")
     proc = _run_cli("--model", str(model), "--llama-bench", str(tmp_path / "nope"), *extra)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def _side(read_gbs: float, others: float = 0.0, steal: float = 0.0) -> dict:
+    return {"host": {"read_gbs": read_gbs, "others_cores": others, "steal_pct": steal, "own_cores": 1.0,
+                     "wall_s": 1.0, "cores": 1.0 + others}}
+
+
+def test_host_notes_name_rows_measured_on_a_changed_host(bench_script):
+    rows = [{"name": "tg64@d0", "ours": _side(40.0), "llama": _side(38.0)},  # 5%: alike
+            {"name": "tg64@d0 ncmoe20", "ours": _side(40.0), "llama": _side(20.0)},
+            {"name": "pp512", "ours": _side(40.0, others=2.5), "llama": _side(40.0, steal=3.0)},
+            {"name": "pp8192", "ours": None, "llama": _side(40.0)}]  # one side not measured
+    notes = bench_script("vs_llamacpp").host_notes(rows)
+    assert notes == [
+        "tg64@d0 ncmoe20: the host's read rate was 40.0 GB/s before ours and 20.0 before llama.cpp's; the host "
+        "changed between the two",
+        "pp512: other processes kept 2.5 cores busy while ours ran",
+        "pp512: the hypervisor took 3.0% of the CPUs' time while llama.cpp ran"]
+
+
+def test_host_load_counts_other_processes_and_reaped_children(bench_script):
+    """``HostLoad`` splits the CPUs' busy time into this process's (with the children it reaped) and the rest's."""
+    HostLoad = bench_script("common").HostLoad
+    spin = [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"]
+    with HostLoad() as load:
+        subprocess.run(spin, check=True)
+    assert load.result["own_cores"] > 0.5 and load.result["wall_s"] >= 1.0
+    with HostLoad() as load:
+        other = subprocess.Popen(spin)
+        time.sleep(1.1)
+    other.wait()
+    assert load.result["others_cores"] > 0.5 and load.result["own_cores"] < 0.3
