@@ -4,8 +4,8 @@
         [--build-dir build/llama.cpp] [--cuda auto|on|off] [--cuda-arch 90] [--jobs N] [--cmake-arg -DX=Y]
         [--prompts 512,8192] [--gen 128] [--depths 0,16384] [--repeats 3] [--ncmoe N]
         [--weights dense|quantized] [--experts dense|quantized] [--cuda-graph] [--no-prefill-graph] [--device auto]
-        [--cold-device cpu|gpu] [--placement-unit expert|layer|alternate] [--cold-cpu-share 0.6] [--cold-prefetch 1] [--cold-warm 2] [--threads N] [--host-probe-mib 1024]
-        [--json out.json]
+        [--cold-device cpu|gpu] [--placement-unit expert|layer|alternate] [--cold-cpu-share 0.6] [--cold-prefetch 1]
+        [--cold-warm 2] [--threads N] [--host-probe-mib 1024] [--json out.json]
 
 llama.cpp comes from an existing llama-bench binary, or is built (llama-bench target only,
 CUDA when nvcc and a GPU are there) from a llama.cpp tree or the llama-cpp-python sdist, which
