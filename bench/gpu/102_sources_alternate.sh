@@ -4,7 +4,9 @@
 # and the 35B file unless they are there, then runs bench/vs_llamacpp.py (half cold as in
 # 101_kernel_side_by_side.sh: share SHARE, fetch FETCH, warm WARM, copier COPIER, REPEATS repeats) once per label of
 # ORDER, in turn: "new" (this tree's source), "old" (OLD_SOURCE in its place), "loads" (this tree's source built
-# with -DLT_WARM_LOAD=1), "kernel" (this tree's source, the copy launch as copier). Each run's JSON and log go to
+# with -DLT_WARM_LOAD=1), "kernel" (this tree's source, the copy launch as copier), "eager" (this tree's source,
+# every CUDA module loaded at start, CUDA_MODULE_LOADING=EAGER: a kernel loaded lazily during a step may need the
+# device to be idle, while the step's cold layers spin on the copier). Each run's JSON and log go to
 # $OUT/runs.tgz as vs_<n>_<label>.* (one file, so that no run's log is left out of what a call returns); a run starts
 # only while RUN_S seconds are left of the call's 590. A generation running past STALL_TRACE seconds (default 6)
 # prints every Python thread's stack into its log (LUCE_TUNE_STALL_TRACE), and a stalled pool's or copier's error
@@ -25,16 +27,17 @@ n=0
 for label in ${ORDER:-new old new old}; do
   n=$(( n + 1 ))
   left=$(( 590 - SECONDS )); [ $left -ge ${RUN_S:-85} ] || { echo "run $n ($label) not started: $left s left"; break; }
-  cflags= copier=${COPIER:-engine}
+  cflags= copier=${COPIER:-engine} loading=
   case $label in
     new) cp /tmp/host_experts_new.c $SRC ;;
     old) cp "$OLD_SOURCE" $SRC ;;
     loads) cp /tmp/host_experts_new.c $SRC; cflags=-DLT_WARM_LOAD=1 ;;
     kernel) cp /tmp/host_experts_new.c $SRC; copier=kernel ;;
+    eager) cp /tmp/host_experts_new.c $SRC; loading=CUDA_MODULE_LOADING=EAGER ;;
     *) echo "unknown label $label"; continue ;;
   esac
   t0=$SECONDS
-  LUCE_TUNE_STALL_TRACE=${STALL_TRACE:-6} LUCE_TUNE_HOST_EXPERTS_CFLAGS=$cflags LUCE_TUNE_FETCH_COPIER=$copier LUCE_TUNE_BLOCKING_WAIT=1 \
+  env $loading LUCE_TUNE_STALL_TRACE=${STALL_TRACE:-6} LUCE_TUNE_HOST_EXPERTS_CFLAGS=$cflags LUCE_TUNE_FETCH_COPIER=$copier LUCE_TUNE_BLOCKING_WAIT=1 \
     timeout $(( left - 5 )) python3 bench/vs_llamacpp.py \
     --model /tmp/q35.gguf --llama-bench /tmp/llbuild/cmake/bin/llama-bench --prompts 0 --gen 64 --depths 0 \
     --repeats ${REPEATS:-5} --ncmoe 20 --weights quantized --experts quantized --cuda-graph --cold-device gpu \
