@@ -5,7 +5,7 @@
         [--prompts 512,8192] [--gen 128] [--depths 0,16384] [--repeats 3] [--ncmoe N]
         [--weights dense|quantized] [--experts dense|quantized] [--cuda-graph] [--no-prefill-graph] [--device auto]
         [--cold-device cpu|gpu] [--placement-unit expert|layer|alternate] [--cold-cpu-share 0.6] [--cold-prefetch 1]
-        [--cold-warm 2] [--threads N] [--host-probe-mib 1024] [--json out.json]
+        [--cold-warm 2] [--threads N] [--interleave] [--host-probe-mib 1024] [--json out.json]
 
 llama.cpp comes from an existing llama-bench binary, or is built (llama-bench target only,
 CUDA when nvcc and a GPU are there) from a llama.cpp tree or the llama-cpp-python sdist, which
@@ -19,6 +19,8 @@ layers' experts (the same share of experts on the GPU, placed by routing statist
 VRAM: ours is torch's peak allocated memory (no CUDA context or allocator slack); llama.cpp's
 is the GPU's memory in use above the level before it started (NVML or nvidia-smi, sampled every
 0.1 s), which includes its CUDA context. llama-bench sees only the GPU ours runs on.
+--interleave runs each test's repeats in turns, a llama-bench process of one repeat and then one run of ours (ours
+loaded first, both in device memory at once): the ratio column adds the range of the pairs' ratios.
 Host: before each measurement a sum over --host-probe-mib of host memory gives its read rate (GB/s), and the
 kernel's counters give other processes' CPU use while it runs ("others' cores"); rows whose two sides saw a
 different host get a note (half-cold decode, ours and llama.cpp's CPU layers, reads host memory).
@@ -36,7 +38,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -123,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both")
     ap.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth (default 1024 GPU, 256 CPU)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per llama-bench run")
+    ap.add_argument("--interleave", action="store_true",
+                    help="each test's repeats in turns, a llama-bench process of one repeat then one run of ours "
+                         "(both in device memory at once), so that slow changes of the host fall on both sides")
     ap.add_argument("--host-probe-mib", type=int, default=1024,
                     help="host memory read before each measurement to probe its read rate (0: none)")
     ap.add_argument("--json", type=Path, default=None)
@@ -171,31 +176,85 @@ def tests_for(args: argparse.Namespace, ncmoe: int) -> list[BenchTest]:
             + [BenchTest(f"tg{args.gen}@d{d}{tail}", 0, args.gen, d, ncmoe) for d in args.depths])
 
 
-def time_ours(eng: Engine, test: BenchTest, repeats: int, gen: torch.Generator,
-              probe: torch.Tensor | None = None) -> Ours:
-    """Prefill: prompt tokens over time to first token. Decode: ``n_gen`` single-token steps
+def ours_runner(eng: Engine, test: BenchTest, gen: torch.Generator) -> Callable[[], tuple[float, float]]:
+    """One warm-up run of ``test``, then a function that times one more: (tok/s, peak MB).
+
+    Prefill: prompt tokens over time to first token. Decode: ``n_gen`` single-token steps
     after a prompt of ``depth`` tokens (one token at depth 0), tokens over decode time, each step
     fed a random token as llama-bench's are (``Engine.generate(feed=)``): a random-weight model's
     greedy output repeats one token, routed the same way at every step, which would let the
-    host's caches hold the CPU's share of the cold experts from one step to the next. The timed runs' host
-    load (``HostLoad``, ``probe`` read just before them) goes with the samples."""
+    host's caches hold the CPU's share of the cold experts from one step to the next."""
     vocab = eng.config.vocab
     if test.n_prompt:
         ids = torch.randint(0, vocab, (test.n_prompt,), generator=gen).tolist()
         eng.generate(ids, 1, ignore_eos=True)  # warm-up
-        with HostLoad(probe) as load:
-            runs = [eng.generate(ids, 1, ignore_eos=True).timings for _ in range(repeats)]
-        return Ours([test.n_prompt / t.prefill_s for t in runs], max(t.peak_mem_mb for t in runs), load.result)
+
+        def prefill_once() -> tuple[float, float]:
+            t = eng.generate(ids, 1, ignore_eos=True).timings
+            return test.n_prompt / t.prefill_s, t.peak_mem_mb
+
+        return prefill_once
     ids = torch.randint(0, vocab, (max(test.depth, 1),), generator=gen).tolist()
 
     def feed() -> list[int]:
         return torch.randint(0, vocab, (test.n_gen + 1,), generator=gen).tolist()
 
     eng.generate(ids, test.n_gen + 1, ignore_eos=True, feed=feed())
-    feeds = [feed() for _ in range(repeats)]
+
+    def decode_once() -> tuple[float, float]:
+        t = eng.generate(ids, test.n_gen + 1, ignore_eos=True, feed=feed()).timings
+        return t.decode_tok_s, t.peak_mem_mb
+
+    return decode_once
+
+
+def time_ours(eng: Engine, test: BenchTest, repeats: int, gen: torch.Generator,
+              probe: torch.Tensor | None = None) -> Ours:
+    """``repeats`` timed runs of ``test`` after its warm-up (``ours_runner``), with the host's load over them
+    (``HostLoad``, ``probe`` read just before them)."""
+    once = ours_runner(eng, test, gen)
     with HostLoad(probe) as load:
-        runs = [eng.generate(ids, test.n_gen + 1, ignore_eos=True, feed=f).timings for f in feeds]
-    return Ours([t.decode_tok_s for t in runs], max(t.peak_mem_mb for t in runs), load.result)
+        runs = [once() for _ in range(repeats)]
+    return Ours([r for r, _ in runs], max(m for _, m in runs), load.result)
+
+
+def merge_host(loads: list[dict[str, float]]) -> dict[str, float]:
+    """Several ``HostLoad`` results as one: the read rates' median, the times summed, the rest weighted by time."""
+    wall = sum(h["wall_s"] for h in loads)
+    merged = {"wall_s": wall} | {k: sum(h[k] * h["wall_s"] for h in loads) / wall
+                                 for k in ("cores", "own_cores", "others_cores", "steal_pct")}
+    rates = [h["read_gbs"] for h in loads if "read_gbs" in h]
+    return merged | ({"read_gbs": statistics.median(rates)} if rates else {})
+
+
+def merge_llama(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama.cpp's side of a row from several llama-bench processes (interleaved with ours): their samples
+    together, the peak memory the highest, the times summed."""
+    samples = [t for p in parts for t in p["samples_ts"]]
+    vram = [p["peak_vram_mib"] for p in parts if p["peak_vram_mib"] is not None]
+    return parts[0] | {"samples_ts": samples, "median_ts": statistics.median(samples),
+                       "avg_ts": statistics.fmean(samples),
+                       "stddev_ts": statistics.stdev(samples) if len(samples) > 1 else 0.0,
+                       "peak_vram_mib": max(vram) if vram else None, "wall_s": sum(p["wall_s"] for p in parts),
+                       "host": merge_host([p["host"] for p in parts]), "processes": len(parts)}
+
+
+def time_interleaved(eng: Engine, test: BenchTest, repeats: int, gen: torch.Generator,
+                     llama_once: Callable[[], dict[str, Any]], probe: torch.Tensor | None = None
+                     ) -> tuple[Ours, dict[str, Any], list[float]]:
+    """``test`` timed ``repeats`` times in turns: a llama-bench process of one repeat (``llama_once``), then one
+    run of ours, so that both sides of each pair see the host as it is then. Returns ours, llama.cpp's side
+    (``merge_llama``) and each pair's ratio, ours over llama.cpp's."""
+    once = ours_runner(eng, test, gen)
+    runs, loads, parts = [], [], []
+    for _ in range(repeats):
+        parts.append(llama_once())
+        with HostLoad(probe) as load:
+            runs.append(once())
+        loads.append(load.result)
+    ours = Ours([r for r, _ in runs], max(m for _, m in runs), merge_host(loads))
+    pairs = [r / p["median_ts"] for (r, _), p in zip(runs, parts)]
+    return ours, merge_llama(parts), pairs
 
 
 def ncmoe_budget_mb(eng: Engine, ncmoe: int) -> tuple[float, dict[str, Any]]:
@@ -208,6 +267,10 @@ def ncmoe_budget_mb(eng: Engine, ncmoe: int) -> tuple[float, dict[str, Any]]:
 
 def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def pairs_range(pairs: list[float] | None) -> str:
+    return f" ({min(pairs):.2f}-{max(pairs):.2f})" if pairs else ""
 
 
 def host_field(side: dict[str, Any] | None, key: str) -> str:
@@ -256,7 +319,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
             r["name"],
             "-" if o is None else f"{o:,.1f} ± {ours['stddev_ts']:,.1f}",
             "-" if ll is None else f"{ll:,.1f} ± {llama['stddev_ts']:,.1f}",
-            fmt(o / ll if o and ll else None, 2), fmt(floor),
+            fmt(o / ll if o and ll else None, 2) + pairs_range(r.get("pair_ratios")), fmt(floor),
             fmt(floor / o if floor and o else None, 2), fmt(floor / ll if floor and ll else None, 2),
             fmt(ours.get("peak_vram_mib") if ours else None, 0), fmt(llama.get("peak_vram_mib") if llama else None, 0),
             f"{host_field(ours, 'read_gbs')}/{host_field(llama, 'read_gbs')}",
@@ -297,19 +360,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                               "depth": test.depth, "ncmoe": ncmoe, "ours": None, "llama": None})
             if test.n_gen and not ncmoe:  # with experts in host memory the device floor does not apply
                 row["floor_tok_s"] = floor
-            if (test.depth and not features.depth) or (ncmoe and not features.ncmoe):
-                continue
-            cmd = bench_command(binary, args.model, test, features, n_gpu_layers=99 if on_gpu else 0,
-                                repeats=args.repeats, threads=args.threads)
-            print(f"llama.cpp {test.name}: {' '.join(cmd)}", flush=True)
-            with HostLoad(probe) as load:
-                result = run_llama_bench(cmd, timeout_s=args.timeout, gpu=gpu)
-            row["llama"] = result.record.as_dict() | {"peak_vram_mib": result.peak_vram_mib,
-                                                      "command": result.command, "wall_s": result.wall_s,
-                                                      "host": load.result}
-            llama_info.setdefault("build_commit", result.record.build_commit)
-            llama_info.setdefault("backends", result.record.backends)
-            print(f"  {result.record.median_ts:,.1f} tok/s", flush=True)
+
+    def llama_measurable(test: BenchTest) -> bool:
+        return not ((test.depth and not features.depth) or (test.ncmoe and not features.ncmoe))
+
+    def measure_llama(test: BenchTest, repeats: int) -> dict[str, Any]:
+        cmd = bench_command(binary, args.model, test, features, n_gpu_layers=99 if on_gpu else 0,
+                            repeats=repeats, threads=args.threads)
+        print(f"llama.cpp {test.name}: {' '.join(cmd)}", flush=True)
+        with HostLoad(probe) as load:
+            result = run_llama_bench(cmd, timeout_s=args.timeout, gpu=gpu)
+        llama_info.setdefault("build_commit", result.record.build_commit)
+        llama_info.setdefault("backends", result.record.backends)
+        print(f"  {result.record.median_ts:,.1f} tok/s", flush=True)
+        return result.record.as_dict() | {"peak_vram_mib": result.peak_vram_mib, "command": result.command,
+                                          "wall_s": result.wall_s, "host": load.result}
+
+    if not args.interleave:  # llama.cpp's rows first, with nothing of ours in memory
+        for ncmoe in passes:
+            for test in filter(llama_measurable, tests_for(args, ncmoe)):
+                rows[test.name]["llama"] = measure_llama(test, args.repeats)
 
     quantized_experts = args.experts == "quantized"
     eng = Engine.from_gguf(args.model, device=dev, weights=args.weights, threads=args.threads,
@@ -323,7 +393,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ours_info: dict[str, Any] = {"device": str(eng.device), "dtype": str(eng.dtype), "weights": args.weights,
                                  "experts": args.experts, "cuda_graph": args.cuda_graph,
                                  "prefill_graph": eng.prefill_graph and args.cuda_graph,
-                                 "cold_device": args.cold_device, "load_s": eng.load_s}
+                                 "cold_device": args.cold_device, "load_s": eng.load_s,
+                                 "interleaved": args.interleave}
     for ncmoe in passes:
         if ncmoe:
             budget, info = ncmoe_budget_mb(eng, ncmoe)
@@ -332,6 +403,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except EngineError as exc:
                 notes.append(f"ours with the experts of layers {ncmoe}.. on the device ({budget:.0f} MB) "
                              f"could not be placed: {exc}")
+                if args.interleave:  # llama.cpp's rows of this pass alone
+                    for test in filter(llama_measurable, tests_for(args, ncmoe)):
+                        rows[test.name]["llama"] = measure_llama(test, args.repeats)
                 continue
             if args.cold_cpu_share is not None:
                 eng.set_cold_cpu_share(args.cold_cpu_share)
@@ -350,8 +424,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                "pool_cflags": os.environ.get(CFLAGS_ENV, ""),
                                                                "blocking_wait": blocking_wait_setting()}
         for test in tests_for(args, ncmoe):
-            ours = time_ours(eng, test, args.repeats, gen, probe)
-            rows[test.name]["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}
+            row = rows[test.name]
+            if args.interleave and llama_measurable(test):
+                ours, row["llama"], row["pair_ratios"] = time_interleaved(
+                    eng, test, args.repeats, gen, lambda: measure_llama(test, 1), probe)
+            else:
+                ours = time_ours(eng, test, args.repeats, gen, probe)
+            row["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}
             print(f"ours {test.name}: {ours.median:,.1f} tok/s", flush=True)
 
     notes += host_notes(list(rows.values()))

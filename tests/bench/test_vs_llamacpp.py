@@ -422,6 +422,52 @@ def test_cli_end_to_end_with_a_stand_in_binary(tmp_path, bench_script):
     assert "ours/llama" in proc.stdout and "others' cores" in proc.stdout
 
 
+def test_cli_interleaved_runs_each_repeat_in_turns(tmp_path, bench_script):
+    """``--interleave``: per test, a llama-bench process of one repeat before each run of ours; llama.cpp's
+    samples gathered from those processes, and each pair's ratio kept."""
+    model = make_model(tmp_path / "tiny.gguf", "tiny", seed=4)
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_BENCH.format(python=sys.executable, help=NEW_HELP))
+    fake.chmod(0o755)
+    out = tmp_path / "out.json"
+    proc = _run_cli("--model", str(model), "--llama-bench", str(fake), "--prompts", "12", "--gen", "3",
+                    "--depths", "0", "--repeats", "3", "--ncmoe", "2", "--device", "cpu", "--bw-mib", "8",
+                    "--threads", "1", "--host-probe-mib", "8", "--interleave", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["ours"]["interleaved"] is True
+    order = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith(("llama.cpp ", "ours "))]
+    expected = []
+    for name in ("pp12", "tg3@d0", "pp12 ncmoe2", "tg3@d0 ncmoe2"):
+        expected += [f"llama.cpp {name}"] * 3 + [f"ours {name}"]
+    assert order == expected  # ours loaded first, then each test's llama.cpp processes before its ours line
+    for row in result["rows"]:
+        llama, ours = row["llama"], row["ours"]
+        assert llama["processes"] == 3 and len(llama["samples_ts"]) == 3
+        assert llama["command"][llama["command"].index("-r") + 1] == "1"  # one repeat a process
+        assert llama["median_ts"] == pytest.approx(sorted(llama["samples_ts"])[1])
+        assert len(ours["samples_ts"]) == 3
+        assert row["pair_ratios"] == pytest.approx([o / ll for o, ll in zip(ours["samples_ts"], llama["samples_ts"])])
+        assert llama["host"]["wall_s"] > 0 and ours["host"]["wall_s"] > 0
+    assert result["notes"] == bench_script("vs_llamacpp").host_notes(result["rows"])
+
+
+def test_merge_llama_gathers_one_repeat_processes(bench_script):
+    vs = bench_script("vs_llamacpp")
+    host = {"wall_s": 1.0, "cores": 2.0, "own_cores": 1.0, "others_cores": 1.0, "steal_pct": 0.0, "read_gbs": 30.0}
+    parts = [{"samples_ts": [t], "median_ts": t, "peak_vram_mib": vram, "wall_s": 2.0, "command": ["x", str(i)],
+              "host": host | {"wall_s": w, "others_cores": oc, "read_gbs": gbs}}
+             for i, (t, vram, w, oc, gbs) in enumerate([(100.0, 10.0, 1.0, 0.0, 30.0), (90.0, None, 3.0, 2.0, 20.0),
+                                                         (110.0, 12.0, 1.0, 0.0, 40.0)])]
+    merged = vs.merge_llama(parts)
+    assert merged["samples_ts"] == [100.0, 90.0, 110.0] and merged["median_ts"] == 100.0
+    assert merged["avg_ts"] == pytest.approx(100.0) and merged["stddev_ts"] == pytest.approx(10.0)
+    assert merged["peak_vram_mib"] == 12.0 and merged["wall_s"] == 6.0 and merged["processes"] == 3
+    assert merged["command"] == ["x", "0"]
+    assert merged["host"]["wall_s"] == 5.0 and merged["host"]["others_cores"] == pytest.approx(6.0 / 5.0)
+    assert merged["host"]["read_gbs"] == 30.0 and merged["host"]["cores"] == pytest.approx(2.0)
+
+
 def test_cli_clear_errors(tmp_path):
     model = make_model(tmp_path / "tiny.gguf", "tiny", seed=4)
     proc = _run_cli("--model", str(model), "--llama-bench", str(tmp_path / "nope"), "--device", "cpu")
