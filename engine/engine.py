@@ -798,17 +798,28 @@ class _TokenReader:
     The events are created, recorded and waited on once here, before the loop launches a step: a driver call
     made while a step runs must not wait for the device, since the step's cold layers wait on the copy engine's
     copier, whose copies need the driver too (a first use of a blocking event inside the loop is suspected of
-    such a wait: docs/benchmarks.md, twenty-seventh round)."""
+    such a wait: docs/benchmarks.md, twenty-seventh round). A blocking wait on an event already passed returns
+    at once, so that did not make the process's first blocking wait while the device is busy (twenty-eighth
+    round): once per process and device, each event is recorded behind a short spin on the device
+    (``WARM_SPIN_CYCLES``) and waited on, so that the first such wait falls here, while no step runs."""
+
+    WARM_SPIN_CYCLES = 1 << 20  # about 0.5 ms on an H100
+    _warmed: set[torch.device] = set()
 
     def __init__(self, device: torch.device, blocking: bool = False) -> None:
         self.cuda = device.type == "cuda"
         self.blocking = blocking and self.cuda
         self.bufs = [torch.empty((), dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.events = [torch.cuda.Event(blocking=self.blocking) if self.cuda else None for _ in range(2)]
+        busy = self.blocking and device not in _TokenReader._warmed
         for event in self.events:
             if event is not None:
+                if busy:
+                    torch.cuda._sleep(self.WARM_SPIN_CYCLES)
                 event.record()
                 event.synchronize()
+        if busy:
+            _TokenReader._warmed.add(device)
         self.next = 0
 
     def put(self, token: torch.Tensor) -> int:

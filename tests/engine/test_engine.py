@@ -162,6 +162,7 @@ def test_blocking_wait_is_a_checked_setting(monkeypatch, eng):
     monkeypatch.setenv(BLOCKING_WAIT_ENV, "1")
     assert blocking_wait_setting() is True and eng.generate(ids, 6, ignore_eos=True).ids == plain
     assert _TokenReader(torch.device("cpu"), blocking=True).blocking is False  # no events on the CPU
+    assert torch.device("cpu") not in _TokenReader._warmed  # nor a first blocking wait to make
     monkeypatch.setenv(BLOCKING_WAIT_ENV, " ")
     assert blocking_wait_setting() is False
     prefills = []

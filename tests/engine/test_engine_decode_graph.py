@@ -266,8 +266,11 @@ def test_cuda_blocking_wait_decodes_the_same_tokens(monkeypatch, tmp_path):
     sleep = eng.generate(ids, 40, ignore_eos=True)
     assert spin.timings.extra["decode_path"] == sleep.timings.extra["decode_path"] == "cuda_graph"
     assert sleep.ids == spin.ids
+    # the process's first blocking wait made while the device was busy, once, before the first step
+    assert any(d.type == "cuda" for d in _TokenReader._warmed)
     reader = _TokenReader(torch.device("cuda"), blocking=True)
     # created (and waited on once) before any step: no first use of a blocking event while a step runs
     assert all(event.cuda_event != 0 and event.query() for event in reader.events)
+    assert torch.device("cuda") in _TokenReader._warmed
     slot = reader.put(torch.tensor(11, device="cuda") * 3)
     assert reader.blocking and reader.get(slot) == 33
