@@ -376,10 +376,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return result.record.as_dict() | {"peak_vram_mib": result.peak_vram_mib, "command": result.command,
                                           "wall_s": result.wall_s, "host": load.result}
 
+    def llama_rows(ncmoe: int) -> None:  # llama.cpp's rows of one pass, each in one llama-bench process
+        for test in filter(llama_measurable, tests_for(args, ncmoe)):
+            rows[test.name]["llama"] = measure_llama(test, args.repeats)
+
     if not args.interleave:  # llama.cpp's rows first, with nothing of ours in memory
         for ncmoe in passes:
-            for test in filter(llama_measurable, tests_for(args, ncmoe)):
-                rows[test.name]["llama"] = measure_llama(test, args.repeats)
+            llama_rows(ncmoe)
 
     quantized_experts = args.experts == "quantized"
     eng = Engine.from_gguf(args.model, device=dev, weights=args.weights, threads=args.threads,
@@ -404,8 +407,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 notes.append(f"ours with the experts of layers {ncmoe}.. on the device ({budget:.0f} MB) "
                              f"could not be placed: {exc}")
                 if args.interleave:  # llama.cpp's rows of this pass alone
-                    for test in filter(llama_measurable, tests_for(args, ncmoe)):
-                        rows[test.name]["llama"] = measure_llama(test, args.repeats)
+                    llama_rows(ncmoe)
                 continue
             if args.cold_cpu_share is not None:
                 eng.set_cold_cpu_share(args.cold_cpu_share)

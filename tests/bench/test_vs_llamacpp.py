@@ -387,17 +387,23 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_cli_end_to_end_with_a_stand_in_binary(tmp_path, bench_script):
+def _run_stand_in(tmp_path: Path, *args: str) -> tuple[Path, subprocess.CompletedProcess, dict]:
+    """The CLI on a tiny model and the stand-in llama-bench on the CPU (prompts 12, gen 3, ncmoe 2, one thread,
+    an 8 MiB host probe) with ``args``: the model, the process and its JSON."""
     model = make_model(tmp_path / "tiny.gguf", "tiny", seed=4)
     fake = tmp_path / "llama-bench"
     fake.write_text(FAKE_BENCH.format(python=sys.executable, help=NEW_HELP))
     fake.chmod(0o755)
     out = tmp_path / "out.json"
     proc = _run_cli("--model", str(model), "--llama-bench", str(fake), "--prompts", "12", "--gen", "3",
-                    "--depths", "0,9", "--repeats", "2", "--ncmoe", "2", "--device", "cpu", "--bw-mib", "8",
-                    "--threads", "1", "--host-probe-mib", "8", "--json", str(out))
+                    "--ncmoe", "2", "--device", "cpu", "--bw-mib", "8", "--threads", "1", "--host-probe-mib", "8",
+                    "--json", str(out), *args)
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(out.read_text())
+    return model, proc, json.loads(out.read_text())
+
+
+def test_cli_end_to_end_with_a_stand_in_binary(tmp_path, bench_script):
+    model, proc, result = _run_stand_in(tmp_path, "--depths", "0,9", "--repeats", "2")
     names = [r["name"] for r in result["rows"]]
     assert names == ["pp12", "tg3@d0", "tg3@d9", "pp12 ncmoe2", "tg3@d0 ncmoe2", "tg3@d9 ncmoe2"]
     for row in result["rows"]:
@@ -425,16 +431,7 @@ def test_cli_end_to_end_with_a_stand_in_binary(tmp_path, bench_script):
 def test_cli_interleaved_runs_each_repeat_in_turns(tmp_path, bench_script):
     """``--interleave``: per test, a llama-bench process of one repeat before each run of ours; llama.cpp's
     samples gathered from those processes, and each pair's ratio kept."""
-    model = make_model(tmp_path / "tiny.gguf", "tiny", seed=4)
-    fake = tmp_path / "llama-bench"
-    fake.write_text(FAKE_BENCH.format(python=sys.executable, help=NEW_HELP))
-    fake.chmod(0o755)
-    out = tmp_path / "out.json"
-    proc = _run_cli("--model", str(model), "--llama-bench", str(fake), "--prompts", "12", "--gen", "3",
-                    "--depths", "0", "--repeats", "3", "--ncmoe", "2", "--device", "cpu", "--bw-mib", "8",
-                    "--threads", "1", "--host-probe-mib", "8", "--interleave", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(out.read_text())
+    _, proc, result = _run_stand_in(tmp_path, "--depths", "0", "--repeats", "3", "--interleave")
     assert result["ours"]["interleaved"] is True
     order = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith(("llama.cpp ", "ours "))]
     expected = []
