@@ -69,8 +69,8 @@ def blocking_wait_setting() -> bool:
 
 def stall_trace_setting() -> float | None:
     """``LUCE_TUNE_STALL_TRACE``: None (unset, empty or 0), or the seconds after which a generation still running
-    prints every Python thread's stack to stderr, once (``faulthandler``'s own thread, which needs no lock a stalled
-    thread may hold), and after which a CPU thread or copier standing still is reported (``_traced_stalls``)."""
+    prints every Python thread's stack to stderr, once, and after which a CPU thread or copier standing still is
+    reported (``_traced_stalls``)."""
     text = os.environ.get(STALL_TRACE_ENV, "").strip() or "0"
     try:
         seconds = float(text)
@@ -82,32 +82,54 @@ def stall_trace_setting() -> float | None:
 
 
 def _traced_stalls(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (an ``Engine`` method) with ``stall_trace_setting``'s stack dumps armed while it runs, and where the
-    engine has CPU threads or a copier, a watchdog that looks at them every 50 ms: the first time one has stood
-    still for those seconds it prints what stands still and every Python thread's stack (what the process was
-    doing meanwhile, e.g. a driver call that waits for the device)."""
+    """``fn`` (an ``Engine`` method) with ``stall_trace_setting``'s stack dumps armed while it runs.
+
+    A watchdog thread looks every tick (50 ms at most): once the generation has run for those seconds it prints
+    every Python thread's stack, and where the engine has CPU threads or a copier, the first time one has stood
+    still that long it prints what stands still and the stacks (what the process was doing meanwhile). The
+    watchdog dumps while it holds the interpreter's lock, so no thread's frames change under the dump.
+
+    A thread blocked in a call that keeps that lock (a driver call made without releasing it) would stop the
+    watchdog too; for that case ``faulthandler``'s own timer, which needs no lock, is armed for the same seconds
+    and re-armed by the watchdog every tick, so that it fires only when no Python thread has run for that long,
+    when the frames it reads stand still. Its timer left running while Python threads run would read frames
+    that change under it: one such dump, in the middle of a Triton compilation, ended a process with a
+    segmentation fault."""
     @functools.wraps(fn)
     def traced(self: "Engine", *args: Any, **kwargs: Any) -> Any:
         seconds = stall_trace_setting()
         if seconds is None:
             return fn(self, *args, **kwargs)
         done = threading.Event()
+        tick = min(0.05, seconds / 4)
+        started = time.monotonic()
 
         def watch() -> None:
-            while not done.wait(0.05):
-                report = self.hybrid.stall_report(seconds) if self.hybrid is not None else None
-                if report:
-                    print(f"luce-tune: stood still for {seconds:g} s or more: {report}", file=sys.stderr, flush=True)
-                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                    return
+            dumped = False
+            try:
+                while True:
+                    faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.stderr)
+                    if done.wait(tick):
+                        return
+                    report = self.hybrid.stall_report(seconds) if self.hybrid is not None else None
+                    if report:
+                        print(f"luce-tune: stood still for {seconds:g} s or more: {report}", file=sys.stderr,
+                              flush=True)
+                        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                        return
+                    if not dumped and time.monotonic() - started >= seconds:
+                        print(f"luce-tune: the generation is still running after {seconds:g} s; the threads' "
+                              "stacks:", file=sys.stderr, flush=True)
+                        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                        dumped = True
+            finally:
+                faulthandler.cancel_dump_traceback_later()
 
         watcher = threading.Thread(target=watch, name="luce-tune-stall-watch", daemon=True)
         watcher.start()
-        faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.stderr)
         try:
             return fn(self, *args, **kwargs)
         finally:
-            faulthandler.cancel_dump_traceback_later()
             done.set()
             watcher.join()
 

@@ -9,8 +9,8 @@
 # device to be idle, while the step's cold layers spin on the copier). Each run's JSON and log go to
 # $OUT/runs.tgz as vs_<n>_<label>.* (one file, so that no run's log is left out of what a call returns); a run starts
 # only while RUN_S seconds are left of the call's 590; INTERLEAVE=1 runs each row's repeats in turns (--interleave). A generation running past STALL_TRACE seconds (default 6)
-# prints every Python thread's stack into its log (LUCE_TUNE_STALL_TRACE), and a stalled pool's or copier's error
-# says where its threads stood; a run that fails prints the watchdog's report and the stacks after it here.
+# prints every Python thread's stack into its log (LUCE_TUNE_STALL_TRACE), a stalled pool's or copier's error
+# says where its threads stood, and a fatal signal prints the stacks too (-X faulthandler); a run that fails prints the watchdog's report and the stacks after it here.
 source "$(dirname "$0")/env.sh"
 set +e
 SRC=engine/kernels/host_experts.c
@@ -39,7 +39,7 @@ for label in ${ORDER:-new old new old}; do
   esac
   t0=$SECONDS
   env $loading LUCE_TUNE_STALL_TRACE=${STALL_TRACE:-6} LUCE_TUNE_HOST_EXPERTS_CFLAGS=$cflags LUCE_TUNE_FETCH_COPIER=$copier LUCE_TUNE_BLOCKING_WAIT=1 \
-    timeout $(( left - 5 )) python3 bench/vs_llamacpp.py \
+    timeout $(( left - 5 )) python3 -X faulthandler bench/vs_llamacpp.py \
     --model /tmp/q35.gguf --llama-bench /tmp/llbuild/cmake/bin/llama-bench --prompts 0 --gen 64 --depths 0 \
     --repeats ${REPEATS:-5} --ncmoe 20 --weights quantized --experts quantized --cuda-graph --cold-device gpu \
     --cold-cpu-share ${SHARE:-0.45} --placement-unit alternate --cold-prefetch ${FETCH:-2} --cold-warm ${WARM:-4} \
@@ -48,7 +48,7 @@ for label in ${ORDER:-new old new old}; do
   echo "== run $n ($label) $(( SECONDS - t0 )) s rc=$rc"
   grep -E "^│ *tg" "$RUNS/vs_${n}_$label.log" || tail -3 "$RUNS/vs_${n}_$label.log"
   if [ "$rc" != 0 ]; then
-    grep -A60 "stood still" "$RUNS/vs_${n}_$label.log" | grep -v "threading.py" | head -50 || true
+    grep -E -A60 "stood still|Fatal Python" "$RUNS/vs_${n}_$label.log" | grep -v "threading.py" | head -50 || true
   fi
   tar czf "$OUT/runs.tgz" -C $RUNS .
 done

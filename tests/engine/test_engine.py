@@ -202,6 +202,41 @@ def test_stall_trace_prints_the_threads_stacks_while_a_generation_runs(monkeypat
     assert stall_trace_setting() is None
 
 
+def test_stall_trace_timer_fires_only_while_no_python_thread_can_run(monkeypatch, capfd, eng):
+    """The stacks of a generation past ``LUCE_TUNE_STALL_TRACE`` come from the watchdog while Python threads can
+    run (``faulthandler``'s timer, which reads frames with no lock, stays quiet); a call that keeps the
+    interpreter's lock past the interval (libc's ``usleep`` through ``ctypes.PyDLL``, which does not release it)
+    lets the timer fire, and the tokens come out the same either way."""
+    import ctypes
+    import time
+
+    from engine.engine import STALL_TRACE_ENV
+
+    hold = ctypes.PyDLL(None).usleep
+    ids = eng.tokenizer.encode("def f(x):")
+    plain = eng.generate(ids, 3, ignore_eos=True).ids
+    capfd.readouterr()
+    monkeypatch.setenv(STALL_TRACE_ENV, "0.5")
+    free = eng.generate(ids, 3, ignore_eos=True, on_token=lambda t, p: time.sleep(0.3))
+    err = capfd.readouterr().err
+    assert free.ids == plain
+    assert "still running after 0.5 s" in err and "most recent call first" in err
+    assert "Timeout (" not in err
+    calls = []
+
+    def hold_once(token, piece):
+        calls.append(token)
+        if len(calls) == 1:
+            hold(800_000)
+
+    held = eng.generate(ids, 3, ignore_eos=True, on_token=hold_once)
+    err = capfd.readouterr().err
+    assert held.ids == plain
+    assert "Timeout (0:00:00.500000)!" in err and "test_stall_trace_timer_fires" in err
+    time.sleep(0.6)
+    assert capfd.readouterr().err == ""  # cancelled when the generation returned
+
+
 def test_timings_are_measured(eng):
     g = eng.generate(eng.tokenizer.encode("timing"), 8, ignore_eos=True)
     t = g.timings
