@@ -5,7 +5,7 @@
         [--prompts 512,8192] [--gen 128] [--depths 0,16384] [--repeats 3] [--ncmoe N]
         [--weights dense|quantized] [--experts dense|quantized] [--cuda-graph] [--no-prefill-graph] [--device auto]
         [--cold-device cpu|gpu] [--placement-unit expert|layer|alternate] [--cold-cpu-share 0.6] [--cold-prefetch 1]
-        [--cold-warm 2] [--threads N] [--interleave] [--host-probe-mib 1024] [--json out.json]
+        [--cold-warm 2] [--threads N] [--interleave [all|ncmoe]] [--host-probe-mib 1024] [--json out.json]
 
 llama.cpp comes from an existing llama-bench binary, or is built (llama-bench target only,
 CUDA when nvcc and a GPU are there) from a llama.cpp tree or the llama-cpp-python sdist, which
@@ -20,7 +20,10 @@ VRAM: ours is torch's peak allocated memory (no CUDA context or allocator slack)
 is the GPU's memory in use above the level before it started (NVML or nvidia-smi, sampled every
 0.1 s), which includes its CUDA context. llama-bench sees only the GPU ours runs on.
 --interleave runs each test's repeats in turns, a llama-bench process of one repeat and then one run of ours (ours
-loaded first, both in device memory at once): the ratio column adds the range of the pairs' ratios.
+loaded first, both in device memory at once): the ratio column adds the range of the pairs' ratios. Each of those
+processes loads the file (on the 35B file a run of 5 repeats of two tests took over 260 s against 85 s plain);
+--interleave ncmoe does so for the -ncmoe pass only and measures the other tests back to back, llama.cpp's repeats
+in one process right before ours.
 Host: before each measurement a sum over --host-probe-mib of host memory gives its read rate (GB/s), and the
 kernel's counters give other processes' CPU use while it runs ("others' cores"); rows whose two sides saw a
 different host get a note (half-cold decode, ours and llama.cpp's CPU layers, reads host memory).
@@ -125,9 +128,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both")
     ap.add_argument("--bw-mib", type=int, default=None, help="copy size for the bandwidth (default 1024 GPU, 256 CPU)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per llama-bench run")
-    ap.add_argument("--interleave", action="store_true",
+    ap.add_argument("--interleave", nargs="?", const="all", default=None, choices=INTERLEAVE_SCOPES,
                     help="each test's repeats in turns, a llama-bench process of one repeat then one run of ours "
-                         "(both in device memory at once), so that slow changes of the host fall on both sides")
+                         "(both in device memory at once), so that slow changes of the host fall on both sides; "
+                         "'ncmoe': only the -ncmoe pass's tests, the others back to back (llama.cpp's repeats in one "
+                         "process, then ours): each llama-bench process loads the file, which makes a test in "
+                         "turns several times slower")
     ap.add_argument("--host-probe-mib", type=int, default=1024,
                     help="host memory read before each measurement to probe its read rate (0: none)")
     ap.add_argument("--json", type=Path, default=None)
@@ -277,6 +283,7 @@ def host_field(side: dict[str, Any] | None, key: str) -> str:
     return fmt((side or {}).get("host", {}).get(key))
 
 
+INTERLEAVE_SCOPES = ("all", "ncmoe")
 HOST_RATE_MOVED = 0.15  # the probe's read rate moving this much between a row's two sides is noted
 HOST_OTHERS_CORES = 1.0  # other processes' CPU use (cores) during a side's measurement that is noted
 
@@ -397,7 +404,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  "experts": args.experts, "cuda_graph": args.cuda_graph,
                                  "prefill_graph": eng.prefill_graph and args.cuda_graph,
                                  "cold_device": args.cold_device, "load_s": eng.load_s,
-                                 "interleaved": args.interleave}
+                                 "interleaved": args.interleave or False}
     for ncmoe in passes:
         if ncmoe:
             budget, info = ncmoe_budget_mb(eng, ncmoe)
@@ -427,10 +434,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                "blocking_wait": blocking_wait_setting()}
         for test in tests_for(args, ncmoe):
             row = rows[test.name]
-            if args.interleave and llama_measurable(test):
+            in_turns = args.interleave == "all" or (args.interleave == "ncmoe" and ncmoe > 0)
+            if in_turns and llama_measurable(test):
                 ours, row["llama"], row["pair_ratios"] = time_interleaved(
                     eng, test, args.repeats, gen, lambda: measure_llama(test, 1), probe)
             else:
+                if args.interleave and llama_measurable(test):  # back to back: llama.cpp's repeats, then ours
+                    row["llama"] = measure_llama(test, args.repeats)
                 ours = time_ours(eng, test, args.repeats, gen, probe)
             row["ours"] = ours.as_dict() | {"peak_vram_mib": ours.peak_mem_mb if on_gpu else None}
             print(f"ours {test.name}: {ours.median:,.1f} tok/s", flush=True)

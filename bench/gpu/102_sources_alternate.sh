@@ -8,7 +8,7 @@
 # every CUDA module loaded at start, CUDA_MODULE_LOADING=EAGER: a kernel loaded lazily during a step may need the
 # device to be idle, while the step's cold layers spin on the copier). Each run's JSON and log go to
 # $OUT/runs.tgz as vs_<n>_<label>.* (one file, so that no run's log is left out of what a call returns); a run starts
-# only while RUN_S seconds are left of the call's 590; INTERLEAVE=1 runs each row's repeats in turns (--interleave). A generation running past STALL_TRACE seconds (default 6)
+# only while RUN_S seconds are left of the call's 590; INTERLEAVE=1 runs each row's repeats in turns (--interleave), INTERLEAVE=ncmoe the half-cold rows only (--interleave ncmoe). A generation running past STALL_TRACE seconds (default 6)
 # prints every Python thread's stack into its log (LUCE_TUNE_STALL_TRACE), a stalled pool's or copier's error
 # says where its threads stood, and a fatal signal prints the stacks too (-X faulthandler); a run that fails prints the watchdog's report and the stacks after it here.
 source "$(dirname "$0")/env.sh"
@@ -23,7 +23,7 @@ echo "35B file there after $SECONDS s"
 for _ in $(seq ${WAIT_S:-330}); do [ -x /tmp/llbuild/cmake/bin/llama-bench ] && break; sleep 1; done
 echo "llama-bench there after $SECONDS s"
 RUNS=/tmp/vs_runs; rm -rf $RUNS; mkdir -p $RUNS
-interleave=; [ "${INTERLEAVE:-0}" = 1 ] && interleave=--interleave
+interleave=; case ${INTERLEAVE:-0} in 1) interleave=--interleave ;; ncmoe) interleave="--interleave ncmoe" ;; esac
 n=0
 for label in ${ORDER:-new old new old}; do
   n=$(( n + 1 ))

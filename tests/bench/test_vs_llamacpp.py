@@ -432,7 +432,7 @@ def test_cli_interleaved_runs_each_repeat_in_turns(tmp_path, bench_script):
     """``--interleave``: per test, a llama-bench process of one repeat before each run of ours; llama.cpp's
     samples gathered from those processes, and each pair's ratio kept."""
     _, proc, result = _run_stand_in(tmp_path, "--depths", "0", "--repeats", "3", "--interleave")
-    assert result["ours"]["interleaved"] is True
+    assert result["ours"]["interleaved"] == "all"
     order = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith(("llama.cpp ", "ours "))]
     expected = []
     for name in ("pp12", "tg3@d0", "pp12 ncmoe2", "tg3@d0 ncmoe2"):
@@ -447,6 +447,33 @@ def test_cli_interleaved_runs_each_repeat_in_turns(tmp_path, bench_script):
         assert row["pair_ratios"] == pytest.approx([o / ll for o, ll in zip(ours["samples_ts"], llama["samples_ts"])])
         assert llama["host"]["wall_s"] > 0 and ours["host"]["wall_s"] > 0
     assert result["notes"] == bench_script("vs_llamacpp").host_notes(result["rows"])
+
+
+def test_cli_interleaves_the_ncmoe_pass_only(tmp_path, bench_script):
+    """``--interleave ncmoe``: the all-on-device tests back to back (one llama-bench process of every repeat right
+    before ours), the -ncmoe pass's tests in turns as with ``--interleave``."""
+    _, proc, result = _run_stand_in(tmp_path, "--depths", "0", "--repeats", "3", "--interleave", "ncmoe")
+    assert result["ours"]["interleaved"] == "ncmoe"
+    order = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith(("llama.cpp ", "ours "))]
+    expected = []
+    for name in ("pp12", "tg3@d0"):
+        expected += [f"llama.cpp {name}", f"ours {name}"]
+    for name in ("pp12 ncmoe2", "tg3@d0 ncmoe2"):
+        expected += [f"llama.cpp {name}"] * 3 + [f"ours {name}"]
+    assert order == expected
+    for row in result["rows"]:
+        llama, repeats = row["llama"], llama_repeats(row["llama"]["command"])
+        if row["ncmoe"]:
+            assert repeats == 1 and llama["processes"] == 3 and len(row["pair_ratios"]) == 3
+        else:
+            assert repeats == 3 and "processes" not in llama and "pair_ratios" not in row
+        assert len(llama["samples_ts"]) == 3 and len(row["ours"]["samples_ts"]) == 3
+    proc = _run_cli("--model", "x.gguf", "--llama-bench", "x", "--interleave", "some")
+    assert proc.returncode != 0 and "--interleave" in proc.stderr
+
+
+def llama_repeats(command: list[str]) -> int:
+    return int(command[command.index("-r") + 1])
 
 
 def test_merge_llama_gathers_one_repeat_processes(bench_script):
