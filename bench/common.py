@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import time
@@ -102,8 +103,10 @@ class HostLoad:
     """What the host's CPUs did while a ``with`` block ran, from the kernel's counters (``/proc/stat``, 10 ms
     ticks): ``cores`` busy on average (user, system, interrupts), of which ``own_cores`` this process and the
     children it reaped inside the block (a llama-bench run) and ``others_cores`` everything else; ``steal_pct``
-    the share of the CPUs' time that the hypervisor gave to other guests. ``probe`` (a CPU tensor) adds
-    ``read_gbs`` (``host_read_gbs``) taken just before the block."""
+    the share of the CPUs' time that the hypervisor gave to other guests; ``preempted_per_s`` how often a thread of
+    this process or of those children was taken off its core while it could have run on (involuntary context
+    switches): more threads ready than cores free. ``probe`` (a CPU tensor) adds ``read_gbs``
+    (``host_read_gbs``) taken just before the block."""
 
     _BUSY = ("user", "nice", "system", "irq", "softirq")
 
@@ -116,10 +119,15 @@ class HostLoad:
         t = psutil.Process().cpu_times()
         return t.user + t.system + t.children_user + t.children_system
 
+    @staticmethod
+    def _preempted() -> int:
+        return sum(resource.getrusage(who).ru_nivcsw for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
     def __enter__(self) -> "HostLoad":
         if self.probe is not None:
             self.result["read_gbs"] = host_read_gbs(self.probe)
         self._cpu, self._own0, self._t0 = psutil.cpu_times(), self._own(), time.perf_counter()
+        self._preempted0 = self._preempted()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -130,4 +138,5 @@ class HostLoad:
         total = busy + diff["idle"] + diff.get("iowait", 0.0) + diff.get("steal", 0.0)
         self.result |= {"wall_s": wall, "cores": busy / wall, "own_cores": own / wall,
                         "others_cores": max(0.0, busy - own) / wall,
+                        "preempted_per_s": (self._preempted() - self._preempted0) / wall,
                         "steal_pct": 100.0 * diff.get("steal", 0.0) / total if total > 0 else 0.0}

@@ -25,7 +25,8 @@ processes loads the file (on the 35B file a run of 5 repeats of two tests took o
 --interleave ncmoe does so for the -ncmoe pass only and measures the other tests back to back, llama.cpp's repeats
 in one process right before ours.
 Host: before each measurement a sum over --host-probe-mib of host memory gives its read rate (GB/s), and the
-kernel's counters give other processes' CPU use while it runs ("others' cores"); rows whose two sides saw a
+kernel's counters give other processes' CPU use while it runs ("others' cores") and, in the JSON, how often the
+side's own threads were taken off a core that they could have kept (preempted_per_s); rows whose two sides saw a
 different host get a note (half-cold decode, ours and llama.cpp's CPU layers, reads host memory).
 Decode rows without -ncmoe also show the bandwidth floor: active weight bytes per token (GGUF sizes) over
 the device's measured copy bandwidth; "x floor" is time per token over the floor's.
@@ -228,7 +229,8 @@ def merge_host(loads: list[dict[str, float]]) -> dict[str, float]:
     """Several ``HostLoad`` results as one: the read rates' median, the times summed, the rest weighted by time."""
     wall = sum(h["wall_s"] for h in loads)
     merged = {"wall_s": wall} | {k: sum(h[k] * h["wall_s"] for h in loads) / wall
-                                 for k in ("cores", "own_cores", "others_cores", "steal_pct")}
+                                 for k in ("cores", "own_cores", "others_cores", "steal_pct", "preempted_per_s")
+                                 if all(k in h for h in loads)}
     rates = [h["read_gbs"] for h in loads if "read_gbs" in h]
     return merged | ({"read_gbs": statistics.median(rates)} if rates else {})
 

@@ -556,3 +556,19 @@ def test_host_load_counts_other_processes_and_reaped_children(bench_script):
         time.sleep(1.1)
     other.wait()
     assert load.result["others_cores"] > 0.5 and load.result["own_cores"] < 0.3
+
+
+def test_host_load_counts_preemptions_of_its_threads_and_reaped_children(bench_script):
+    """``HostLoad``'s ``preempted_per_s``: four reaped children spinning on one core are taken off it
+    (involuntary switches) many times a second; a block that sleeps is not."""
+    HostLoad = bench_script("common").HostLoad
+    spin = [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"]
+    cpu = min(os.sched_getaffinity(0))
+    with HostLoad() as load:
+        procs = [subprocess.Popen(spin, preexec_fn=lambda: os.sched_setaffinity(0, {cpu})) for _ in range(4)]
+        for p in procs:
+            p.wait()
+    assert load.result["preempted_per_s"] > 20
+    with HostLoad() as load:
+        time.sleep(0.5)
+    assert load.result["preempted_per_s"] < 20
