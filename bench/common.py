@@ -81,11 +81,11 @@ def graph_time_ms(fn, warmup: int, repeats: int, calls: int = 20) -> dict[str, f
     return _summary(times)
 
 
-def host_read_gbs(buf: torch.Tensor, passes: int = 3) -> float:
-    """GB/s at which the host's threads read ``buf`` (a CPU tensor larger than the caches), the median of
-    ``passes`` sums over it: a probe of the host memory that half-cold decode reads, ours and llama.cpp's
-    CPU layers alike, so that a neighbour's load on it shows beside the figures it slows. It reads on one thread a
-    core whatever torch's thread count is set to meanwhile (an engine sets its own), and puts that count back."""
+def host_read_rates(buf: torch.Tensor, passes: int = 3) -> list[float]:
+    """GB/s at which the host's threads read ``buf`` (a CPU tensor larger than the caches), one figure per sum
+    over it: a probe of the host memory that half-cold decode reads, ours and llama.cpp's CPU layers alike, so that
+    a neighbour's load on it shows beside the figures it slows. It reads on one thread a core whatever torch's
+    thread count is set to meanwhile (an engine sets its own), and puts that count back."""
     threads = torch.get_num_threads()
     torch.set_num_threads(psutil.cpu_count(logical=False) or os.cpu_count() or 1)
     try:
@@ -96,7 +96,12 @@ def host_read_gbs(buf: torch.Tensor, passes: int = 3) -> float:
             rates.append(buf.numel() * buf.element_size() / (time.perf_counter() - t0) / 1e9)
     finally:
         torch.set_num_threads(threads)
-    return statistics.median(rates)
+    return rates
+
+
+def host_read_gbs(buf: torch.Tensor, passes: int = 3) -> float:
+    """The median of ``host_read_rates``."""
+    return statistics.median(host_read_rates(buf, passes))
 
 
 class HostLoad:
@@ -105,8 +110,9 @@ class HostLoad:
     children it reaped inside the block (a llama-bench run) and ``others_cores`` everything else; ``steal_pct``
     the share of the CPUs' time that the hypervisor gave to other guests; ``preempted_per_s`` how often a thread of
     this process or of those children was taken off its core while it could have run on (involuntary context
-    switches): more threads ready than cores free. ``probe`` (a CPU tensor) adds ``read_gbs``
-    (``host_read_gbs``) taken just before the block."""
+    switches): more threads ready than cores free. ``probe`` (a CPU tensor) adds ``read_gbs`` (``host_read_gbs``)
+    taken just before the block, and its passes' figures (``read_gbs_passes``: close together, the probe read a
+    steady host; far apart, the host moved within the probe or the probe is too short there)."""
 
     _BUSY = ("user", "nice", "system", "irq", "softirq")
 
@@ -125,7 +131,8 @@ class HostLoad:
 
     def __enter__(self) -> "HostLoad":
         if self.probe is not None:
-            self.result["read_gbs"] = host_read_gbs(self.probe)
+            rates = host_read_rates(self.probe)
+            self.result |= {"read_gbs": statistics.median(rates), "read_gbs_passes": rates}
         self._cpu, self._own0, self._t0 = psutil.cpu_times(), self._own(), time.perf_counter()
         self._preempted0 = self._preempted()
         return self

@@ -416,6 +416,7 @@ def test_cli_end_to_end_with_a_stand_in_binary(tmp_path, bench_script):
         for side in (llama, ours):  # the host's state measured around each side
             host = side["host"]
             assert host["read_gbs"] > 0 and host["wall_s"] > 0 and host["steal_pct"] >= 0
+            assert len(host["read_gbs_passes"]) == 3 and host["read_gbs"] == sorted(host["read_gbs_passes"])[1]
             assert host["own_cores"] >= 0 and host["others_cores"] >= 0
         assert llama["host"]["own_cores"] > 0.2  # the stand-in's CPU time counts as the side's own
     cfg_bytes = active_bytes(model)
