@@ -99,20 +99,16 @@ def host_read_rates(buf: torch.Tensor, passes: int = 3) -> list[float]:
     return rates
 
 
-def host_read_gbs(buf: torch.Tensor, passes: int = 3) -> float:
-    """The median of ``host_read_rates``."""
-    return statistics.median(host_read_rates(buf, passes))
-
-
 class HostLoad:
     """What the host's CPUs did while a ``with`` block ran, from the kernel's counters (``/proc/stat``, 10 ms
     ticks): ``cores`` busy on average (user, system, interrupts), of which ``own_cores`` this process and the
     children it reaped inside the block (a llama-bench run) and ``others_cores`` everything else; ``steal_pct``
     the share of the CPUs' time that the hypervisor gave to other guests; ``preempted_per_s`` how often a thread of
     this process or of those children was taken off its core while it could have run on (involuntary context
-    switches): more threads ready than cores free. ``probe`` (a CPU tensor) adds ``read_gbs`` (``host_read_gbs``)
-    taken just before the block, and its passes' figures (``read_gbs_passes``: close together, the probe read a
-    steady host; far apart, the host moved within the probe or the probe is too short there)."""
+    switches): more threads ready than cores free. ``probe`` (a CPU tensor) adds ``read_gbs``, the median of
+    ``host_read_rates`` taken just before the block, and those passes' figures (``read_gbs_passes``: close
+    together, the probe read a steady host; far apart, the host moved within the probe or the probe is too short
+    there)."""
 
     _BUSY = ("user", "nice", "system", "irq", "softirq")
 

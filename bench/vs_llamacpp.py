@@ -229,8 +229,7 @@ def merge_host(loads: list[dict[str, float]]) -> dict[str, float]:
     """Several ``HostLoad`` results as one: the read rates' median, the times summed, the rest weighted by time."""
     wall = sum(h["wall_s"] for h in loads)
     merged = {"wall_s": wall} | {k: sum(h[k] * h["wall_s"] for h in loads) / wall
-                                 for k in ("cores", "own_cores", "others_cores", "steal_pct", "preempted_per_s")
-                                 if all(k in h for h in loads)}
+                                 for k in ("cores", "own_cores", "others_cores", "steal_pct", "preempted_per_s")}
     rates = [h["read_gbs"] for h in loads if "read_gbs" in h]
     return merged | ({"read_gbs": statistics.median(rates)} if rates else {})
 

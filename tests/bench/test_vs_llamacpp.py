@@ -479,7 +479,8 @@ def llama_repeats(command: list[str]) -> int:
 
 def test_merge_llama_gathers_one_repeat_processes(bench_script):
     vs = bench_script("vs_llamacpp")
-    host = {"wall_s": 1.0, "cores": 2.0, "own_cores": 1.0, "others_cores": 1.0, "steal_pct": 0.0, "read_gbs": 30.0}
+    host = {"wall_s": 1.0, "cores": 2.0, "own_cores": 1.0, "others_cores": 1.0, "steal_pct": 0.0,
+            "preempted_per_s": 10.0, "read_gbs": 30.0}
     parts = [{"samples_ts": [t], "median_ts": t, "peak_vram_mib": vram, "wall_s": 2.0, "command": ["x", str(i)],
               "host": host | {"wall_s": w, "others_cores": oc, "read_gbs": gbs}}
              for i, (t, vram, w, oc, gbs) in enumerate([(100.0, 10.0, 1.0, 0.0, 30.0), (90.0, None, 3.0, 2.0, 20.0),
@@ -491,6 +492,7 @@ def test_merge_llama_gathers_one_repeat_processes(bench_script):
     assert merged["command"] == ["x", "0"]
     assert merged["host"]["wall_s"] == 5.0 and merged["host"]["others_cores"] == pytest.approx(6.0 / 5.0)
     assert merged["host"]["read_gbs"] == 30.0 and merged["host"]["cores"] == pytest.approx(2.0)
+    assert merged["host"]["preempted_per_s"] == pytest.approx(10.0)
 
 
 def test_cli_clear_errors(tmp_path):
