@@ -3,7 +3,7 @@ gate/up [512, 2048], down [2048, 512], split layout), the mailbox written and re
 CPU device, per thread count; GB/s of expert blocks read per job.
 
     python bench/host_share_pool.py [--threads 1,8,15] [--pairs 2,4,8] [--jobs 200] [--pinned]
-        [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_PIN=1"] [--bus] [--warm] [--json out.json]
+        [--cflags "-DLT_STATS=1;-DLT_STATS=1 -DLT_PIN=1"] [--bus] [--warm] [--again] [--json out.json]
 
 Each job picks new random experts among 128 per layer over 40 layers (5.1 GB of blocks, far over the
 caches), as decode does. Median of ``--jobs`` jobs after 20 warm-up jobs; the Python side's write and
@@ -15,6 +15,9 @@ other pinned memory running the whole time (needs CUDA), as the bus's share read
 half-cold step. ``--warm`` repeats each row with the job's experts named to the pool as a warm-up first
 (``HostShare.warm``) and the job published once the threads have fetched every chunk of them (that wait not
 timed): the job's time with its experts in the caches, the most a warm-up ahead of the router can give.
+``--again`` repeats each row with every job published twice in a row on the same experts and input, timing the
+second: what the threads read where the first job left it. Beside ``--warm`` it tells a warm-up that does not
+land (the second job fast, the warmed one not) from caches that cannot hold a job's blocks (both at memory speed).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--activations", default="float32", help="float32, int8 or both (comma-separated)")
     ap.add_argument("--bus", action="store_true", help="host -> device copies running beside the threads (needs CUDA)")
     ap.add_argument("--warm", action="store_true", help="also each row with the job's experts warmed first")
+    ap.add_argument("--again", action="store_true", help="also each row with every job run twice, the second timed")
     ap.add_argument("--json", type=Path, default=None, help="the rows, for scripts that pick a build")
     ap.add_argument("--layers", type=int, default=LAYERS, help="layers of blocks (fewer fill faster; keep their bytes "
                     "well over the host's caches)")
@@ -77,9 +81,10 @@ def main() -> None:
                           cflags=cflags.split(), int8=act == "int8")
         out = torch.zeros(1, H)
         per_expert = share.warm_per_expert(0)  # as this build cuts a warm-up (a wrong count waited out every job)
-        for pairs, warm in ((int(p), w) for p in args.pairs.split(",") for w in ((False, True) if args.warm
-                                                                                 else (False,))):
-            times = []
+        modes = ("cold",) + (("warmed",) if args.warm else ()) + (("again",) if args.again else ())
+        for pairs, mode in ((int(p), m) for p in args.pairs.split(",") for m in modes):
+            warm = mode == "warmed"
+            times, seconds = [], []
             before = share.stats()
             for j in range(20 + args.jobs):
                 ids = torch.full((1, K), -1, dtype=torch.long)
@@ -91,18 +96,30 @@ def main() -> None:
                     deadline = time.perf_counter() + 1.0
                     while share.warm_chunks < want and time.perf_counter() < deadline:
                         pass
+                if mode == "again":  # the same job once untimed: its blocks left where its threads read them
+                    share.publish(j % args.layers, x, ids, torch.ones(1, K), mine)
+                    share.collect(out)
+                    first = share.stats() if j >= 20 else None
                 t = time.perf_counter()
                 share.publish(j % args.layers, x, ids, torch.ones(1, K), mine)
                 share.collect(out)
                 times.append(time.perf_counter() - t)
+                if mode == "again" and first is not None:  # the pool's phases of the timed job alone
+                    seconds.append(phase_means(first, share.stats()))
             med = statistics.median(times[20:])
             line = (f"[{cflags or 'default'}] {act} threads {threads:2d} (simd {share.simd}), {pairs} pairs"
-                    f"{', warmed' if warm else ''}: {med * 1e6:8.1f} us a job, {pairs * per_pair / med / 1e9:6.1f} GB/s")
+                    f"{'' if mode == 'cold' else ', ' + mode}: {med * 1e6:8.1f} us a job, "
+                    f"{pairs * per_pair / med / 1e9:6.1f} GB/s")
             stats = share.stats()
             row = {"cflags": cflags, "activations": act, "threads": threads, "pairs": pairs, "warmed": warm,
+                   "again": mode == "again",
                    "job_us": med * 1e6}
             if stats is not None:
-                line += phases(before, stats, pairs * per_pair, row)
+                means = phase_means(before, stats) if not seconds else (
+                    statistics.mean(m[0] for m in seconds),
+                    [statistics.mean(m[1][k] for m in seconds) for k in range(3)],
+                    statistics.mean(m[2] for m in seconds))
+                line += phases(means, pairs * per_pair, row)
             rows.append(row)
             print(line, flush=True)
         share.close()
@@ -128,20 +145,24 @@ def bus_copies(stop: threading.Event) -> None:
     print(f"bus copies beside the threads: {n * src.numel() / (time.perf_counter() - t0) / 1e9:.1f} GB/s", flush=True)
 
 
-def phases(before: dict, after: dict, nbytes: int, row: dict) -> str:
-    """The pool's own time a job and its phases over the jobs between two ``HostShare.stats()`` (also into
-    ``row``)."""
+def phase_means(before: dict, after: dict) -> tuple[float, list[float], float]:
+    """The pool's own time a job, its threads' mean time in gate/up, the wait after it and down, and the slowest
+    thread's gate/up, over the jobs between two ``HostShare.stats()``."""
     jobs = after["jobs"] - before["jobs"]
 
     def mean(get) -> float:
         return (get(after) * after["jobs"] - get(before) * before["jobs"]) / jobs
 
-    job = mean(lambda s: s["job_us"])
     per = [[mean(lambda s, i=i, j=j: s["threads"][i][j]) for j in range(3)] for i in range(len(after["threads"]))]
-    avg = [statistics.mean(t[j] for t in per) for j in range(3)]
+    return mean(lambda s: s["job_us"]), [statistics.mean(t[j] for t in per) for j in range(3)], max(t[0] for t in per)
+
+
+def phases(means: tuple, nbytes: int, row: dict) -> str:
+    """``phase_means``' figures as a line's tail (also into ``row``)."""
+    job, avg, slowest = means
     row.update(pool_us=job, gate_up_us=avg[0], wait_us=avg[1], down_us=avg[2])
     return (f" | pool {job:7.1f} us ({nbytes / job / 1e3:5.1f} GB/s): gate/up {avg[0]:6.1f} (slowest "
-            f"{max(t[0] for t in per):6.1f}), wait {avg[1]:6.1f}, down {avg[2]:6.1f}")
+            f"{slowest:6.1f}), wait {avg[1]:6.1f}, down {avg[2]:6.1f}")
 
 
 if __name__ == "__main__":
