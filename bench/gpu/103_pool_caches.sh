@@ -13,7 +13,7 @@ for bus in "" --bus; do
   name=pool_caches${bus:+_bus}
   timeout ${POOL_S:-120} python3 bench/host_share_pool.py --threads 15 --pairs ${POOL_PAIRS:-4,6} --jobs 100 \
     --layers 6 --activations int8 --warm --again --pinned $bus \
-    "--cflags=${POOL_CFLAGS:--DLT_STATS=1;-DLT_STATS=1 -DLT_WARM_LOAD=1}" \
+    "--cflags=${POOL_CFLAGS:--DLT_STATS=1 -DLT_WARM_LOAD=0;-DLT_STATS=1 -DLT_WARM_LOAD=1}" \
     --json "$OUT/$name.json" 2>&1 | grep -v Warn > "$OUT/$name.log"
   echo "== ${bus:-cores alone} rc=${PIPESTATUS[0]} after $SECONDS s"
   cat "$OUT/$name.log"

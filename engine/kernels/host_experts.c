@@ -544,7 +544,11 @@ static int grab_warm(pool_t *p, int32_t ws, int32_t job, int n) {
 }
 
 #ifndef LT_WARM_LOAD
-#define LT_WARM_LOAD 0  /* 1: a warm-up reads a byte of each line (loads that must complete) rather than prefetching it */
+#define LT_WARM_LOAD 1  /* 1: a warm-up reads a byte of each line (loads that must complete); 0: it prefetches each line
+                           into L2. On an H100 host, a 4-pair job after a warm-up by loads ran as fast as the same job
+                           run a second time (59.6 against 59.2 us), after one by prefetches 16% slower (70.2 against
+                           60.6): prefetched lines are only partly there when the job reads them (docs/benchmarks.md,
+                           thirtieth round) */
 #endif
 
 /* Fetches len bytes from a into this core's caches, a line at a time (a warm-up). */

@@ -315,7 +315,7 @@ def test_int8_threads_sum_as_the_quantized_reference(qtype, layout, hidden, ffn,
         share.close()
 
 
-LOADS = ["-DLT_WARM_LOAD=1"]
+PREFETCHES = ["-DLT_WARM_LOAD=0"]  # the warm-up by prefetches (by loads is the default)
 
 
 def count_reaches(count, n, settle=0.0):
@@ -347,12 +347,12 @@ def same_sums(shares, layer_index, g, hidden, experts, k, warm=0):
 
 
 @pytest.mark.parametrize("int8,cflags", [(False, ANY_THREAD), (True, ANY_THREAD), (False, None), (True, None),
-                                         (True, LOADS), (False, LOADS + ANY_THREAD)])
+                                         (True, PREFETCHES), (False, PREFETCHES + ANY_THREAD)])
 def test_warm_ups_are_fetched_and_change_no_sum(int8, cflags):
     """A warm-up names experts of a layer: idle threads fetch every chunk of their three matrices (16 KiB
     chunks: ceil(bytes / 16384) each with ``LT_AFFINITY=0``; by default the job's chunks, 32 gate/up rows and 64
-    output rows, each by its owner; ``warm_per_expert`` says which), by prefetches or, with ``LT_WARM_LOAD=1``, by
-    loads; bad names are ignored, and jobs published between warm-ups of the experts they use, before or after
+    output rows, each by its owner; ``warm_per_expert`` says which), by loads or, with ``LT_WARM_LOAD=0``, by
+    prefetches; bad names are ignored, and jobs published between warm-ups of the experts they use, before or after
     them, sum the same bits as with no warm-up at all."""
     hidden, ffn, experts, k = 96, 96, 6, 3
     layers = [layer(Q.Q4_0, "ggml", experts, hidden, ffn, seed=70 + i)[0] for i in range(2)]
