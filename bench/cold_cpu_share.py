@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import commit, machine, spread  # noqa: E402
+from bench.common import commit, joined_values, machine, spread  # noqa: E402
 from engine.engine import Engine, blocking_wait_setting  # noqa: E402
 from engine.kernels.host_experts import CFLAGS_ENV  # noqa: E402
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fetch-copiers", default="", help="kernel, engine or both: what copies the bus's fetch ahead "
                     "(a copy launch, or the copy engine queued by a host thread; default: the engine's)")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args = ap.parse_args(joined_values(sys.argv[1:] if argv is None else argv, ("--cflags",)))
     fetches = [int(n) for n in args.prefetch.split(",") if n] or [None]
     warms = [int(n) for n in args.warm.split(",") if n] or [None]
     aheads = [n == "1" for n in args.ahead.split(",") if n] or [None]

@@ -34,6 +34,21 @@ def commit() -> str:
         return "unknown"
 
 
+def joined_values(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` with each of ``options`` joined to the value after it by ``=`` (``--cflags -DX=1`` becomes
+    ``--cflags=-DX=1``): argparse reads a separate value that starts with ``-`` as an option and refuses the line,
+    and compiler flags always start with one."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in options and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def time_ms(fn, warmup: int, repeats: int) -> dict[str, float]:
     """Median and 20th/80th percentiles of ``repeats`` calls of ``fn`` on CUDA, each timed with
     CUDA events after ``warmup`` untimed calls, in milliseconds."""

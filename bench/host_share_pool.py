@@ -35,7 +35,7 @@ from gguf import GGMLQuantizationType as Q
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import commit, machine  # noqa: E402
+from bench.common import commit, joined_values, machine  # noqa: E402
 from engine.kernels.host_experts import HostShare  # noqa: E402
 
 H, FFN, E, LAYERS, K = 2048, 512, 128, 40, 8
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="the rows, for scripts that pick a build")
     ap.add_argument("--layers", type=int, default=LAYERS, help="layers of blocks (fewer fill faster; keep their bytes "
                     "well over the host's caches)")
-    args = ap.parse_args()
+    args = ap.parse_args(joined_values(sys.argv[1:], ("--cflags",)))
     rows = []
     g = torch.Generator().manual_seed(0)
     stop_bus = threading.Event()

@@ -26,7 +26,7 @@ def test_again_times_the_second_of_two_identical_jobs(tmp_path, bench_script, mo
     monkeypatch.setattr(pool.HostShare, "collect", spy_collect)
     out = tmp_path / "pool.json"
     monkeypatch.setattr(sys, "argv", ["host_share_pool.py", "--threads", "1", "--pairs", "2", "--jobs", "3",
-                                      "--layers", "2", "--again", "--cflags=-DLT_STATS=1",
+                                      "--layers", "2", "--again", "--cflags", "-DLT_STATS=1",
                                       "--activations", "int8", "--json", str(out)])
     pool.main()
     jobs = 20 + 3
@@ -43,3 +43,12 @@ def test_again_times_the_second_of_two_identical_jobs(tmp_path, bench_script, mo
     for r in rows:
         assert r["job_us"] > 0 and r["pool_us"] > 0
         assert r["gate_up_us"] > 0 and r["down_us"] > 0 and r["pool_us"] >= r["gate_up_us"]
+
+
+def test_a_flag_value_after_its_option_is_joined_to_it(bench_script):
+    common = bench_script("common")
+    argv = ["--threads", "1", "--cflags", "-DLT_STATS=1 -DLT_WARM_LOAD=0", "--pairs", "2", "--cflags=-DX", "--cflags"]
+    assert common.joined_values(argv, ("--cflags",)) == [
+        "--threads", "1", "--cflags=-DLT_STATS=1 -DLT_WARM_LOAD=0", "--pairs", "2", "--cflags=-DX", "--cflags"]
+    assert common.joined_values(["--cflags", ";-DLT_SPEC=1"], ("--cflags",)) == ["--cflags=;-DLT_SPEC=1"]
+    assert common.joined_values(["--threads", "-1"], ("--cflags",)) == ["--threads", "-1"]
