@@ -8,9 +8,9 @@ CPU device, per thread count; GB/s of expert blocks read per job.
 Each job picks new random experts among 128 per layer over 40 layers (5.1 GB of blocks, far over the
 caches), as decode does. Median of ``--jobs`` jobs after 20 warm-up jobs; the Python side's write and
 wait (a few microseconds) are inside the time. ``--cflags`` builds the pool once per variant (``;``
-between them); a build with ``-DLT_STATS=1`` also reports the pool's own time a job (from the first
-thread's look at the mailbox to its reply) and the threads' mean time in gate/up, in the wait after
-it and in down, with the slowest thread's gate/up. ``--bus`` keeps host -> device copies of 256 MiB of
+between them); a build with ``-DLT_STATS=1`` also reports, as means over the timed jobs, the pool's own time a
+job (from the first thread's look at the mailbox to its reply), the threads' mean time in gate/up, in the wait
+after it and in down, and the slowest thread's gate/up. ``--bus`` keeps host -> device copies of 256 MiB of
 other pinned memory running the whole time (needs CUDA), as the bus's share reads beside the threads in the
 half-cold step. ``--warm`` repeats each row with the job's experts named to the pool as a warm-up first
 (``HostShare.warm``) and the job published once the threads have fetched every chunk of them (that wait not
@@ -84,8 +84,7 @@ def main() -> None:
         modes = ("cold",) + (("warmed",) if args.warm else ()) + (("again",) if args.again else ())
         for pairs, mode in ((int(p), m) for p in args.pairs.split(",") for m in modes):
             warm = mode == "warmed"
-            times, seconds = [], []
-            before = share.stats()
+            times, phased = [], []
             for j in range(20 + args.jobs):
                 ids = torch.full((1, K), -1, dtype=torch.long)
                 ids[0, :pairs] = torch.randperm(E, generator=g)[:pairs]
@@ -99,27 +98,22 @@ def main() -> None:
                 if mode == "again":  # the same job once untimed: its blocks left where its threads read them
                     share.publish(j % args.layers, x, ids, torch.ones(1, K), mine)
                     share.collect(out)
-                    first = share.stats() if j >= 20 else None
+                before = share.stats() if j >= 20 else None
                 t = time.perf_counter()
                 share.publish(j % args.layers, x, ids, torch.ones(1, K), mine)
                 share.collect(out)
                 times.append(time.perf_counter() - t)
-                if mode == "again" and first is not None:  # the pool's phases of the timed job alone
-                    seconds.append(phase_means(first, share.stats()))
+                if before is not None:  # the pool's phases of the timed job alone (builds with -DLT_STATS=1)
+                    phased.append(phase_means(before, share.stats()))
             med = statistics.median(times[20:])
             line = (f"[{cflags or 'default'}] {act} threads {threads:2d} (simd {share.simd}), {pairs} pairs"
                     f"{'' if mode == 'cold' else ', ' + mode}: {med * 1e6:8.1f} us a job, "
                     f"{pairs * per_pair / med / 1e9:6.1f} GB/s")
-            stats = share.stats()
             row = {"cflags": cflags, "activations": act, "threads": threads, "pairs": pairs, "warmed": warm,
                    "again": mode == "again",
                    "job_us": med * 1e6}
-            if stats is not None:
-                means = phase_means(before, stats) if not seconds else (
-                    statistics.mean(m[0] for m in seconds),
-                    [statistics.mean(m[1][k] for m in seconds) for k in range(3)],
-                    statistics.mean(m[2] for m in seconds))
-                line += phases(means, pairs * per_pair, row)
+            if phased:
+                line += phases(phased, pairs * per_pair, row)
             rows.append(row)
             print(line, flush=True)
         share.close()
@@ -145,7 +139,7 @@ def bus_copies(stop: threading.Event) -> None:
     print(f"bus copies beside the threads: {n * src.numel() / (time.perf_counter() - t0) / 1e9:.1f} GB/s", flush=True)
 
 
-def phase_means(before: dict, after: dict) -> tuple[float, list[float], float]:
+def phase_means(before: dict, after: dict) -> list[float]:
     """The pool's own time a job, its threads' mean time in gate/up, the wait after it and down, and the slowest
     thread's gate/up, over the jobs between two ``HostShare.stats()``."""
     jobs = after["jobs"] - before["jobs"]
@@ -154,15 +148,16 @@ def phase_means(before: dict, after: dict) -> tuple[float, list[float], float]:
         return (get(after) * after["jobs"] - get(before) * before["jobs"]) / jobs
 
     per = [[mean(lambda s, i=i, j=j: s["threads"][i][j]) for j in range(3)] for i in range(len(after["threads"]))]
-    return mean(lambda s: s["job_us"]), [statistics.mean(t[j] for t in per) for j in range(3)], max(t[0] for t in per)
+    return [mean(lambda s: s["job_us"])] + [statistics.mean(t[j] for t in per) for j in range(3)] + \
+        [max(t[0] for t in per)]
 
 
-def phases(means: tuple, nbytes: int, row: dict) -> str:
-    """``phase_means``' figures as a line's tail (also into ``row``)."""
-    job, avg, slowest = means
-    row.update(pool_us=job, gate_up_us=avg[0], wait_us=avg[1], down_us=avg[2])
-    return (f" | pool {job:7.1f} us ({nbytes / job / 1e3:5.1f} GB/s): gate/up {avg[0]:6.1f} (slowest "
-            f"{slowest:6.1f}), wait {avg[1]:6.1f}, down {avg[2]:6.1f}")
+def phases(per_job: list[list[float]], nbytes: int, row: dict) -> str:
+    """The mean over timed jobs of ``phase_means``' figures as a line's tail (also into ``row``)."""
+    job, gate_up, wait, down, slowest = (statistics.mean(f[i] for f in per_job) for i in range(5))
+    row.update(pool_us=job, gate_up_us=gate_up, wait_us=wait, down_us=down)
+    return (f" | pool {job:7.1f} us ({nbytes / job / 1e3:5.1f} GB/s): gate/up {gate_up:6.1f} (slowest "
+            f"{slowest:6.1f}), wait {wait:6.1f}, down {down:6.1f}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 # and the 35B file unless they are there, then runs bench/vs_llamacpp.py (half cold as in
 # 101_kernel_side_by_side.sh: share SHARE, fetch FETCH, warm WARM, copier COPIER, REPEATS repeats) once per label of
 # ORDER, in turn: "new" (this tree's source), "old" (OLD_SOURCE in its place), "loads" (this tree's source built
-# with -DLT_WARM_LOAD=1, the default since the thirtieth round), "prefetches" (built with -DLT_WARM_LOAD=0), "kernel" (this tree's source, the copy launch as copier), "eager" (this tree's source,
+# with -DLT_WARM_LOAD=1, the default since the thirtieth round), "prefetches" (built with -DLT_WARM_LOAD=0),
+# "kernel" (this tree's source, the copy launch as copier), "eager" (this tree's source,
 # every CUDA module loaded at start, CUDA_MODULE_LOADING=EAGER: a kernel loaded lazily during a step may need the
 # device to be idle, while the step's cold layers spin on the copier). Each run's JSON and log go to
 # $OUT/runs.tgz as vs_<n>_<label>.* (one file, so that no run's log is left out of what a call returns); a run starts
